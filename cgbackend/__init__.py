@@ -1,0 +1,20 @@
+"""cgbackend: a torch.compile backend that brings CUDA graphs to models that are not fully static.
+
+    torch.compile(model, backend="cgbackend")       # by name (entry point)
+    cgbackend.compile(model, warmup=3)               # traces data-dependent ops into the graph
+    cgbackend.explain(model, *inputs)                # ahead-of-time partition report
+    cgbackend.stats(compiled_model)                  # counters
+"""
+
+from .api import backend, compile, find_backend, report, reset, stats
+from .backend import CGBackend
+from .config import Config, ConfigError
+from .explain import ExplainError, explain
+from .marks import mark_dynamic
+from .reasons import Reason, Rule
+from .report import Report
+
+__version__ = "0.1.0"
+
+__all__ = ["CGBackend", "Config", "ConfigError", "ExplainError", "Reason", "Report", "Rule", "backend",
+           "compile", "explain", "find_backend", "mark_dynamic", "report", "reset", "stats", "__version__"]

@@ -1,0 +1,5 @@
+"""``python -m cgbackend explain ...`` and ``python -m cgbackend bench ...``."""
+
+from .cli import main
+
+raise SystemExit(main())

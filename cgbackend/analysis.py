@@ -1,0 +1,38 @@
+"""Run the passes in order on one Dynamo graph; the result feeds both the runtime and the report."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch.fx
+
+from .config import Config
+from .passes import (Classification, Effects, Labels, Partition, Shapes, analyze_effects,
+                     classify, label, partition, shapes)
+from .reasons import Reason
+
+__all__ = ["Analysis", "analyze"]
+
+
+@dataclasses.dataclass
+class Analysis:
+    gm: torch.fx.GraphModule
+    config: Config
+    effects: Effects
+    classification: Classification
+    partition: Partition
+    labels: Labels
+    shapes: Shapes
+
+    def reason_of(self, node: torch.fx.Node) -> Optional[Reason]:
+        return self.partition.reason_of(node, self.classification)
+
+
+def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool] = None,
+            compute_device: Optional[str] = None) -> Analysis:
+    effects = analyze_effects(gm)
+    classification = classify(gm, config, training=training, compute_device=compute_device)
+    part = partition(gm, classification, effects, config)
+    return Analysis(gm=gm, config=config, effects=effects, classification=classification,
+                    partition=part, labels=label(gm, part), shapes=shapes(gm, part))

@@ -1,0 +1,102 @@
+"""Public entry points: backend(), compile(), stats(), report(), reset()."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+
+from .backend import CGBackend, default_backend, dynamo_entry, reset_default_backend
+from .report import Report
+
+__all__ = ["backend", "compile", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]
+
+
+def backend(**options: Any) -> CGBackend:
+    """A configured backend instance: ``torch.compile(model, backend=cgbackend.backend(warmup=2))``.
+
+    Unknown options raise ConfigError listing the valid ones (see cgbackend.Config)."""
+    return CGBackend(**options)
+
+
+def dynamic_ops_config():
+    """Dynamo settings that keep data-dependent ops (nonzero, .item()) inside the graph, so the
+    partitioner sees them instead of a graph break. Used scoped, as a context manager."""
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+
+
+def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = False,
+            **options: Any) -> Any:
+    """``torch.compile`` with a fresh cgbackend instance, tracing data-dependent ops into the graph.
+
+    Dynamo's ``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs`` are switched on
+    around each call of the returned model (never globally), so a dropless MoE arrives as one graph
+    and cgbackend decides what runs eagerly. Returns what torch.compile returns; cgbackend.stats()
+    and cgbackend.report() accept it.
+    """
+    instance = CGBackend(**options)
+    compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
+    if isinstance(compiled, torch.nn.Module):
+        traced_forward = compiled.forward
+
+        @functools.wraps(traced_forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with dynamic_ops_config():
+                return traced_forward(*args, **kwargs)
+
+        compiled.forward = forward
+        compiled._cgbackend = instance
+        return compiled
+
+    @functools.wraps(model)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with dynamic_ops_config():
+            return compiled(*args, **kwargs)
+
+    wrapper._cgbackend = instance
+    return wrapper
+
+
+def find_backend(obj: Any = None) -> CGBackend:
+    """The CGBackend behind a compiled model or function (or the default one for None)."""
+    if obj is None:
+        return default_backend()
+    if isinstance(obj, CGBackend):
+        return obj
+    found = getattr(obj, "_cgbackend", None)
+    if isinstance(found, CGBackend):
+        return found
+    # torch.compile(model, backend=...): the backend sits behind the OptimizeContext's callback.
+    ctx = getattr(obj, "dynamo_ctx", None)
+    candidate: Any = getattr(ctx, "callback", None)
+    for _ in range(8):
+        if candidate is None:
+            break
+        if isinstance(candidate, CGBackend):
+            return candidate
+        if candidate is dynamo_entry:
+            return default_backend()
+        candidate = (getattr(candidate, "_torchdynamo_orig_backend", None)
+                     or getattr(candidate, "compiler_fn", None))
+    raise TypeError(
+        "cgbackend could not find the backend behind this object; pass the backend instance "
+        "(cgbackend.backend(...)), a model from cgbackend.compile(...), or a module compiled "
+        "with torch.compile(..., backend=...)")
+
+
+def stats(obj: Any = None) -> dict[str, Any]:
+    """Counters of the backend behind ``obj``: regions, graphs captured, replays, eager calls by
+    reason, copies made/avoided, output clones, pool bytes, capture time. See runtime.stats."""
+    return find_backend(obj).stats()
+
+
+def report(obj: Any = None) -> Report:
+    """Partition report of everything the backend behind ``obj`` compiled, with runtime counters."""
+    return find_backend(obj).report()
+
+
+def reset() -> None:
+    """Forget the default backend (its graphs stay alive as long as Dynamo's caches hold them);
+    call torch._dynamo.reset() too to drop those."""
+    reset_default_backend()

@@ -1,0 +1,136 @@
+"""The Dynamo backend: (GraphModule, example_inputs) -> callable.
+
+``CGBackend(**options)`` is one backend instance: it owns the memory pools, the
+counters and the compiled graphs it made. ``torch.compile(model,
+backend="cgbackend")`` (the ``torch_dynamo_backends`` entry point) uses one
+default instance per process, created on first use; ``cgbackend.backend(...)``
+and ``cgbackend.compile(...)`` make separate instances.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+
+from .analysis import Analysis, analyze
+from .config import Config
+from .report import Report, build_report, graph_report, summarize
+from .runtime.executor import CompiledGraph
+from .runtime.region import RuntimeShared
+
+__all__ = ["CGBackend", "default_backend", "dynamo_entry", "reset_default_backend"]
+
+log = logging.getLogger(__name__)
+
+
+def graph_break_info(gm: torch.fx.GraphModule) -> Optional[dict[str, str]]:
+    """Dynamo's reason for ending this graph, when it ended at a graph break."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    stack = getattr(reason, "user_stack", None) or []
+    source = ""
+    if stack:
+        frame = stack[-1]
+        source = f"{str(frame.filename).replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
+    text = str(getattr(reason, "reason", "")).strip().splitlines()
+    return {"reason": text[0] if text else "", "source": source}
+
+
+class CGBackend:
+    """A cgbackend instance; pass it as ``torch.compile(model, backend=instance)``."""
+
+    def __init__(self, config: Optional[Config] = None, **options: Any) -> None:
+        if config is not None and options:
+            raise TypeError("CGBackend takes either a Config or keyword options, not both")
+        self.config = config if config is not None else Config.from_options(options)
+        self.shared = RuntimeShared(self.config)
+        self._graphs: list[weakref.ReferenceType[CompiledGraph]] = []
+        self._analyses: list[tuple[Analysis, Optional[dict[str, str]]]] = []
+        self._keep_analyses = False
+        self._lock = threading.Lock()
+        self._no_cuda_logged = False
+        self.__name__ = "cgbackend"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        with self._lock:
+            index = len(self._graphs)
+            analysis = analyze(gm, self.config)
+            break_info = graph_break_info(gm)
+            if self._keep_analyses:
+                self._analyses.append((analysis, break_info))
+            inner = None
+            if self.config.inner == "inductor":
+                from .inner import inductor_inner  # imports Inductor only when asked for
+                inner = inductor_inner(self.config)
+            compiled = CompiledGraph(analysis, list(example_inputs), self.shared, index, inner=inner)
+            self._graphs.append(weakref.ref(compiled))
+        part = analysis.partition
+        ops = sum(1 for r in part.regions for n in r.nodes if n.op.startswith("call_"))
+        static_ops = sum(1 for r in part.static_regions() for n in r.nodes if n.op.startswith("call_"))
+        log.info("cgbackend: graph %d: %d ops, %d static regions (%.0f%% of ops), %d dynamic regions%s",
+                 index, ops, len(part.static_regions()), 100.0 * static_ops / max(ops, 1),
+                 len(part.dynamic_regions()),
+                 f" [{compiled.blocked}]" if compiled.blocked else "")
+        if compiled.blocked == "no_cuda" and not self._no_cuda_logged:
+            self._no_cuda_logged = True
+            log.info("cgbackend: nothing is captured: the model computes on %s and CUDA graphs need "
+                     "CUDA tensors; the split graph runs eagerly", analysis.classification.compute_device)
+        return compiled
+
+    # ------------------------------------------------------------------ introspection
+
+    def compiled_graphs(self) -> list[CompiledGraph]:
+        return [g for g in (ref() for ref in self._graphs) if g is not None]
+
+    def stats(self) -> dict[str, Any]:
+        out = self.shared.counters.to_dict()
+        out["pending_forwards"] = sum(g.slots.pending() for g in self.compiled_graphs())
+        out["nothing_captured_reason"] = next(
+            (g.blocked for g in self.compiled_graphs() if g.blocked is not None), None)
+        return out
+
+    def report(self) -> Report:
+        """The partition report of every graph this instance compiled, with runtime counters."""
+        graphs = []
+        for i, g in enumerate(self.compiled_graphs()):
+            gr = graph_report(g.analysis, i, graph_break_info(g.analysis.gm))
+            gr.runtime = g.runtime_summary()
+            if g.blocked is not None:
+                gr.notes.append(f"nothing captured: {g.blocked}")
+            graphs.append(gr)
+        breaks = [b for b in (graph_break_info(g.analysis.gm) for g in self.compiled_graphs()) if b]
+        return Report(graphs=graphs, graph_breaks=breaks, summary=summarize(graphs, breaks),
+                      config=self.config.to_dict())
+
+    def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str]) -> Report:
+        return build_report(self._analyses, extra_breaks, self.config.to_dict(), notes)
+
+
+_default: Optional[CGBackend] = None
+_default_lock = threading.Lock()
+
+
+def default_backend() -> CGBackend:
+    """The instance behind ``backend="cgbackend"``; created on first use with CGBACKEND_* options."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = CGBackend()
+        return _default
+
+
+def reset_default_backend() -> None:
+    global _default
+    with _default_lock:
+        _default = None
+
+
+def dynamo_entry(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    """What ``torch.compile(backend="cgbackend")`` calls (the torch_dynamo_backends entry point)."""
+    return default_backend()(gm, example_inputs)

@@ -1,0 +1,131 @@
+"""Command line: ``explain`` (partition report) and ``bench`` (benchmark harness)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+__all__ = ["main"]
+
+
+class CLIError(Exception):
+    """A one-line error for the user; main() prints it and exits with status 2."""
+
+
+def _load_factory(spec: str):
+    if ":" not in spec:
+        raise CLIError(f"expected MODULE:FACTORY (e.g. mymodels:make), got {spec!r}")
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py") or os.sep in module_name:
+            path = os.path.abspath(module_name)
+            if not os.path.exists(path):
+                raise CLIError(f"no such file: {module_name}")
+            mod_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.path.insert(0, os.path.dirname(path))
+            mod_spec.loader.exec_module(module)
+        else:
+            sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except CLIError:
+        raise
+    except ImportError as exc:
+        raise CLIError(f"cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:
+        raise CLIError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise CLIError(f"{module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def _split_inputs(made: Any) -> tuple[Any, tuple, dict]:
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise CLIError("the factory must return (model, example_inputs)")
+    model, inputs = made
+    if isinstance(inputs, dict):
+        return model, (), inputs
+    if isinstance(inputs, (tuple, list)):
+        if len(inputs) == 2 and isinstance(inputs[0], (tuple, list)) and isinstance(inputs[1], dict):
+            return model, tuple(inputs[0]), dict(inputs[1])
+        return model, tuple(inputs), {}
+    return model, (inputs,), {}
+
+
+def _parse_options(items: Sequence[str]) -> dict[str, Any]:
+    from .config import Config
+    fields = {f: Config.__dataclass_fields__[f].default for f in Config.field_names()}
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise CLIError(f"--option takes KEY=VALUE, got {item!r}")
+        if key not in fields:
+            raise CLIError(f"unknown option {key!r}; valid: {', '.join(fields)}")
+        from .config import _parse_env
+        options[key] = _parse_env(f"--option {key}", raw, fields[key])
+    return options
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    import torch
+    from .explain import ExplainError, explain
+    if bool(args.target) == bool(args.demo):
+        raise CLIError("give either MODULE:FACTORY or --demo moe|dense")
+    if args.demo:
+        from .models import demo_model
+        model, inputs = demo_model(args.demo, device=args.device)
+        call_args, call_kwargs = (inputs,), {}
+    else:
+        factory = _load_factory(args.target)
+        try:
+            made = factory()
+        except Exception as exc:
+            raise CLIError(f"the factory {args.target} raised {type(exc).__name__}: {exc}") from None
+        model, call_args, call_kwargs = _split_inputs(made)
+    options = _parse_options(args.option or [])
+    grad = torch.enable_grad() if args.train else torch.no_grad()
+    if hasattr(model, "train") and hasattr(model, "eval"):
+        model.train(args.train)
+    try:
+        with grad:
+            report = explain(model, *call_args, options=options, **call_kwargs)
+    except ExplainError as exc:
+        raise CLIError(str(exc)) from None
+    print(report.to_json() if args.json else report.to_text())
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cgbackend", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("explain", help="partition report, ahead of time (no GPU needed)")
+    ex.add_argument("target", nargs="?", help="MODULE:FACTORY returning (model, example_inputs)")
+    ex.add_argument("--demo", choices=("moe", "dense"), help="a built-in reference model")
+    ex.add_argument("--json", action="store_true", help="print the report as JSON")
+    ex.add_argument("--train", action="store_true", help="trace in training mode (grad on)")
+    ex.add_argument("--device", default="cpu", help="device for --demo models (default cpu)")
+    ex.add_argument("--option", action="append", metavar="KEY=VALUE", help="a cgbackend option")
+    ex.add_argument("-v", "--verbose", action="store_true", help="log cgbackend's INFO lines")
+    ex.set_defaults(func=_cmd_explain)
+    bench = sub.add_parser("bench", help="side-by-side benchmark (see benchmarks/README.md)", add_help=False)
+    bench.set_defaults(func=None)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from .bench import main as bench_main
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if getattr(args, "verbose", False):
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return args.func(args)
+    except CLIError as exc:
+        print(f"cgbackend: error: {exc}", file=sys.stderr)
+        return 2

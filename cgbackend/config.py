@@ -1,0 +1,136 @@
+"""Options of cgbackend: one frozen dataclass, the only reader of ``CGBACKEND_*``.
+
+Precedence, lowest first: the defaults below, then environment variables
+(``CGBACKEND_<FIELD>`` in upper case, e.g. ``CGBACKEND_WARMUP=5``), then the
+options passed to :func:`cgbackend.backend` / :func:`cgbackend.compile`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping
+
+__all__ = ["Config", "ConfigError", "ENV_PREFIX"]
+
+ENV_PREFIX = "CGBACKEND_"
+
+_INNER_COMPILERS = ("eager", "inductor")
+
+
+class ConfigError(ValueError):
+    """An option that does not exist or has a value outside its range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    warmup: int = 3
+    """Eager calls of each static region before it is captured (per input signature)."""
+
+    capture: bool = True
+    """Capture static regions as CUDA graphs. False: partition and report, run everything eagerly."""
+
+    min_region_ops: int = 2
+    """A static region with fewer estimated kernel launches than this runs eagerly (folded)."""
+
+    max_graphs_per_region: int = 8
+    """Bound on captured graphs per region (input signatures, replaced parameters, training slots).
+    Past it, new signatures run eagerly; each such call is counted with its reason."""
+
+    max_pending_forwards: int = 4
+    """Training: how many forwards of one region may wait for their backward at once, each with its
+    own graphs and memory pool. A forward beyond that runs eagerly (counted)."""
+
+    strict: bool = False
+    """Raise instead of falling back to eager when a capture fails or a region cannot be replayed."""
+
+    inner: str = "eager"
+    """How static regions are compiled before capture: "eager" (the FX code as is) or "inductor"."""
+
+    dynamic_ops: tuple[str, ...] = ()
+    """Operator names ("mylib::op", "torch.nonzero", "Tensor.item") always kept out of graphs."""
+
+    dynamic_modules: tuple[str, ...] = ()
+    """fnmatch patterns of module paths ("layers.*.moe.experts*") always kept out of graphs."""
+
+    simulate_graphs: bool = False
+    """Test aid for machines without a GPU: "capture" runs the region once into static buffers and
+    "replay" re-runs it and writes into the same buffers, so buffer reuse, hand-offs, copies and
+    counters can be tested on CPU. Never a speed-up; off by default."""
+
+    def __post_init__(self) -> None:
+        _check_int(self, "warmup", 0)
+        _check_int(self, "min_region_ops", 1)
+        _check_int(self, "max_graphs_per_region", 1)
+        _check_int(self, "max_pending_forwards", 1)
+        if self.inner not in _INNER_COMPILERS:
+            raise ConfigError(
+                f"cgbackend option inner={self.inner!r} is not one of {', '.join(_INNER_COMPILERS)}"
+            )
+        for name in ("dynamic_ops", "dynamic_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"cgbackend option {name} takes a sequence of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None,
+                     environ: Mapping[str, str] | None = None) -> "Config":
+        """Defaults, then ``CGBACKEND_*`` from ``environ`` (default ``os.environ``), then ``options``."""
+        options = dict(options or {})
+        valid = cls.field_names()
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ConfigError(
+                f"unknown cgbackend option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}"
+            )
+        values: dict[str, Any] = {}
+        env = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key, raw in env.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            name = key[len(ENV_PREFIX):].lower()
+            if name not in fields:
+                raise ConfigError(
+                    f"environment variable {key} names no cgbackend option; valid: "
+                    + ", ".join(ENV_PREFIX + v.upper() for v in valid)
+                )
+            values[name] = _parse_env(key, raw, fields[name].default)
+        values.update(options)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Config":
+        return Config.from_options({**dataclasses.asdict(self), **changes}, environ={})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def _check_int(cfg: Config, name: str, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"cgbackend option {name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _parse_env(key: str, raw: str, default: Any) -> Any:
+    text = raw.strip()
+    if isinstance(default, bool):
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={raw!r}: expected one of 1/0/true/false/yes/no/on/off")
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r}: expected an integer") from None
+    if isinstance(default, tuple):
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    return text

@@ -1,0 +1,70 @@
+"""Ahead-of-time partition report: trace with Dynamo, run the passes, capture nothing."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+
+from .api import dynamic_ops_config
+from .backend import CGBackend
+from .config import Config
+from .report import Report
+
+__all__ = ["ExplainError", "explain"]
+
+
+class ExplainError(RuntimeError):
+    """The model could not be traced; the message names the cause."""
+
+
+def _first_line(text: str) -> str:
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
+            trace_dynamic_ops: bool = True, **kwargs: Any) -> Report:
+    """Report how cgbackend would split ``model(*args, **kwargs)``: every region, its role, what stays
+    eager and why, with source lines. Runs the model once through Dynamo (eagerly, on whatever
+    device its inputs are on) and captures nothing.
+
+    ``options`` are cgbackend options (as for cgbackend.backend). ``trace_dynamic_ops`` traces
+    data-dependent ops into the graph (Dynamo's capture_dynamic_output_shape_ops and
+    capture_scalar_outputs, scoped to this call); False shows what plain torch.compile sees.
+    Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing.
+    """
+    config = Config.from_options(options or {})
+    instance = CGBackend(config=config.replace(capture=False))
+    instance._keep_analyses = True
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    before = dict(counters["graph_break"])
+    scope = dynamic_ops_config() if trace_dynamic_ops else contextlib.nullcontext()
+    try:
+        with scope:
+            compiled = torch.compile(model, backend=instance)
+            compiled(*args, **kwargs)
+    except Exception as exc:
+        raise ExplainError(f"tracing the model failed: {type(exc).__name__}: {_first_line(exc)}") from exc
+    finally:
+        after = dict(counters["graph_break"])
+        torch._dynamo.reset()
+
+    breaks = [b for b in (br for _, br in instance._analyses) if b]
+    seen = {b["reason"] for b in breaks}
+    for message, count in after.items():
+        if count > before.get(message, 0) and _first_line(message) not in seen:
+            breaks.append({"reason": _first_line(message), "source": ""})
+            seen.add(_first_line(message))
+    notes = []
+    devices = {a.classification.compute_device for a, _ in instance._analyses}
+    if devices and devices <= {"cpu"}:
+        notes.append("traced on CPU tensors: static regions are what would be captured on a CUDA "
+                     "device; nothing ran on a GPU")
+    if not instance._analyses:
+        notes.append("Dynamo produced no graph: the whole model ran eagerly (see graph breaks)")
+    report = instance.build_report(breaks, notes)
+    report.config = config.to_dict()
+    return report

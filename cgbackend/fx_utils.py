@@ -1,0 +1,196 @@
+"""Small readers of FX node metadata shared by the passes.
+
+Dynamo stores fake values under ``meta["example_value"]``, AOT graphs under
+``meta["val"]``; :func:`fake_value` is the one place that knows both. Our own
+per-node results live under ``meta["cgbackend"]`` (:data:`META_KEY`).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any, Iterator
+
+import torch
+import torch.fx
+
+META_KEY = "cgbackend"
+
+_FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def fake_value(node: torch.fx.Node) -> Any:
+    """The fake (meta) value Dynamo or AOT recorded for ``node``; None if it has none."""
+    meta = node.meta
+    if "val" in meta:
+        return meta["val"]
+    return meta.get("example_value")
+
+
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a value (tensors, tuples, lists, dicts, named tuples)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from iter_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from iter_tensors(item)
+
+
+def storage_ids(value: Any) -> set[int]:
+    """Identities of the storages that the tensors in ``value`` view (fake tensors keep them)."""
+    ids = set()
+    for t in iter_tensors(value):
+        try:
+            ids.add(t.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            # Sparse or other layouts without a storage: no aliasing information.
+            continue
+    return ids
+
+
+def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Nodes that run something: everything except placeholders and the output node."""
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def source_location(node: torch.fx.Node) -> tuple[str, str]:
+    """("file.py:LINE in func", "the code line") of the innermost user frame, or ("", "")."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME_RE.search(lines[i])
+        if m:
+            file = m.group("file").replace("\\", "/").rsplit("/", 1)[-1]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            if code and set(code) <= set("^~ "):
+                code = ""
+            return f"{file}:{m.group('line')} in {m.group('func')}", code
+    return "", ""
+
+
+_PATH_ROOT_RE = re.compile(r"^L\['[^']*'\]\.?")
+_INDEX_RE = re.compile(r"\[(\d+)\]")
+_MODULES_RE = re.compile(r"_modules\['([^']+)'\]")
+
+
+def normalize_module_path(path: str) -> str:
+    """``L['self'].layers[0]._modules['attn']`` -> ``layers.0.attn``."""
+    path = _PATH_ROOT_RE.sub("", path)
+    path = _MODULES_RE.sub(r"\1", path)
+    path = _INDEX_RE.sub(r".\1", path)
+    path = path.replace("..", ".").strip(".")
+    return path
+
+
+def module_stack(node: torch.fx.Node) -> list[tuple[str, type | str]]:
+    """Outermost-first list of (normalized path, module class) the node was traced under."""
+    stack = node.meta.get("nn_module_stack") or {}
+    out = []
+    for entry in stack.values():
+        path, cls = entry[0], entry[1]
+        out.append((normalize_module_path(str(path)), cls))
+    return out
+
+
+def module_path(node: torch.fx.Node) -> str:
+    stack = module_stack(node)
+    return stack[-1][0] if stack else ""
+
+
+def class_name(cls: type | str) -> str:
+    if isinstance(cls, str):
+        return cls.rsplit(".", 1)[-1]
+    return getattr(cls, "__name__", str(cls))
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """A short human name for what the node runs: ``linear``, ``Tensor.index_add_``, ``aten.nonzero``."""
+    target = node.target
+    if node.op == "call_method":
+        return f"Tensor.{target}"
+    if node.op == "call_module":
+        return f"module {target}"
+    if node.op == "get_attr":
+        return f"get_attr {target}"
+    if node.op == "call_function":
+        if isinstance(target, torch._ops.OpOverload):
+            return str(target.overloadpacket).replace("::", ".")
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            return str(target).replace("::", ".")
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return f"higher_order.{target.name()}"
+        name = getattr(target, "__name__", None) or str(target)
+        module = getattr(target, "__module__", None) or ""
+        if module == "_operator" or target in _OPERATOR_FUNCS:
+            return f"operator.{name}"
+        if module.startswith("torch.nn.functional") or name in _FUNCTIONAL_NAMES:
+            return name
+        return name
+    return str(target)
+
+
+def op_key(node: torch.fx.Node) -> str:
+    """The name users pass in ``dynamic_ops``: ``torch.nonzero``, ``Tensor.item``, ``ns::op``."""
+    target = node.target
+    if node.op == "call_method":
+        return f"Tensor.{target}"
+    if node.op == "call_function":
+        if isinstance(target, torch._ops.OpOverload):
+            return target.overloadpacket._qualified_op_name
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            return target._qualified_op_name
+        module = getattr(target, "__module__", None) or ""
+        name = getattr(target, "__name__", None) or str(target)
+        if module in ("torch", "torch._C._VariableFunctions") or module.startswith("torch._C"):
+            return f"torch.{name}"
+        if module.startswith("torch.nn.functional") or module == "torch._C._nn":
+            return f"torch.nn.functional.{name}"
+        return f"{module}.{name}" if module else name
+    return str(target)
+
+
+_OPERATOR_FUNCS = {getattr(operator, n) for n in dir(operator) if not n.startswith("_")}
+_FUNCTIONAL_NAMES = {"linear", "embedding", "layer_norm", "softmax", "dropout"}
+
+
+def callee_name(node: torch.fx.Node) -> str:
+    """The bare name of what a call node calls: ``index_add_``, ``nonzero``, ``linear``."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return target._opname
+        if isinstance(target, torch._ops.OpOverloadPacket):
+            return target._qualified_op_name.split("::")[-1]
+        return getattr(target, "__name__", "") or ""
+    return ""
+
+
+def node_args(node: torch.fx.Node) -> list[Any]:
+    """Positional then keyword arguments, flattened one level."""
+    return list(node.args) + list(node.kwargs.values())
+
+
+def shape_str(t: torch.Tensor) -> str:
+    dims = ", ".join(str(d) for d in t.shape)
+    dtype = str(t.dtype).replace("torch.", "")
+    return f"[{dims}]@{dtype}"
+
+
+def value_spec(value: Any) -> str:
+    """``[4, 128, 512]@bfloat16`` for tensors, the type for other values."""
+    if isinstance(value, torch.Tensor):
+        return shape_str(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(value_spec(v) for v in value) + ")"
+    if isinstance(value, torch.SymInt):
+        return f"SymInt({value.node.expr})"
+    if isinstance(value, (torch.SymFloat, torch.SymBool)):
+        return f"{type(value).__name__}({value.node.expr})"
+    if value is None:
+        return "None"
+    return type(value).__name__

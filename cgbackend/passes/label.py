@@ -1,0 +1,137 @@
+"""Give each node and each region a role: attention, router, preprocess, moe_dispatch, experts,
+mlp, norm, embedding or other.
+
+Reads: ``nn_module_stack`` (module paths and classes), op names, the
+partition's static/dynamic split.
+Writes: nothing on the graph; returns :class:`Labels`.
+
+Per node, the first signal wins: the op itself (embedding, norms, attention
+kernels), then the module stack from the innermost module outwards (path
+component and class name: ``self_attn`` -> attention, ``gate``/``router`` ->
+router, ``experts`` -> experts, ``*moe*`` -> preprocess if static else
+moe_dispatch, ``mlp``/``ffn`` -> mlp, ``*norm*`` -> norm, ``embed*`` -> embedding).
+A region's role is the most significant role among its nodes (attention, mlp,
+experts, router, preprocess, embedding, norm, other, in that order); a dynamic
+region that dispatches to experts is ``moe_dispatch``. ``region_role_ops``
+keeps the whole composition.
+Heuristic by design: the role only names things for people, nothing at
+runtime depends on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Optional
+
+import torch.fx
+
+from ..fx_utils import callee_name, class_name, module_stack
+from .partition import Partition, Region
+
+__all__ = ["ROLES", "Labels", "label", "node_role"]
+
+ROLES = ("attention", "router", "preprocess", "moe_dispatch", "experts", "mlp", "norm",
+         "embedding", "other")
+
+_NORM_OPS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm",
+             "native_layer_norm", "fused_rms_norm"}
+_ATTENTION_OPS = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                  "multi_head_attention_forward", "flash_attn_func"}
+_EMBEDDING_OPS = {"embedding", "embedding_bag"}
+
+_COMPONENT_RULES: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"(^|_)(router|gate)$|^router|gating$"), "router"),
+    (re.compile(r"^(shared_)?experts?(_.*)?$"), "experts"),
+    (re.compile(r"moe|sparse_moe|mixture"), "moe"),
+    (re.compile(r"attn|attention"), "attention"),
+    (re.compile(r"norm|^ln(_|\d|$)|^ln_f$"), "norm"),
+    (re.compile(r"embed|^wte$|^wpe$|^tok_emb|^pos_emb"), "embedding"),
+    (re.compile(r"mlp|ffn|feed_?forward|^fc\d*$|^dense$"), "mlp"),
+)
+_CLASS_RULES: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"router|topkgate|gating", re.I), "router"),
+    (re.compile(r"experts?$|expertmlp", re.I), "experts"),
+    (re.compile(r"moe|sparse", re.I), "moe"),
+    (re.compile(r"attention|attn", re.I), "attention"),
+    (re.compile(r"norm", re.I), "norm"),
+    (re.compile(r"embedding", re.I), "embedding"),
+    (re.compile(r"mlp|feedforward|ffn", re.I), "mlp"),
+)
+
+
+@dataclasses.dataclass
+class Labels:
+    node_roles: dict[torch.fx.Node, str]
+    region_roles: dict[int, str]
+    """Region index -> role."""
+    region_role_ops: dict[int, dict[str, int]]
+    """Region index -> {role: number of ops with that role}."""
+
+
+def _last_named_component(path: str) -> str:
+    for part in reversed(path.split(".")):
+        if part and not part.isdigit():
+            return part
+    return ""
+
+
+_REGION_PRIORITY = ("attention", "mlp", "experts", "moe_dispatch", "router", "preprocess", "embedding",
+                    "norm", "other")
+_PRIORITY = ("router", "experts", "moe", "attention", "norm", "embedding", "mlp")
+
+
+def _module_signal(path: str, cls) -> Optional[str]:
+    """Role named by the module's attribute name or its class, the more specific one winning
+    (a MixtralSparseMoeBlock stored as ``ffn`` is an MoE, not an MLP)."""
+    found = set()
+    component = _last_named_component(path).lower()
+    if component:
+        found.update(role for pattern, role in _COMPONENT_RULES if pattern.search(component))
+    name = class_name(cls)
+    found.update(role for pattern, role in _CLASS_RULES if pattern.search(name))
+    for role in _PRIORITY:
+        if role in found:
+            return role
+    return None
+
+
+def node_role(node: torch.fx.Node, static: bool) -> str:
+    name = callee_name(node)
+    if name in _EMBEDDING_OPS:
+        return "embedding"
+    if name in _NORM_OPS:
+        return "norm"
+    if name in _ATTENTION_OPS:
+        return "attention"
+    for path, cls in reversed(module_stack(node)):
+        role = _module_signal(path, cls)
+        if role == "moe":
+            return "preprocess" if static else "moe_dispatch"
+        if role is not None:
+            return role
+    return "other"
+
+
+def _region_role(region: Region, roles: dict[torch.fx.Node, str]) -> tuple[str, dict[str, int]]:
+    ops: collections.Counter = collections.Counter(roles[node] for node in region.nodes)
+    if not region.is_static and (ops["moe_dispatch"] or (ops["experts"] and len(ops) > 1)):
+        return "moe_dispatch", dict(ops)
+    for role in _REGION_PRIORITY:
+        if ops[role]:
+            return role, dict(ops)
+    return "other", dict(ops)
+
+
+def label(gm: torch.fx.GraphModule, partition: Partition) -> Labels:
+    roles: dict[torch.fx.Node, str] = {}
+    for region in partition.regions:
+        for node in region.nodes:
+            roles[node] = node_role(node, region.is_static)
+    region_roles: dict[int, str] = {}
+    region_role_ops: dict[int, dict[str, int]] = {}
+    for region in partition.regions:
+        region_roles[region.index], region_role_ops[region.index] = _region_role(region, roles)
+    return Labels(node_roles=roles, region_roles=region_roles, region_role_ops=region_role_ops)

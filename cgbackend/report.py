@@ -1,0 +1,292 @@
+"""The partition report: plain dataclasses filled from the analyses, rendered by one function.
+
+JSON schema ``cgbackend.report/1`` (stable; fields are only added):
+
+``{"schema", "config", "notes": [str], "graph_breaks": [{"reason", "source"}],
+"summary": {...}, "graphs": [{"index", "ops", "static_ops", "compute_device", "training",
+"break_reason", "notes", "runtime", "regions": [...]}]}``
+
+``summary``: ``graphs``, ``graph_breaks``, ``ops``, ``static_ops``,
+``static_op_fraction`` (static ops / all ops, 0..1), ``static_regions`` (graphs
+to capture per call), ``dynamic_regions``, ``est_kernels_eager`` (estimated
+kernel launches per call if nothing is graphed), ``est_launches_graphed``
+(graph launches + kernel launches left eager), ``top_reasons`` (``[{"rule",
+"op", "source", "count"}]``, most frequent first).
+
+``regions[]`` (execution order): ``id`` ("g0.S0"), ``index``, ``kind``
+("static" | "dynamic"), ``role``, ``roles`` ({role: ops}), ``ops``,
+``est_kernels``, ``module_paths``, ``inputs`` / ``outputs`` (``[{"name",
+"spec"}]``, spec like ``[s0, 512]@bfloat16``), ``symbols`` ({name: "backed" |
+"unbacked"}), ``reasons[]`` (``{"rule", "op", "source", "code", "module_path",
+"detail", "count"}``; empty for static regions), ``nodes[]`` (``{"name", "op",
+"role", "rule"}``; ``rule`` is null for nodes that are graphed).
+
+``runtime`` is null in an ahead-of-time report; for a compiled model it holds
+the counters of :func:`cgbackend.stats`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from typing import Any, Optional
+
+from .analysis import Analysis
+from .fx_utils import module_path, op_name
+from .passes.cost import estimate_kernels
+from .reasons import Rule
+
+__all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]
+
+SCHEMA = "cgbackend.report/1"
+
+
+@dataclasses.dataclass
+class RegionReport:
+    id: str
+    index: int
+    kind: str
+    role: str
+    roles: dict[str, int]
+    ops: int
+    est_kernels: int
+    module_paths: list[str]
+    inputs: list[dict[str, str]]
+    outputs: list[dict[str, str]]
+    symbols: dict[str, str]
+    reasons: list[dict[str, Any]]
+    nodes: list[dict[str, Any]]
+
+
+@dataclasses.dataclass
+class GraphReport:
+    index: int
+    ops: int
+    static_ops: int
+    compute_device: str
+    training: bool
+    regions: list[RegionReport]
+    break_reason: Optional[dict[str, str]] = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    runtime: Optional[dict[str, Any]] = None
+
+
+@dataclasses.dataclass
+class Report:
+    graphs: list[GraphReport]
+    graph_breaks: list[dict[str, str]]
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    notes: list[str] = dataclasses.field(default_factory=list)
+    schema: str = SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_text(self) -> str:
+        return render_text(self)
+
+    def __str__(self) -> str:
+        return render_text(self)
+
+    def regions(self) -> list[RegionReport]:
+        return [r for g in self.graphs for r in g.regions]
+
+
+def _is_op(node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module")
+
+
+def _aggregate_reasons(reasons) -> list[dict[str, Any]]:
+    counts: collections.OrderedDict = collections.OrderedDict()
+    for reason in reasons:
+        key = (reason.rule, reason.op, reason.source)
+        if key in counts:
+            counts[key][1] += 1
+        else:
+            counts[key] = [reason, 1]
+    out = []
+    for reason, count in counts.values():
+        d = reason.to_dict()
+        d.pop("node")
+        d["count"] = count
+        out.append(d)
+    # Root causes first (the ops to act on), then what merely follows from them.
+    out.sort(key=lambda d: (not Rule(d["rule"]).is_root_cause, -d["count"]))
+    return out
+
+
+def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str, str]] = None,
+                 notes: Optional[list[str]] = None) -> GraphReport:
+    regions = []
+    for region in analysis.partition.regions:
+        rs = analysis.shapes.regions[region.index]
+        paths: list[str] = []
+        nodes = []
+        reasons = []
+        for node in region.nodes:
+            path = module_path(node)
+            if path and path not in paths:
+                paths.append(path)
+            reason = analysis.reason_of(node)
+            if not region.is_static and reason is not None:
+                reasons.append(reason)
+            nodes.append({"name": node.name, "op": op_name(node),
+                          "role": analysis.labels.node_roles[node],
+                          "rule": reason.rule.value if (reason is not None and not region.is_static) else None})
+        regions.append(RegionReport(
+            id=f"g{index}.{region.name}",
+            index=region.index,
+            kind=region.kind,
+            role=analysis.labels.region_roles[region.index],
+            roles=analysis.labels.region_role_ops[region.index],
+            ops=sum(1 for n in region.nodes if _is_op(n)),
+            est_kernels=sum(estimate_kernels(n) for n in region.nodes),
+            module_paths=paths,
+            inputs=[{"name": n, "spec": s} for n, s in rs.inputs],
+            outputs=[{"name": n, "spec": s} for n, s in rs.outputs],
+            symbols=rs.symbols,
+            reasons=_aggregate_reasons(reasons),
+            nodes=nodes,
+        ))
+    ops = sum(r.ops for r in regions)
+    static_ops = sum(r.ops for r in regions if r.kind == "static")
+    return GraphReport(index=index, ops=ops, static_ops=static_ops,
+                       compute_device=analysis.classification.compute_device,
+                       training=analysis.classification.training, regions=regions,
+                       break_reason=break_reason, notes=list(notes or []))
+
+
+def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> dict[str, Any]:
+    ops = sum(g.ops for g in graphs)
+    static_ops = sum(g.static_ops for g in graphs)
+    static_regions = [r for g in graphs for r in g.regions if r.kind == "static"]
+    dynamic_regions = [r for g in graphs for r in g.regions if r.kind == "dynamic"]
+    kernels_static = sum(r.est_kernels for r in static_regions)
+    kernels_dynamic = sum(r.est_kernels for r in dynamic_regions)
+    top: collections.Counter = collections.Counter()
+    example: dict[tuple[str, str], str] = {}
+    for region in dynamic_regions:
+        for reason in region.reasons:
+            key = (reason["rule"], reason["op"])
+            top[key] += reason["count"]
+            example.setdefault(key, reason["source"])
+    ranked = sorted(top.items(), key=lambda kv: (not Rule(kv[0][0]).is_root_cause, -kv[1]))
+    return {
+        "graphs": len(graphs),
+        "graph_breaks": len(graph_breaks),
+        "ops": ops,
+        "static_ops": static_ops,
+        "static_op_fraction": round(static_ops / ops, 4) if ops else 0.0,
+        "static_regions": len(static_regions),
+        "dynamic_regions": len(dynamic_regions),
+        "est_kernels_eager": kernels_static + kernels_dynamic,
+        "est_launches_graphed": len(static_regions) + kernels_dynamic,
+        "static_kernel_fraction": round(kernels_static / (kernels_static + kernels_dynamic), 4)
+        if kernels_static + kernels_dynamic else 0.0,
+        "top_reasons": [{"rule": rule, "op": op, "source": example[(rule, op)], "count": count}
+                        for (rule, op), count in ranked[:8]],
+    }
+
+
+def build_report(analyses: list[tuple[Analysis, Optional[dict[str, str]]]],
+                 graph_breaks: list[dict[str, str]], config: dict[str, Any],
+                 notes: Optional[list[str]] = None) -> Report:
+    graphs = [graph_report(a, i, br) for i, (a, br) in enumerate(analyses)]
+    return Report(graphs=graphs, graph_breaks=graph_breaks, summary=summarize(graphs, graph_breaks),
+                  config=config, notes=list(notes or []))
+
+
+# ------------------------------------------------------------------------------- text
+
+
+def _io_text(items: list[dict[str, str]], limit: int = 2) -> str:
+    if not items:
+        return "-"
+    shown = [i["spec"] for i in items if i["spec"].startswith("[")][:limit]
+    rest = len(items) - len(shown)
+    text = ", ".join(shown)
+    if rest > 0:
+        text += f"{', ' if shown else ''}+{rest}"
+    return text
+
+
+def _paths_text(paths: list[str], limit: int = 3) -> str:
+    if not paths:
+        return "(root)"
+    text = ", ".join(paths[:limit])
+    if len(paths) > limit:
+        text += f", +{len(paths) - limit} more"
+    return text
+
+
+def render_text(report: Report) -> str:
+    s = report.summary
+    lines = [
+        "cgbackend partition report",
+        f"  graphs: {s['graphs']}   graph breaks: {s['graph_breaks']}   ops: {s['ops']}",
+        f"  static_op_fraction: {s['static_op_fraction']:.3f} (kernels ~{s['static_kernel_fraction']:.3f})"
+        f"   static regions (graphs per call): "
+        f"{s['static_regions']}   dynamic regions: {s['dynamic_regions']}",
+        f"  kernel launches per call (estimated): {s['est_kernels_eager']} all eager -> "
+        f"{s['est_launches_graphed']} with graphs ({s['static_regions']} graph launches + "
+        f"{s['est_launches_graphed'] - s['static_regions']} eager)",
+    ]
+    for note in report.notes:
+        lines.append(f"  note: {note}")
+    for brk in report.graph_breaks:
+        where = f" at {brk['source']}" if brk.get("source") else ""
+        lines.append(f"  graph break{where}: {brk['reason']}")
+    for g in report.graphs:
+        mode = "training" if g.training else "inference"
+        frac = g.static_ops / g.ops if g.ops else 0.0
+        lines.append("")
+        lines.append(f"graph {g.index} ({g.compute_device}, {mode}): {g.ops} ops, "
+                     f"{sum(r.kind == 'static' for r in g.regions)} static / "
+                     f"{sum(r.kind == 'dynamic' for r in g.regions)} dynamic regions, "
+                     f"static ops {100 * frac:.1f}%")
+        if g.break_reason:
+            lines.append(f"  ends at a graph break: {g.break_reason['reason']} "
+                         f"({g.break_reason.get('source', '')})")
+        for note in g.notes:
+            lines.append(f"  note: {note}")
+        lines.append(f"  {'region':<8}{'kind':<9}{'role':<14}{'ops':>5}{'~kern':>7}  inputs -> outputs")
+        for r in g.regions:
+            lines.append(f"  {r.id.split('.')[-1]:<8}{r.kind:<9}{r.role:<14}{r.ops:>5}{r.est_kernels:>7}  "
+                         f"{_io_text(r.inputs)} -> {_io_text(r.outputs)}")
+            composition = ", ".join(f"{k} {v}" for k, v in sorted(r.roles.items(), key=lambda kv: -kv[1]))
+            lines.append(f"{'':<10}roles: {composition}")
+            lines.append(f"{'':<10}modules: {_paths_text(r.module_paths)}")
+            if r.symbols:
+                syms = ", ".join(f"{k}({v})" for k, v in r.symbols.items())
+                lines.append(f"{'':<10}symbols: {syms}")
+            roots = [x for x in r.reasons if Rule(x["rule"]).is_root_cause]
+            derived = [x for x in r.reasons if not Rule(x["rule"]).is_root_cause]
+            for reason in roots[:6]:
+                count = f" x{reason['count']}" if reason["count"] > 1 else ""
+                where = f" at {reason['source']}" if reason["source"] else ""
+                lines.append(f"{'':<10}eager: {reason['op']} [{reason['rule']}]{where}{count}")
+                if reason["code"]:
+                    lines.append(f"{'':<17}`{reason['code']}`")
+            if len(roots) > 6:
+                lines.append(f"{'':<10}... {len(roots) - 6} more causes (see --json)")
+            if derived:
+                total = sum(x["count"] for x in derived)
+                ops = collections.Counter()
+                for x in derived:
+                    ops[x["op"]] += x["count"]
+                shown = ", ".join(f"{op} x{n}" for op, n in ops.most_common(4))
+                lines.append(f"{'':<10}+ {total} ops that follow from those ({shown})")
+        if g.runtime:
+            rt = g.runtime
+            lines.append(f"  runtime: {rt}")
+    if s["top_reasons"]:
+        lines.append("")
+        lines.append("top reasons for eager execution:")
+        for t in s["top_reasons"]:
+            lines.append(f"  {t['count']:>4} x {t['op']} [{t['rule']}] e.g. at {t['source'] or '?'}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Runtime: split graph execution, CUDA graph capture and replay, memory pools, counters."""

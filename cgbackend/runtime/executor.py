@@ -1,0 +1,349 @@
+"""Run one Dynamo graph as its regions: static ones through RegionRunner, dynamic ones eagerly.
+
+Per call: values flow between regions through a flat list (no copies, freed
+after their last use); tensors returned to the caller that live in graph
+memory are cloned, so a later replay never overwrites them.
+
+Training calls take a *call slot*: slot ``k`` means "the k-th forward still
+waiting for its backward". Every graph replayed in the call belongs to slot
+``k`` (its own entries and pool), and the slot stays busy until the backward
+pass through the call has finished (``queue_callback`` at the first graphed
+backward of the call), or until the call's autograd graph is freed without a
+backward. Inference calls use slot 0 and release it when they return.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+
+from ..analysis import Analysis
+from ..fx_utils import fake_value, storage_ids
+from .region import COPY, EAGER, HANDOFF, PARAM, VALUE, RegionRunner, RuntimeShared, is_static_address
+from .split import build_region_module
+from .stats import EagerReason
+
+__all__ = ["CompiledGraph", "CallState", "SlotTable"]
+
+log = logging.getLogger(__name__)
+
+
+def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return getattr(engine, "queue_callback", None)
+
+
+_QUEUE_CALLBACK = _queue_callback()
+
+
+class SlotTable:
+    """Busy flags and generations of the call slots of one compiled graph (training)."""
+
+    def __init__(self, max_slots: int) -> None:
+        self.max_slots = max_slots
+        self.busy: list[bool] = []
+        self.generation: list[int] = []
+
+    def acquire(self) -> Optional[tuple[int, int]]:
+        for k, busy in enumerate(self.busy):
+            if not busy:
+                break
+        else:
+            if len(self.busy) >= self.max_slots:
+                return None
+            self.busy.append(False)
+            self.generation.append(0)
+            k = len(self.busy) - 1
+        self.busy[k] = True
+        self.generation[k] += 1
+        return k, self.generation[k]
+
+    def release(self, k: int, generation: int, live: list) -> None:
+        if self.busy[k] and self.generation[k] == generation:
+            self.busy[k] = False
+            for pool, index in live:
+                pool.release(index)
+            live.clear()
+
+    def pending(self) -> int:
+        return sum(self.busy)
+
+
+class CallState:
+    """One call of a compiled graph: its slot, the graphs it replayed, its training anchors."""
+
+    __slots__ = ("slot", "generation", "training", "live", "tokens", "_table", "_scheduled",
+                 "__weakref__")
+
+    def __init__(self, slot: int, generation: int, training: bool, table: Optional[SlotTable]) -> None:
+        self.slot = slot
+        self.generation = generation
+        self.training = training
+        self.live: list = []
+        self.tokens = 0
+        self._table = table
+        self._scheduled = False
+
+    def add_token(self) -> None:
+        self.tokens += 1
+
+    def still_valid(self, generation: int) -> bool:
+        table = self._table
+        return table is None or table.generation[self.slot] == generation
+
+    def release(self) -> None:
+        if self._table is not None:
+            self._table.release(self.slot, self.generation, self.live)
+        else:
+            for pool, index in self.live:
+                pool.release(index)
+            self.live.clear()
+
+    def on_backward(self) -> None:
+        """A graphed backward of this call runs: free the slot once the whole backward pass is over."""
+        if self._scheduled:
+            return
+        self._scheduled = True
+        if _QUEUE_CALLBACK is not None:
+            _QUEUE_CALLBACK(self.release)
+        else:  # no engine hook: no forward can start before this backward pass returns anyway
+            self.release()
+
+
+class _Step:
+    __slots__ = ("region", "run", "ins", "outs", "frees", "runner", "module")
+
+    def __init__(self, region, run, ins, outs, frees, runner, module) -> None:
+        self.region = region
+        self.run = run
+        self.ins = ins
+        self.outs = outs
+        self.frees = frees
+        self.runner = runner
+        self.module = module
+
+
+class CompiledGraph:
+    """The callable cgbackend hands back to Dynamo for one graph."""
+
+    def __init__(self, analysis: Analysis, example_inputs: list, shared: RuntimeShared, index: int,
+                 inner: Optional[Callable[[torch.fx.GraphModule, list], Callable]] = None) -> None:
+        self.analysis = analysis
+        self.shared = shared
+        self.index = index
+        self.config = shared.config
+        gm = analysis.gm
+        partition = analysis.partition
+        self.training_graph = analysis.classification.training
+        self.slots = SlotTable(self.config.max_pending_forwards)
+
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.n_inputs = len(placeholders)
+        slot_of: dict[torch.fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
+        example_of = {n: example_inputs[i] if i < len(example_inputs) else None
+                      for i, n in enumerate(placeholders)}
+        for region in partition.regions:
+            for node in region.outputs:
+                slot_of[node] = len(slot_of)
+        self.n_values = len(slot_of)
+        output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        self._output_template = output_node.args[0]
+        self._slot_of = slot_of
+        graph_outputs = {slot_of[n] for n in output_node.all_input_nodes}
+
+        last_use: dict[int, int] = {}
+        for step_index, region in enumerate(partition.regions):
+            for inp in region.inputs:
+                last_use[slot_of[inp]] = step_index
+
+        blocked = self._blocked_reason()
+        self.blocked = blocked
+        runner_of: dict[int, RegionRunner] = {}
+        self.steps: list[_Step] = []
+        self.runners: list[RegionRunner] = []
+        for step_index, region in enumerate(partition.regions):
+            module = build_region_module(gm, region)
+            ins = tuple(slot_of[n] for n in region.inputs)
+            outs = tuple(slot_of[n] for n in region.outputs)
+            frees = tuple(s for s in ins if last_use.get(s) == step_index and s not in graph_outputs)
+            runner = None
+            if region.is_static:
+                kinds, producers = [], []
+                for inp in region.inputs:
+                    value = fake_value(inp)
+                    producer_region = partition.region_of.get(inp)
+                    if not isinstance(value, torch.Tensor):
+                        kinds.append(VALUE)
+                        producers.append(None)
+                    elif inp.op == "placeholder":
+                        kinds.append(PARAM if is_static_address(example_of[inp]) else COPY)
+                        producers.append(None)
+                    elif producer_region is not None and producer_region.is_static:
+                        kinds.append(HANDOFF)
+                        producers.append(runner_of[producer_region.index])
+                    else:
+                        kinds.append(EAGER)
+                        producers.append(None)
+                fn = module if inner is None else inner(module, region)
+                runner = RegionRunner(f"graph{index}.{region.name}", fn, kinds, producers,
+                                      _mutated_positions(analysis, region), shared)
+                if blocked is not None:
+                    runner.disable(blocked, _BLOCKED_DETAIL.get(blocked, blocked))
+                runner_of[region.index] = runner
+                self.runners.append(runner)
+                run = runner
+            else:
+                run = None
+            self.steps.append(_Step(region, run, ins, outs, frees, runner, module))
+
+        counters = shared.counters
+        counters.compiled_graphs += 1
+        counters.static_regions += len(self.runners)
+        counters.dynamic_regions += len(self.steps) - len(self.runners)
+        self._capture_logged = blocked is not None
+
+    def _blocked_reason(self) -> Optional[str]:
+        if not self.config.capture:
+            return EagerReason.CAPTURE_DISABLED
+        device = self.analysis.classification.compute_device
+        if self.config.simulate_graphs:
+            return None
+        if device != "cuda" or not torch.cuda.is_available():
+            return EagerReason.NO_CUDA
+        return None
+
+    # ------------------------------------------------------------------ call
+
+    def __call__(self, *args: Any) -> Any:
+        training = self.training_graph and torch.is_grad_enabled()
+        if training:
+            acquired = self.slots.acquire()
+            if acquired is None:
+                return self._run_all_eager(args, EagerReason.PENDING_FORWARDS)
+            call = CallState(acquired[0], acquired[1], True, self.slots)
+            weakref.finalize(call, SlotTable.release, self.slots, acquired[0], acquired[1], call.live)
+        else:
+            call = CallState(0, 0, False, None)
+        try:
+            result = self._run(args, call)
+            if training and call.tokens == 0 and call.live:
+                result = self._anchor(result, call)
+        finally:
+            if not training or call.tokens == 0:
+                call.release()
+        if not self._capture_logged:
+            self._log_capture_once()
+        return result
+
+    def _run(self, args: tuple, call: CallState) -> Any:
+        env: list = list(args)
+        env.extend([None] * (self.n_values - len(env)))
+        for step in self.steps:
+            ins = [env[i] for i in step.ins]
+            if step.runner is not None:
+                out = step.runner(ins, call)
+            else:
+                out = step.module(*ins)
+            for i, value in zip(step.outs, out):
+                env[i] = value
+            for i in step.frees:
+                env[i] = None
+        return self._outputs(env)
+
+    def _anchor(self, result: Any, call: CallState) -> Any:
+        """A training call that replayed graphs but made no graphed backward (no region had an input
+        that requires grad): eager ops may have saved graph outputs for their backward. Tie the slot
+        to the outputs' backward through a clone, so it stays busy until that backward has run."""
+        grads = []
+        torch.fx.node.map_aggregate(
+            result, lambda v: grads.append(v) if isinstance(v, torch.Tensor) and v.requires_grad else None)
+        if not grads:
+            return result
+        clones = _AnchorClone.apply(call, *grads)
+        self.shared.counters.output_clones += len(grads)
+        replace = {id(g): c for g, c in zip(grads, clones)}
+        return torch.fx.node.map_aggregate(result, lambda v: replace.get(id(v), v))
+
+    def _run_all_eager(self, args: tuple, reason: str) -> Any:
+        env: list = list(args)
+        env.extend([None] * (self.n_values - len(env)))
+        for step in self.steps:
+            if step.runner is not None:
+                step.runner._count_eager(reason)
+            out = step.module(*[env[i] for i in step.ins])
+            for i, value in zip(step.outs, out):
+                env[i] = value
+        return self._outputs(env)
+
+    def _outputs(self, env: list) -> Any:
+        storages = self.shared.persistent_storages
+        counters = self.shared.counters
+        slot_of = self._slot_of
+
+        def value_of(node: torch.fx.Node) -> Any:
+            value = env[slot_of[node]]
+            if isinstance(value, torch.Tensor) and storages and value.numel() > 0:
+                if value.untyped_storage().data_ptr() in storages:
+                    counters.output_clones += 1
+                    return value.clone()
+            return value
+
+        return torch.fx.node.map_arg(self._output_template, value_of)
+
+    # ------------------------------------------------------------------ logs and reports
+
+    def _log_capture_once(self) -> None:
+        if any(r.n_graphs == 0 and r.disabled is None for r in self.runners):
+            return  # some regions are still warming up
+        self._capture_logged = True
+        graphs = sum(r.n_graphs for r in self.runners)
+        seconds = sum(r.capture_time_s for r in self.runners)
+        eager = [f"{r.name} ({r.disabled}: {r.disabled_detail})" for r in self.runners if r.disabled]
+        pool_mib = self.shared.counters.pool_bytes / 2**20
+        log.info("cgbackend: graph %d: %d static regions, %d graphs captured in %.2f s, pool %.1f MiB%s",
+                 self.index, len(self.runners), graphs, seconds, pool_mib,
+                 f"; eager: {', '.join(eager)}" if eager else "")
+
+    def runtime_summary(self) -> dict[str, Any]:
+        return {
+            "blocked": self.blocked,
+            "regions": {
+                r.name: {"graphs": r.n_graphs, "replays": r.replays, "eager_calls": dict(r.eager_calls),
+                         "disabled": r.disabled, "disabled_detail": r.disabled_detail,
+                         "capture_time_s": round(r.capture_time_s, 4)}
+                for r in self.runners
+            },
+            "pending_forwards": self.slots.pending(),
+        }
+
+
+class _AnchorClone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, call: CallState, *tensors: torch.Tensor) -> Any:
+        ctx.call = call
+        call.add_token()
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.call.on_backward()
+        return (None,) + grads
+
+
+_BLOCKED_DETAIL = {
+    EagerReason.NO_CUDA: "the graph computes on the CPU; CUDA graphs need CUDA tensors",
+    EagerReason.CAPTURE_DISABLED: "the option capture=False",
+}
+
+
+def _mutated_positions(analysis: Analysis, region) -> set[int]:
+    written: set[int] = set()
+    for node in region.nodes:
+        written |= analysis.effects.writes.get(node, set())
+    if not written:
+        return set()
+    return {pos for pos, inp in enumerate(region.inputs) if storage_ids(fake_value(inp)) & written}

@@ -1,0 +1,81 @@
+"""Graph memory pools and the replay-order rule that keeps graphs from overwriting live data.
+
+All graphs of a backend instance on one device share one pool (slot 0). A
+training forward that starts while ``k`` earlier forwards still wait for their
+backward uses slot ``k``: its own graphs in its own pool, so gradient
+accumulation with several outstanding micro-batches never shares activation
+memory.
+
+The rule. cgbackend never frees a graph's static inputs, outputs or saved
+activations. So the only memory two graphs of a pool share is the temporaries
+of a graph captured earlier, which a graph captured later may have received
+for its static outputs. Replaying graph ``g`` is therefore safe unless a graph
+captured after ``g`` (a higher capture index) holds data that is still needed.
+``PoolState.live`` counts the graphs whose outputs are still needed (replayed
+in the current inference call, or in a training forward whose backward has not
+finished); :meth:`PoolState.hazard` applies the rule before every replay.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["PoolState", "PoolSet"]
+
+
+@dataclasses.dataclass
+class PoolState:
+    device: str
+    slot: int
+    handle: Any = None
+    """torch.cuda.graph_pool_handle(), or None for simulated graphs."""
+    next_index: int = 0
+    live: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def new_index(self) -> int:
+        self.next_index += 1
+        return self.next_index - 1
+
+    def acquire(self, index: int) -> None:
+        self.live[index] += 1
+
+    def release(self, index: int) -> None:
+        left = self.live[index] - 1
+        if left > 0:
+            self.live[index] = left
+        else:
+            self.live.pop(index, None)
+
+    def hazard(self, index: int) -> bool:
+        """Would replaying the graph with capture index ``index`` risk clobbering live data?"""
+        return any(other > index for other in self.live)
+
+
+class PoolSet:
+    """The pools of one backend instance, by (device, slot)."""
+
+    def __init__(self, simulate: bool) -> None:
+        self._simulate = simulate
+        self._pools: dict[tuple[str, int], PoolState] = {}
+
+    def get(self, device: torch.device, slot: int) -> PoolState:
+        key = (str(device), slot)
+        pool = self._pools.get(key)
+        if pool is None:
+            handle = None
+            if not self._simulate:
+                with torch.cuda.device(device):
+                    handle = torch.cuda.graph_pool_handle()
+            pool = PoolState(device=str(device), slot=slot, handle=handle)
+            self._pools[key] = pool
+        return pool
+
+    def all(self) -> list[PoolState]:
+        return list(self._pools.values())
+
+    def find(self, device: str, slot: int) -> Optional[PoolState]:
+        return self._pools.get((device, slot))

@@ -1,0 +1,483 @@
+"""One static region at runtime: warm up, capture, replay, or run eagerly with a counted reason.
+
+Inputs of a region, by kind (decided once from the partition):
+
+* ``PARAM``: a parameter or buffer (static address). Read in place, never
+  copied; its address is part of the graph's key, so a replaced parameter
+  (``p.data = ...``) leads to a new capture, never to a stale replay.
+* ``HANDOFF``: produced by another static region. The graph reads the
+  producer's static output where it lies; the address is part of the key.
+* ``EAGER``: produced by eager code. Usually copied into a static buffer of
+  the graph; read in place when it is another graph's static output (an eager
+  ``index_add_`` returns the static buffer it wrote into), address in the key.
+* ``COPY``: passed by the caller: copied into a static buffer of the graph
+  before each replay (written back afterwards if the region writes it in place).
+* ``VALUE``: not a tensor (sizes, flags): part of the key.
+
+Inference entries hold one graph. Training entries (a call with grad enabled
+where some input requires grad) hold a forward graph replayed inside an
+autograd.Function and a backward graph captured at the first backward; the
+forward's saved activations live in the entry, whose call slot stays busy
+until the backward pass is over (see executor.CallState).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..config import Config
+from ..fx_utils import iter_tensors
+from .capture import CaptureError, Capturer
+from .pool import PoolSet, PoolState
+from .stats import Counters, EagerReason
+
+__all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "RuntimeShared", "RegionRunner", "is_static_address"]
+
+log = logging.getLogger(__name__)
+
+PARAM, HANDOFF, EAGER, COPY, VALUE = "param", "handoff", "eager", "copy", "value"
+
+
+def is_static_address(t: Any) -> bool:
+    """Parameters and module buffers: Dynamo marks them with _dynamo_static_input_type."""
+    return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+class RuntimeShared:
+    """What all runners of one backend instance share: pools, capturer, counters, config."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        simulate = config.simulate_graphs or not torch.cuda.is_available()
+        self.pools = PoolSet(simulate=simulate)
+        self.capturer = Capturer(simulate=config.simulate_graphs)
+        self.counters = Counters()
+        self.persistent_ptrs: set[int] = set()
+        """data_ptr() of every static output of every graph: hand-off candidates."""
+        self.persistent_storages: set[int] = set()
+        """Storage base pointers of static outputs and static input buffers: outputs aliasing
+        them are cloned before they reach the caller."""
+
+    def register_persistent(self, values: Any, handoff: bool = True) -> None:
+        for t in iter_tensors(values):
+            if t.numel() == 0:
+                continue
+            if handoff:
+                self.persistent_ptrs.add(t.data_ptr())
+            self.persistent_storages.add(t.untyped_storage().data_ptr())
+
+
+class _Entry:
+    """Common part of inference and training entries."""
+
+    __slots__ = ("pool", "static_ins", "kinds", "copy_pos", "handoff_pos", "copy_back_pos",
+                 "outputs", "index", "graph", "slot")
+
+    def __init__(self) -> None:
+        self.graph = None
+        self.index = -1
+
+
+class _TrainEntry(_Entry):
+    __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
+                 "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed")
+
+    def autograd_outputs(self) -> list:
+        """Outputs carrying the forward's autograd graph: capture-time ones for CUDA graphs (their
+        saved tensors are the buffers every replay rewrites), the latest run for simulated graphs."""
+        graph = self.graph
+        outs = graph.last if hasattr(graph, "last") else self.capture_outs
+        return [outs[i] for i in self.diff_out]
+
+
+class RegionRunner:
+    """Runs one static region. Called with the region's inputs in order; returns its outputs."""
+
+    def __init__(self, name: str, fn: Callable[..., Any], kinds: list[str],
+                 producers: list[Optional["RegionRunner"]], mutated: set[int],
+                 shared: RuntimeShared) -> None:
+        self.name = name
+        self.fn = fn
+        self.kinds = kinds
+        self.producers = producers
+        self.mutated = mutated
+        self.shared = shared
+        self.config = shared.config
+        self.entries: dict[tuple, _Entry] = {}
+        self.warm: dict[tuple, int] = {}
+        self.disabled: Optional[str] = None
+        """Set when the region runs eagerly for good (capture failed, no CUDA, capture off)."""
+        self.disabled_detail: str = ""
+        self.n_graphs = 0
+        self.replays = 0
+        self.eager_calls: dict[str, int] = {}
+        self.capture_time_s = 0.0
+
+    # ------------------------------------------------------------------ helpers
+
+    def _count_eager(self, reason: str) -> None:
+        self.eager_calls[reason] = self.eager_calls.get(reason, 0) + 1
+        self.shared.counters.eager_calls[reason] += 1
+
+    def _eager(self, ins: list, reason: str) -> Any:
+        self._count_eager(reason)
+        return self.fn(*ins)
+
+    def disable(self, reason: str, detail: str) -> None:
+        if self.disabled is None:
+            self.disabled = reason
+            self.disabled_detail = detail
+
+    def _keys(self, ins: list, grad_path: bool, slot: int) -> tuple[Optional[tuple], tuple]:
+        """(full key with addresses or None if a hand-off came from eager code, shape key)."""
+        shape_parts: list = [slot, grad_path, torch.is_inference_mode_enabled()]
+        addr_parts: list = []
+        persistent = self.shared.persistent_ptrs
+        missing_handoff = False
+        for pos, value in enumerate(ins):
+            kind = self.kinds[pos]
+            if kind == VALUE:
+                shape_parts.append(value)
+                continue
+            t = value
+            shape_parts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad if grad_path else None))
+            if kind == PARAM:
+                addr_parts.append(t.data_ptr())
+            elif kind == HANDOFF:
+                producer = self.producers[pos]
+                if producer is not None and producer.disabled is not None:
+                    addr_parts.append(None)  # producer is eager for good: copy like any eager value
+                else:
+                    ptr = t.data_ptr()
+                    if ptr not in persistent:
+                        missing_handoff = True
+                    addr_parts.append(ptr)
+            elif kind == EAGER:
+                ptr = t.data_ptr()
+                addr_parts.append(ptr if ptr in persistent else None)
+        shape_key = tuple(shape_parts)
+        if missing_handoff:
+            return None, shape_key
+        return shape_key + tuple(addr_parts), shape_key
+
+    # ------------------------------------------------------------------ entry point
+
+    def __call__(self, ins: list, call: Any) -> Any:
+        if self.disabled is not None:
+            return self._eager(ins, self.disabled)
+        grad_path = call.training and any(
+            v.requires_grad for v, k in zip(ins, self.kinds) if k != VALUE)
+        key, shape_key = self._keys(ins, grad_path, call.slot)
+        warm = self.warm.get(shape_key, 0)
+        if warm < self.config.warmup:
+            self.warm[shape_key] = warm + 1
+            return self._eager(ins, EagerReason.WARMUP)
+        if key is None:
+            return self._eager(ins, EagerReason.PRODUCER_EAGER)
+        entry = self.entries.get(key)
+        if entry is None:
+            if self.n_graphs >= self.config.max_graphs_per_region:
+                if self.config.strict:
+                    raise RuntimeError(
+                        f"cgbackend: region {self.name} needs a new graph but already holds "
+                        f"{self.n_graphs} (max_graphs_per_region); strict=True forbids eager fallback")
+                return self._eager(ins, EagerReason.GRAPH_LIMIT)
+            entry = self._capture(ins, grad_path, call)
+            if entry is None:
+                return self._eager(ins, EagerReason.CAPTURE_FAILED)
+            self.entries[key] = entry
+            return self._run_entry(entry, ins, call, fresh=True)
+        return self._run_entry(entry, ins, call, fresh=False)
+
+    def _run_entry(self, entry: _Entry, ins: list, call: Any, fresh: bool) -> Any:
+        pool = entry.pool
+        if pool.hazard(entry.index):
+            if self.config.strict:
+                raise RuntimeError(
+                    f"cgbackend: replaying region {self.name} now could overwrite memory that a newer "
+                    "graph still needs; strict=True forbids eager fallback")
+            return self._eager(ins, EagerReason.REPLAY_ORDER)
+        if isinstance(entry, _TrainEntry):
+            tensors = [ins[p] for p in entry.tensor_pos]
+            return _RegionFunction.apply((self, entry, call, fresh), *tensors)
+        return self._replay(entry, ins, call, fresh)
+
+    # ------------------------------------------------------------------ inference
+
+    def _stage_inputs(self, entry: _Entry, ins: list, fresh: bool) -> None:
+        counters = self.shared.counters
+        if not fresh:
+            static_ins = entry.static_ins
+            for pos in entry.copy_pos:
+                static_ins[pos].copy_(ins[pos])
+            counters.copies_made += len(entry.copy_pos)
+            for pos in entry.copy_pos:
+                counters.copied_by_kind[self._copy_kind(ins[pos], pos)] += 1
+        counters.copies_avoided += len(entry.handoff_pos)
+
+    def _copy_kind(self, value: torch.Tensor, pos: int) -> str:
+        if is_static_address(value):
+            return "param"
+        return "user_input" if self.kinds[pos] == COPY else "eager_value"
+
+    def _replay(self, entry: _Entry, ins: list, call: Any, fresh: bool) -> Any:
+        self._stage_inputs(entry, ins, fresh)
+        entry.graph.replay()
+        self._after_replay(entry, ins, call)
+        return entry.outputs
+
+    def _after_replay(self, entry: _Entry, ins: list, call: Any) -> None:
+        for pos in entry.copy_back_pos:
+            ins[pos].copy_(entry.static_ins[pos])
+        self.shared.counters.copy_backs += len(entry.copy_back_pos)
+        entry.pool.acquire(entry.index)
+        call.live.append((entry.pool, entry.index))
+        self.replays += 1
+        counters = self.shared.counters
+        counters.replays += 1
+
+    # ------------------------------------------------------------------ capture
+
+    def _prepare_static_inputs(self, ins: list, grad_path: bool, entry: _Entry) -> None:
+        static_ins: list = []
+        copy_pos, handoff_pos = [], []
+        persistent = self.shared.persistent_ptrs
+        for pos, value in enumerate(ins):
+            kind = self.kinds[pos]
+            if kind == VALUE or kind == PARAM:
+                static_ins.append(value)
+                continue
+            producer = self.producers[pos]
+            handoff = kind == EAGER or (kind == HANDOFF and producer is not None and producer.disabled is None)
+            if handoff and value.data_ptr() in persistent:
+                alias = value.detach()
+                if grad_path and value.requires_grad:
+                    alias.requires_grad_(True)
+                static_ins.append(alias)
+                handoff_pos.append(pos)
+                continue
+            buf = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+            with torch.no_grad():
+                buf.copy_(value)
+            if grad_path and value.requires_grad:
+                buf.requires_grad_(True)
+            static_ins.append(buf)
+            copy_pos.append(pos)
+        self.shared.register_persistent([static_ins[p] for p in copy_pos], handoff=False)
+        entry.static_ins = static_ins
+        entry.copy_pos = tuple(copy_pos)
+        entry.handoff_pos = tuple(handoff_pos)
+        entry.copy_back_pos = tuple(p for p in copy_pos if p in self.mutated)
+
+    def _capture(self, ins: list, grad_path: bool, call: Any) -> Optional[_Entry]:
+        device = next((v.device for v, k in zip(ins, self.kinds) if k != VALUE), None)
+        if device is None or (device.type != "cuda" and not self.shared.capturer.simulate):
+            self.disable(EagerReason.NO_CUDA, f"inputs on {device}")
+            return None
+        pool = self.shared.pools.get(device, call.slot)
+        entry: _Entry = _TrainEntry() if grad_path else _Entry()
+        entry.pool = pool
+        self._prepare_static_inputs(ins, grad_path, entry)
+        static_ins = entry.static_ins
+        fn = self.fn
+        if grad_path:
+            def run() -> Any:
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                    return fn(*static_ins)
+        else:
+            def run() -> Any:
+                return fn(*static_ins)
+        reserved_before = _reserved(device)
+        start = time.perf_counter()
+        try:
+            graph, outputs = self.shared.capturer.capture(run, pool)
+        except CaptureError as exc:
+            self._capture_failed(str(exc))
+            return None
+        elapsed = time.perf_counter() - start
+        entry.graph = graph
+        entry.index = pool.new_index()
+        entry.slot = call.slot
+        self._count_capture(elapsed, _reserved(device) - reserved_before, forward=grad_path)
+        if grad_path:
+            self._finish_train_entry(entry, outputs, ins)
+        else:
+            entry.outputs = outputs
+            self.shared.register_persistent(outputs)
+        log.debug("cgbackend: captured %s (%s, slot %d) in %.3f s", self.name,
+                  "forward" if grad_path else "inference", call.slot, elapsed)
+        return entry
+
+    def _finish_train_entry(self, entry: _TrainEntry, outputs: Any, ins: list) -> None:
+        outs = list(outputs)
+        entry.capture_outs = outs
+        entry.tensor_pos = tuple(p for p, k in enumerate(self.kinds) if k != VALUE)
+        entry.diff_in = tuple(p for p in entry.tensor_pos
+                              if isinstance(entry.static_ins[p], torch.Tensor) and entry.static_ins[p].requires_grad)
+        entry.diff_out = tuple(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
+        entry.nondiff_out = tuple(i for i, o in enumerate(outs)
+                                  if isinstance(o, torch.Tensor) and not o.requires_grad)
+        entry.outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+        entry.bwd_graph = None
+        entry.bwd_index = -1
+        entry.bwd_failed = None
+        entry.static_grad_outs = None
+        entry.static_grad_ins = None
+        self.shared.register_persistent(entry.outputs)
+
+    def _count_capture(self, elapsed: float, pool_growth: int, forward: bool) -> None:
+        counters = self.shared.counters
+        counters.graphs_captured += 1
+        if forward:
+            counters.fwd_graphs += 1
+        counters.capture_time_s += elapsed
+        counters.pool_bytes += max(pool_growth, 0)
+        self.capture_time_s += elapsed
+        self.n_graphs += 1
+        if elapsed > 1.0:
+            log.info("cgbackend: capturing %s took %.2f s", self.name, elapsed)
+
+    def _capture_failed(self, error: str) -> None:
+        self.shared.counters.capture_failures.append({"region": self.name, "error": error})
+        if self.config.strict:
+            raise RuntimeError(f"cgbackend: capturing region {self.name} failed: {error}")
+        log.warning("cgbackend: capturing region %s failed, it runs eagerly from now on: %s",
+                    self.name, error)
+        self.disable(EagerReason.CAPTURE_FAILED, error)
+
+    # ------------------------------------------------------------------ training backward
+
+    def capture_backward(self, entry: _TrainEntry, grads: tuple) -> None:
+        """First backward of a training entry: capture its backward graph in the entry's pool."""
+        grad_outs = []
+        for i in entry.diff_out:
+            out = entry.outputs[i]
+            grad = grads[i]
+            buf = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+            if grad is None:
+                buf.zero_()
+            else:
+                buf.copy_(grad)
+            grad_outs.append(buf)
+        entry.static_grad_outs = grad_outs
+        self.shared.register_persistent(grad_outs, handoff=False)
+        inputs = [entry.static_ins[p] for p in entry.diff_in]
+
+        def run() -> Any:
+            grads_in = torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
+                                           retain_graph=True, allow_unused=True)
+            return tuple(grads_in)
+
+        device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None
+        reserved_before = _reserved(device)
+        start = time.perf_counter()
+        try:
+            graph, static_grad_ins = self.shared.capturer.capture(run, entry.pool)
+        except CaptureError as exc:
+            self.shared.counters.capture_failures.append({"region": self.name + " (backward)",
+                                                          "error": str(exc)})
+            if self.config.strict:
+                raise RuntimeError(f"cgbackend: capturing the backward of {self.name} failed: {exc}")
+            log.warning("cgbackend: capturing the backward of %s failed; its backward runs eagerly "
+                        "through the captured forward: %s", self.name, exc)
+            entry.bwd_failed = str(exc)
+            return
+        elapsed = time.perf_counter() - start
+        entry.bwd_graph = graph
+        entry.bwd_index = entry.pool.new_index()
+        entry.static_grad_ins = static_grad_ins
+        self.shared.register_persistent([g for g in static_grad_ins if g is not None], handoff=False)
+        counters = self.shared.counters
+        counters.bwd_graphs += 1
+        self._count_capture(elapsed, _reserved(device) - reserved_before, forward=False)
+
+    def eager_backward(self, entry: _TrainEntry, grads: tuple) -> tuple:
+        """Backward without the backward graph: autograd through the captured forward's graph."""
+        grad_outs = []
+        for i in entry.diff_out:
+            grad = grads[i]
+            grad_outs.append(torch.zeros_like(entry.outputs[i]) if grad is None else grad)
+        inputs = [entry.static_ins[p] for p in entry.diff_in]
+        return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
+                                   retain_graph=True, allow_unused=True)
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _reserved(device: Optional[torch.device]) -> int:
+    if device is None or device.type != "cuda":
+        return 0
+    return torch.cuda.memory_reserved(device)
+
+
+class _RegionFunction(torch.autograd.Function):
+    """Forward: replay the entry's forward graph. Backward: replay (or capture) its backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, info: tuple, *tensors: torch.Tensor) -> Any:
+        runner, entry, call, fresh = info
+        ins = list(tensors)
+        full = [None] * len(runner.kinds)
+        for p, t in zip(entry.tensor_pos, ins):
+            full[p] = t
+        runner._stage_inputs(entry, full, fresh)
+        entry.graph.replay()
+        runner._after_replay(entry, full, call)
+        counters = runner.shared.counters
+        counters.fwd_replays += 1
+        ctx.runner, ctx.entry, ctx.call = runner, entry, call
+        ctx.generation = call.generation
+        call.add_token()
+        ctx.set_materialize_grads(False)
+        # Fresh aliases each call: autograd attaches this call's history to the returned objects,
+        # never to the static buffers themselves.
+        outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in entry.outputs)
+        if entry.nondiff_out:
+            ctx.mark_non_differentiable(*(outs[i] for i in entry.nondiff_out))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
+        runner, entry, call = ctx.runner, ctx.entry, ctx.call
+        if not call.still_valid(ctx.generation):
+            raise RuntimeError(
+                f"cgbackend: backward through graphed region {runner.name} after its memory was reused "
+                "by a later forward (a second backward over a retained graph). Run backward before the "
+                "next forward of the model, or compile without CUDA graphs for this pattern.")
+        call.on_backward()
+        counters = runner.shared.counters
+        if entry.bwd_graph is None and entry.bwd_failed is None:
+            runner.capture_backward(entry, grads)
+            fresh = True
+        else:
+            fresh = False
+        if entry.bwd_graph is None or entry.pool.hazard(entry.bwd_index):
+            reason = "backward_capture_failed" if entry.bwd_graph is None else EagerReason.REPLAY_ORDER
+            runner._count_eager(reason)
+            grads_in = runner.eager_backward(entry, grads)
+        else:
+            if not fresh:
+                for buf, i in zip(entry.static_grad_outs, entry.diff_out):
+                    grad = grads[i]
+                    if grad is None:
+                        buf.zero_()
+                    else:
+                        buf.copy_(grad)
+                        counters.copies_made += 1
+                        counters.copied_by_kind["grad_output"] += 1
+            entry.bwd_graph.replay()
+            counters.replays += 1
+            counters.bwd_replays += 1
+            grads_in = entry.static_grad_ins
+        by_pos = dict(zip(entry.diff_in, grads_in))
+        return (None,) + tuple(by_pos.get(p) for p in entry.tensor_pos)

@@ -1,0 +1,81 @@
+"""Counters that tests and users read: what was captured, replayed, copied, and what ran eagerly why."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+__all__ = ["Counters", "EagerReason"]
+
+
+class EagerReason:
+    """Stable names of the reasons a static region ran eagerly for one call (keys of eager_calls)."""
+
+    WARMUP = "warmup"
+    NO_CUDA = "no_cuda"
+    CAPTURE_DISABLED = "capture_disabled"
+    CAPTURE_FAILED = "capture_failed"
+    GRAPH_LIMIT = "graph_limit"
+    PENDING_FORWARDS = "pending_forwards_limit"
+    PRODUCER_EAGER = "producer_ran_eagerly"
+    REPLAY_ORDER = "replay_order_hazard"
+    MODE_CHANGE = "grad_mode_change"
+
+    DESCRIPTIONS = {
+        WARMUP: "eager warm-up call before capture (option warmup)",
+        NO_CUDA: "the region's tensors are not on a CUDA device, nothing can be captured",
+        CAPTURE_DISABLED: "capture=False: partitioned but run eagerly",
+        CAPTURE_FAILED: "capturing this region failed; it runs eagerly from now on",
+        GRAPH_LIMIT: "the region already holds max_graphs_per_region graphs",
+        PENDING_FORWARDS: "max_pending_forwards forwards are waiting for their backward",
+        PRODUCER_EAGER: "an input usually handed over by the previous graph came from eager code",
+        REPLAY_ORDER: "replaying this older graph could overwrite memory a newer graph still needs",
+        MODE_CHANGE: "grad mode differs from the one the graph was traced with",
+    }
+
+
+@dataclasses.dataclass
+class Counters:
+    compiled_graphs: int = 0
+    static_regions: int = 0
+    dynamic_regions: int = 0
+    graphs_captured: int = 0
+    """Every captured CUDA graph: inference, training forward and training backward."""
+    fwd_graphs: int = 0
+    bwd_graphs: int = 0
+    replays: int = 0
+    fwd_replays: int = 0
+    bwd_replays: int = 0
+    bwd_recaptures: int = 0
+    eager_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Static-region calls that ran eagerly, by EagerReason."""
+    capture_failures: list = dataclasses.field(default_factory=list)
+    """One entry per failed capture: {"region", "error"}."""
+    copies_made: int = 0
+    """Inputs copied into static buffers before a replay (plus gradient copies in backward)."""
+    copies_avoided: int = 0
+    """Inputs read in place: another graph's static output handed over, or a parameter/buffer."""
+    copied_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """copies_made split by what was copied: user_input, eager_value, grad_output, param."""
+    copy_backs: int = 0
+    output_clones: int = 0
+    capture_time_s: float = 0.0
+    pool_bytes: int = 0
+    """Growth of the CUDA caching allocator's reserved memory across captures."""
+
+    def eager_total(self, exclude_warmup: bool = True) -> int:
+        return sum(n for r, n in self.eager_calls.items() if not (exclude_warmup and r == EagerReason.WARMUP))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["eager_calls"] = dict(self.eager_calls)
+        d["copied_by_kind"] = dict(self.copied_by_kind)
+        d["capture_failures"] = list(self.capture_failures)
+        return d
+
+    def merged(self, other: "Counters") -> "Counters":
+        out = Counters()
+        for f in dataclasses.fields(Counters):
+            setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return out
