@@ -80,6 +80,9 @@ def _last_named_component(path: str) -> str:
 
 _REGION_PRIORITY = ("attention", "mlp", "experts", "moe_dispatch", "router", "preprocess", "embedding",
                     "norm", "other")
+# In a static region a combine step after the experts matters less than what surrounds it.
+_STATIC_REGION_PRIORITY = tuple(r for r in _REGION_PRIORITY if r not in ("moe_dispatch", "other")) + (
+    "moe_dispatch", "other")
 _PRIORITY = ("router", "experts", "moe", "attention", "norm", "embedding", "mlp")
 
 
@@ -98,28 +101,34 @@ def _module_signal(path: str, cls) -> Optional[str]:
     return None
 
 
-def node_role(node: torch.fx.Node, static: bool) -> str:
+def _role_and_scope(node: torch.fx.Node, static: bool) -> tuple[str, str]:
+    """(role, path of the module that decided it)."""
     name = callee_name(node)
     if name in _EMBEDDING_OPS:
-        return "embedding"
+        return "embedding", ""
     if name in _NORM_OPS:
-        return "norm"
+        return "norm", ""
     if name in _ATTENTION_OPS:
-        return "attention"
+        return "attention", ""
     for path, cls in reversed(module_stack(node)):
         role = _module_signal(path, cls)
         if role == "moe":
-            return "preprocess" if static else "moe_dispatch"
+            return ("preprocess" if static else "moe_dispatch"), path
         if role is not None:
-            return role
-    return "other"
+            return role, path
+    return "other", ""
+
+
+def node_role(node: torch.fx.Node, static: bool) -> str:
+    return _role_and_scope(node, static)[0]
 
 
 def _region_role(region: Region, roles: dict[torch.fx.Node, str]) -> tuple[str, dict[str, int]]:
     ops: collections.Counter = collections.Counter(roles[node] for node in region.nodes)
     if not region.is_static and (ops["moe_dispatch"] or (ops["experts"] and len(ops) > 1)):
         return "moe_dispatch", dict(ops)
-    for role in _REGION_PRIORITY:
+    priority = _REGION_PRIORITY if not region.is_static else _STATIC_REGION_PRIORITY
+    for role in priority:
         if ops[role]:
             return role, dict(ops)
     return "other", dict(ops)
@@ -127,9 +136,19 @@ def _region_role(region: Region, roles: dict[torch.fx.Node, str]) -> tuple[str, 
 
 def label(gm: torch.fx.GraphModule, partition: Partition) -> Labels:
     roles: dict[torch.fx.Node, str] = {}
-    for region in partition.regions:
-        for node in region.nodes:
-            roles[node] = node_role(node, region.is_static)
+    # Static ops of an MoE layer after its first eager op combine the experts' results: they
+    # belong to the dispatch, not to the preprocessing before it.
+    dispatch_started: set[str] = set()
+    for node in gm.graph.nodes:
+        region = partition.region_of.get(node)
+        if region is None:
+            continue
+        role, scope = _role_and_scope(node, region.is_static)
+        if role == "moe_dispatch":
+            dispatch_started.add(scope)
+        elif role == "preprocess" and scope in dispatch_started:
+            role = "moe_dispatch"
+        roles[node] = role
     region_roles: dict[int, str] = {}
     region_role_ops: dict[int, dict[str, int]] = {}
     for region in partition.regions:

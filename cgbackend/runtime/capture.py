@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -69,42 +69,75 @@ class Capturer:
             self._streams[device] = stream
         return stream
 
-    def capture(self, fn: Callable[[], Any], pool: PoolState) -> tuple[Any, Any]:
-        """Capture ``fn`` into a graph drawing memory from ``pool``; raise CaptureError on failure."""
+    def capture(self, fn: Callable[[], Any], pool: PoolState,
+                restore: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
+        """Capture ``fn`` into a graph drawing memory from ``pool``; raise CaptureError on failure.
+
+        ``restore``: tensors ``fn`` may write in place. A CUDA capture executes nothing, so they
+        keep their values; the simulated capture runs ``fn`` and puts their values back."""
         if self.simulate:
+            saved = [t.detach().clone() for t in restore]
             try:
                 # A CUDA capture draws no random numbers; neither does its stand-in.
                 with torch.random.fork_rng(devices=[]):
                     outputs = fn()
             except Exception as exc:
                 raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                with torch.no_grad():
+                    for t, value in zip(restore, saved):
+                        # Only what fn wrote: a copy would bump the version counter of parameters
+                        # that eager autograd graphs saved.
+                        if not torch.equal(t, value):
+                            t.copy_(value)
             return SimulatedGraph(fn, outputs), outputs
 
         stream = self._stream(pool.device)
         graph = torch.cuda.CUDAGraph()
+        inner_errors: list[BaseException] = []
+
+        def guarded() -> Any:
+            try:
+                return fn()
+            except BaseException as exc:  # remember the root cause; capture_end raises its own error
+                inner_errors.append(exc)
+                raise
+
+        device = torch.device(pool.device)
         try:
-            with _autocast_cache_off(), torch.cuda.device(torch.device(pool.device)):
+            with _autocast_cache_off(), torch.cuda.device(device):
                 with torch.cuda.graph(graph, pool=pool.handle, stream=stream,
                                       capture_error_mode="thread_local"):
-                    outputs = fn()
+                    outputs = guarded()
         except Exception as exc:
-            self._recover(graph, stream)
-            raise CaptureError(_first_line(exc)) from exc
+            self._recover(graph, stream, device)
+            root = inner_errors[0] if inner_errors else exc
+            raise CaptureError(_first_line(root)) from exc
         return graph, outputs
 
     @staticmethod
-    def _recover(graph: "torch.cuda.CUDAGraph", stream: "torch.cuda.Stream") -> None:
-        """After a failed capture make sure the stream is no longer capturing and errors are drained."""
-        with torch.cuda.stream(stream):
+    def _recover(graph: "torch.cuda.CUDAGraph", stream: "torch.cuda.Stream", device: torch.device) -> None:
+        """Leave CUDA as it was before a failed capture.
+
+        A failed capture_end skips the RNG generators' capture epilogue, and every later random op
+        then fails ("Offset increment outside graph capture"). A small capture that succeeds runs
+        prologue and epilogue again and closes that state on the same generator objects, which
+        graphs captured earlier keep using."""
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             if torch.cuda.is_current_stream_capturing():
                 try:
                     graph.capture_end()
                 except Exception:  # the capture was already invalidated; ending it is all we need
                     log.debug("cgbackend: capture_end after a failed capture raised", exc_info=True)
         try:
-            torch.cuda.synchronize()
-        except Exception:  # a sticky error would surface here; report it with the capture failure
-            log.warning("cgbackend: CUDA reported an error after a failed capture", exc_info=True)
+            torch.cuda.synchronize(device)
+            closer = torch.cuda.CUDAGraph()
+            with torch.cuda.device(device), torch.cuda.graph(closer, stream=stream):
+                torch.empty(1, device=device).fill_(0.0)
+            torch.cuda.synchronize(device)
+            del closer
+        except Exception:  # nothing more we can do; report it next to the capture failure
+            log.warning("cgbackend: CUDA state after a failed capture could not be restored", exc_info=True)
 
 
 def _first_line(exc: BaseException) -> str:

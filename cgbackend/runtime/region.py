@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -127,14 +128,40 @@ class RegionRunner:
         self._count_eager(reason)
         return self.fn(*ins)
 
+    def _warmup_call(self, ins: list) -> Any:
+        """Eager call that also watches for host synchronization, which would break a capture."""
+        if self.shared.capturer.simulate or not torch.cuda.is_available():
+            return self.fn(*ins)
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = self.fn(*ins)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        sync = [w for w in caught if "synchroniz" in str(w.message)]
+        for w in caught:
+            if w not in sync:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if sync:
+            detail = str(sync[0].message).strip().splitlines()[0]
+            log.warning("cgbackend: region %s synchronized with the host during warm-up (%s); "
+                        "it runs eagerly from now on", self.name, detail)
+            if self.config.strict:
+                raise RuntimeError(f"cgbackend: region {self.name} synchronizes with the host: {detail}")
+            self.disable(EagerReason.HOST_SYNC_SEEN, detail)
+        return out
+
     def disable(self, reason: str, detail: str) -> None:
         if self.disabled is None:
             self.disabled = reason
             self.disabled_detail = detail
 
     def _keys(self, ins: list, grad_path: bool, slot: int) -> tuple[Optional[tuple], tuple]:
-        """(full key with addresses or None if a hand-off came from eager code, shape key)."""
-        shape_parts: list = [slot, grad_path, torch.is_inference_mode_enabled()]
+        """(full key: slot, shapes and addresses, or None if a hand-off came from eager code;
+        shape key: what warm-up counts, the same for every slot)."""
+        shape_parts: list = [grad_path, torch.is_inference_mode_enabled()]
         addr_parts: list = []
         persistent = self.shared.persistent_ptrs
         missing_handoff = False
@@ -162,7 +189,7 @@ class RegionRunner:
         shape_key = tuple(shape_parts)
         if missing_handoff:
             return None, shape_key
-        return shape_key + tuple(addr_parts), shape_key
+        return (slot,) + shape_key + tuple(addr_parts), shape_key
 
     # ------------------------------------------------------------------ entry point
 
@@ -175,7 +202,8 @@ class RegionRunner:
         warm = self.warm.get(shape_key, 0)
         if warm < self.config.warmup:
             self.warm[shape_key] = warm + 1
-            return self._eager(ins, EagerReason.WARMUP)
+            self._count_eager(EagerReason.WARMUP)
+            return self._warmup_call(ins)
         if key is None:
             return self._eager(ins, EagerReason.PRODUCER_EAGER)
         entry = self.entries.get(key)
@@ -294,7 +322,8 @@ class RegionRunner:
         reserved_before = _reserved(device)
         start = time.perf_counter()
         try:
-            graph, outputs = self.shared.capturer.capture(run, pool)
+            graph, outputs = self.shared.capturer.capture(
+                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)])
         except CaptureError as exc:
             self._capture_failed(str(exc))
             return None

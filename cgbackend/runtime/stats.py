@@ -16,6 +16,7 @@ class EagerReason:
     NO_CUDA = "no_cuda"
     CAPTURE_DISABLED = "capture_disabled"
     CAPTURE_FAILED = "capture_failed"
+    HOST_SYNC_SEEN = "host_sync_in_warmup"
     GRAPH_LIMIT = "graph_limit"
     PENDING_FORWARDS = "pending_forwards_limit"
     PRODUCER_EAGER = "producer_ran_eagerly"
@@ -27,6 +28,8 @@ class EagerReason:
         NO_CUDA: "the region's tensors are not on a CUDA device, nothing can be captured",
         CAPTURE_DISABLED: "capture=False: partitioned but run eagerly",
         CAPTURE_FAILED: "capturing this region failed; it runs eagerly from now on",
+        HOST_SYNC_SEEN: "the region synchronized with the host during an eager warm-up call "
+                        "(an op the classifier did not know); it runs eagerly from now on",
         GRAPH_LIMIT: "the region already holds max_graphs_per_region graphs",
         PENDING_FORWARDS: "max_pending_forwards forwards are waiting for their backward",
         PRODUCER_EAGER: "an input usually handed over by the previous graph came from eager code",

@@ -1,0 +1,996 @@
+"""Side-by-side benchmark: cgbackend against eager and the stock torch.compile modes.
+
+``python -m cgbackend bench [FLAGS]`` (or ``python benchmarks/run.py [FLAGS]``) runs, in one
+process, every chosen contender on every chosen reference model (``cgbackend.models``) in
+inference and training, and writes ``benchmarks/results/latest.json`` plus a table on stdout.
+``benchmarks/README.md`` documents the flags, what is measured and the JSON schema.
+
+For each model x mode x contender the harness
+
+1. takes a fresh deep copy of one seeded model (same weights for everybody), resets Dynamo,
+   and compiles it (``CONTENDERS[name].make``);
+2. runs ``--warmup`` calls (the first ones compile and, for CUDA-graph contenders, capture),
+   timing each; ``compile_s`` is what they took beyond ``--warmup`` steady-state calls;
+3. checks accuracy against eager on ``--acc-batches`` batches (infer: logits; train: the loss and
+   every parameter gradient of one step from the seed weights);
+4. times ``--iters`` calls, each on its own (CUDA events on CUDA, perf_counter on CPU), and
+   reports median / p10 / p90.
+
+Any exception inside one contender marks that row ``error`` and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["CONTENDERS", "STOCK_CONTENDERS", "Contender", "register_contender", "main", "run",
+           "render_markdown", "render_table", "lm_loss"]
+
+SCHEMA_VERSION = 1
+
+# --------------------------------------------------------------------------------------- contenders
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One way of running a model.
+
+    make(model) -> callable: compiles (lazily, as torch.compile does) the given module.
+    stock: a PyTorch-only contender (eligible for "best stock").
+    needs_cuda: skipped with error "needs CUDA" when the run is on CPU.
+    mark_step: call torch.compiler.cudagraph_mark_step_begin() before every call (cudagraph trees).
+    call_context: a fresh context manager entered around every call (including the first).
+    backend_stats(compiled) -> dict | None: counters of a cgbackend contender.
+    """
+
+    name: str
+    make: Callable[[nn.Module], Callable[..., Any]]
+    stock: bool
+    needs_cuda: bool = False
+    mark_step: bool = False
+    call_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    backend_stats: Optional[Callable[[Any], Optional[dict]]] = None
+    description: str = ""
+
+
+def _eager(model: nn.Module) -> Callable[..., Any]:
+    return model
+
+
+def _inductor(model: nn.Module) -> Callable[..., Any]:
+    return torch.compile(model)
+
+
+def _reduce_overhead(model: nn.Module) -> Callable[..., Any]:
+    return torch.compile(model, mode="reduce-overhead")
+
+
+def _dynops_context() -> ContextManager[Any]:
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+
+
+def _cudagraphs(model: nn.Module) -> Callable[..., Any]:
+    return torch.compile(model, backend="cudagraphs")
+
+
+def _cgbackend(**options: Any) -> Callable[[nn.Module], Callable[..., Any]]:
+    def make(model: nn.Module) -> Callable[..., Any]:
+        import cgbackend
+        return cgbackend.compile(model, **options)
+    return make
+
+
+def _cgbackend_stats(compiled: Any) -> Optional[dict]:
+    import cgbackend
+    return cgbackend.stats(compiled)
+
+
+CONTENDERS: dict[str, Contender] = {}
+"""name -> Contender, in the default run order (eager first: everything is compared to it)."""
+
+STOCK_CONTENDERS = ("eager", "inductor", "reduce-overhead", "reduce-overhead-dynops", "cudagraphs")
+
+
+def register_contender(contender: Contender) -> Contender:
+    """Add (or replace) a contender; e.g. a later ``cgbackend-static-dispatch``."""
+    CONTENDERS[contender.name] = contender
+    return contender
+
+
+for _c in (
+    Contender("eager", _eager, stock=True, description="the module as is"),
+    Contender("inductor", _inductor, stock=True, description="torch.compile(model)"),
+    Contender("reduce-overhead", _reduce_overhead, stock=True, needs_cuda=True, mark_step=True,
+              description='torch.compile(model, mode="reduce-overhead")'),
+    Contender("reduce-overhead-dynops", _reduce_overhead, stock=True, needs_cuda=True, mark_step=True,
+              call_context=_dynops_context,
+              description='reduce-overhead with capture_dynamic_output_shape_ops and '
+                          'capture_scalar_outputs patched on around every call'),
+    Contender("cudagraphs", _cudagraphs, stock=True, needs_cuda=True, mark_step=True,
+              description='torch.compile(model, backend="cudagraphs")'),
+    Contender("cgbackend", _cgbackend(), stock=False, backend_stats=_cgbackend_stats,
+              description="cgbackend.compile(model) (inner compiler: eager)"),
+    Contender("cgbackend-inductor", _cgbackend(inner="inductor"), stock=False,
+              backend_stats=_cgbackend_stats, description='cgbackend.compile(model, inner="inductor")'),
+    # A later "cgbackend-static-dispatch" contender goes here (register_contender works too).
+):
+    register_contender(_c)
+del _c
+
+# ------------------------------------------------------------------------------------- settings
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+SIZE_FLAGS = {"d_model": "d_model", "layers": "n_layers", "heads": "n_heads", "experts": "n_experts",
+              "top_k": "top_k", "vocab": "vocab"}
+
+SMOKE_DEFAULTS = dict(size="tiny", batch=2, seq=16, batches=4, warmup=2, iters=3, acc_batches=2,
+                      contenders="eager,cgbackend", device="cpu", floor_steps=2, threads=1)
+RUN_DEFAULTS = dict(models="dense,moe", modes="infer,train", size="bench", batch=4, seq=128, batches=64,
+                    warmup=10, iters=50, acc_batches=4, contenders=None, device=None, floor_steps=10,
+                    threads=None)
+
+
+def _repo_root() -> Path:
+    here = Path(__file__).resolve().parent.parent
+    return here if (here / "benchmarks").is_dir() else Path.cwd()
+
+
+def default_json_path() -> Path:
+    return _repo_root() / "benchmarks" / "results" / "latest.json"
+
+
+def default_markdown_path() -> Path:
+    return _repo_root() / "benchmarks" / "RESULTS.md"
+
+
+class UsageError(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Settings:
+    models: list[str]
+    modes: list[str]
+    contenders: list[str]
+    size: str
+    overrides: dict[str, int]
+    batch: int
+    seq: int
+    batches: int
+    warmup: int
+    iters: int
+    acc_batches: int
+    floor_steps: int
+    device: torch.device
+    dtype: torch.dtype
+    tol: float
+    seed: int
+    lr: float
+    out: Path
+    markdown: Optional[Path]
+    smoke: bool
+    verbose: bool
+    threads: Optional[int] = None
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "models": self.models, "modes": self.modes, "contenders": self.contenders, "size": self.size,
+            "size_overrides": self.overrides, "batch": self.batch, "seq": self.seq, "batches": self.batches,
+            "warmup": self.warmup, "iters": self.iters, "acc_batches": self.acc_batches,
+            "floor_steps": self.floor_steps, "device": str(self.device), "dtype": _dtype_name(self.dtype),
+            "tolerance": self.tol, "seed": self.seed, "lr": self.lr, "smoke": self.smoke,
+            "threads": self.threads if self.threads is not None else torch.get_num_threads(),
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}.get(dtype, str(dtype))
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m cgbackend bench",
+        description="Side-by-side benchmark of cgbackend against eager and stock torch.compile modes "
+                    "(see benchmarks/README.md).")
+    p.add_argument("--models", help="comma-separated reference models (default dense,moe)")
+    p.add_argument("--modes", help="comma-separated: infer, train (default both)")
+    p.add_argument("--contenders", help="comma-separated subset (default all: %s)" % ",".join(CONTENDERS))
+    p.add_argument("--list-contenders", action="store_true", help="print the contenders and exit")
+    p.add_argument("--size", help="base size from cgbackend.models.SIZES (default bench; smoke: tiny)")
+    p.add_argument("--d-model", type=int, help="override d_model")
+    p.add_argument("--layers", type=int, help="override n_layers")
+    p.add_argument("--heads", type=int, help="override n_heads")
+    p.add_argument("--experts", type=int, help="override n_experts")
+    p.add_argument("--top-k", type=int, help="override top_k")
+    p.add_argument("--vocab", type=int, help="override vocab")
+    p.add_argument("--batch", type=int, help="batch size (default 4)")
+    p.add_argument("--seq", type=int, help="sequence length (default 128)")
+    p.add_argument("--batches", type=int, help="distinct input batches, cycled (default 64)")
+    p.add_argument("--warmup", type=int, help="untimed calls before accuracy and timing (default 10)")
+    p.add_argument("--iters", type=int, help="timed calls (default 50)")
+    p.add_argument("--acc-batches", type=int, help="batches compared against eager (default 4)")
+    p.add_argument("--floor-steps", type=int, help="profiled eager steps for floor_ms (default 10)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), help="default bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--device", help="cuda (default when available) or cpu")
+    p.add_argument("--tol", type=float, help="accuracy tolerance on max|diff|/max|ref| "
+                                             "(default 3e-2 bf16, 1e-2 fp16, 1e-4 fp32)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads for the run, restored after "
+                                                "(default: unchanged; --smoke: 1)")
+    p.add_argument("--seed", type=int, default=0, help="model weights seed (inputs use seed+1)")
+    p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate in train mode")
+    p.add_argument("--out", help="JSON output path (default benchmarks/results/latest.json; "
+                                 "--smoke: a file in the temp directory)")
+    p.add_argument("--markdown", help="also render RESULTS.md here (default benchmarks/RESULTS.md "
+                                      "on CUDA; on CPU only when given)")
+    p.add_argument("--no-markdown", action="store_true", help="do not render markdown")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU smoke run: tiny sizes, eager and cgbackend only, few iterations")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks and cgbackend INFO logs")
+    return p
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    from .models import MODEL_NAMES, SIZES
+
+    defaults = dict(RUN_DEFAULTS)
+    if args.smoke:
+        defaults.update(SMOKE_DEFAULTS)
+
+    def pick(name: str) -> Any:
+        value = getattr(args, name)
+        return defaults.get(name) if value is None else value
+
+    models = _csv(pick("models"))
+    for m in models:
+        if m not in MODEL_NAMES:
+            raise UsageError(f"unknown model {m!r}; choose from {', '.join(MODEL_NAMES)}")
+    modes = _csv(pick("modes"))
+    for m in modes:
+        if m not in ("infer", "train"):
+            raise UsageError(f"unknown mode {m!r}; choose infer and/or train")
+    contenders = _csv(pick("contenders")) if pick("contenders") else list(CONTENDERS)
+    for c in contenders:
+        if c not in CONTENDERS:
+            raise UsageError(f"unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
+    if not (models and modes and contenders):
+        raise UsageError("--models, --modes and --contenders must each name at least one entry")
+    size = pick("size")
+    if size not in SIZES:
+        raise UsageError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
+
+    device_text = pick("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device_text)
+    except RuntimeError as exc:
+        raise UsageError(f"bad --device {device_text!r}: {exc}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda was asked for but torch.cuda.is_available() is False")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise UsageError(f"--device must be cuda or cpu, got {device_text!r}")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    overrides = {key: getattr(args, flag) for flag, key in SIZE_FLAGS.items() if getattr(args, flag) is not None}
+    ints = {name: pick(name) for name in ("batch", "seq", "batches", "warmup", "iters", "acc_batches",
+                                          "floor_steps")}
+    for name, value in ints.items():
+        minimum = 0 if name in ("warmup", "acc_batches", "floor_steps") else 1
+        if value < minimum:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+    max_seq = overrides.get("max_seq", SIZES[size]["max_seq"])
+    if ints["seq"] > max_seq:
+        overrides["max_seq"] = ints["seq"]
+
+    threads = pick("threads")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {threads}")
+    if args.out:
+        out = Path(args.out)
+    elif args.smoke:
+        out = Path(tempfile.gettempdir()) / "cgbackend-bench-smoke.json"
+    else:
+        out = default_json_path()
+    if args.no_markdown:
+        markdown = None
+    elif args.markdown:
+        markdown = Path(args.markdown)
+    else:
+        markdown = default_markdown_path() if device.type == "cuda" and not args.smoke else None
+    return Settings(models=models, modes=modes, contenders=contenders, size=size, overrides=overrides,
+                    batch=ints["batch"], seq=ints["seq"], batches=ints["batches"], warmup=ints["warmup"],
+                    iters=ints["iters"], acc_batches=min(ints["acc_batches"], ints["batches"]),
+                    floor_steps=ints["floor_steps"], device=device, dtype=dtype,
+                    tol=args.tol if args.tol is not None else TOLERANCE[dtype], seed=args.seed, lr=args.lr,
+                    out=out, markdown=markdown, smoke=args.smoke, verbose=args.verbose, threads=threads)
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _error_text(exc: BaseException, limit: int = 600) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    # Dynamo appends long hints; the first few lines carry the cause.
+    text = " | ".join(lines[:6])
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def lm_loss(model_name: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The training loss, computed in float32 outside the compiled model: next-token cross entropy
+    for the language models (logits[:, :-1] vs tokens[:, 1:]), mean square of the output otherwise."""
+    from .models import is_language_model
+    if is_language_model(model_name):
+        logits = out[:, :-1].float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    return out.float().pow(2).mean()
+
+
+def _graph_breaks() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+    return dict(counters["graph_break"])
+
+
+def _graph_break_delta(before: dict[str, int]) -> tuple[int, dict[str, int]]:
+    """Graph breaks Dynamo counted since ``before``: the total and the count per reason (first line)."""
+    total, reasons = 0, {}
+    for reason, n in _graph_breaks().items():
+        d = int(n - before.get(reason, 0))
+        if d > 0:
+            total += d
+            key = (str(reason).strip().splitlines() or [""])[0][:200]
+            reasons[key] = reasons.get(key, 0) + d
+    return total, reasons
+
+
+def _counter(group: str, key: str) -> int:
+    from torch._dynamo.utils import counters
+    return int(counters[group][key])
+
+
+def _recompiles() -> Optional[int]:
+    """Dynamo compiles of a frame beyond its first, since the last torch._dynamo.reset()."""
+    try:
+        from torch._dynamo import convert_frame
+        return int(sum(max(0, n - 1) for n in convert_frame.FRAME_COMPILE_COUNTER.values()))
+    except Exception:
+        return None
+
+
+def _cudagraph_tree_counts(device: torch.device) -> tuple[Optional[int], Optional[int]]:
+    """(CUDA graphs recorded, re-records) held by Inductor's cudagraph-tree manager for this device;
+    reduce-overhead and backend="cudagraphs" both record through it. (0, 0) when no manager exists;
+    (None, None) when it cannot be inspected. Must be read before torch._dynamo.reset()."""
+    if device.type != "cuda":
+        return 0, 0
+    try:
+        from torch._inductor import cudagraph_trees
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = cudagraph_trees.get_manager(index, create_if_none_exists=False)
+        if manager is None:
+            return 0, 0
+        count = 0
+        stack = list(manager.get_roots())
+        while stack:
+            node = stack.pop()
+            count += 1
+            for children in node.children.values():
+                stack.extend(children)
+        rerecords = sum(sum(per_fn.values()) for per_fn in manager.num_rerecord.values())
+        return count, int(rerecords)
+    except Exception:
+        return None, None
+
+
+def _cleanup(device: torch.device) -> None:
+    try:
+        torch._dynamo.reset()
+    except Exception:
+        pass
+    try:
+        import cgbackend
+        cgbackend.reset()
+    except Exception:
+        pass
+    gc.collect()
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
+
+
+def _sanitize(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _sanitize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_sanitize(v) for v in value]
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return _sanitize(value.item())
+    return str(value)
+
+
+# ------------------------------------------------------------------------------------- one case
+
+
+@dataclasses.dataclass
+class Case:
+    """One model x mode: the seed weights (on CPU), the inputs and eager's reference results."""
+
+    model_name: str
+    mode: str
+    base: nn.Module
+    inputs: list[torch.Tensor]
+    acc_indices: list[int]
+    ref: list[dict[str, Any]]
+    floor_ms: Optional[float] = None
+    floor_device_events: Optional[float] = None
+    floor_error: Optional[str] = None
+
+
+def _new_model(case: Case, settings: Settings) -> nn.Module:
+    model = copy.deepcopy(case.base).to(settings.device)
+    model.train(case.mode == "train")
+    return model
+
+
+def _restore_weights(model: nn.Module, base: nn.Module) -> None:
+    with torch.no_grad():
+        for p, b in zip(model.parameters(), base.parameters()):
+            p.copy_(b)
+        for p, b in zip(model.buffers(), base.buffers()):
+            p.copy_(b)
+
+
+class Runner:
+    """Calls one contender on one case, rotating through the inputs."""
+
+    def __init__(self, contender: Contender, case: Case, model: nn.Module, fn: Callable[..., Any],
+                 settings: Settings) -> None:
+        self.contender = contender
+        self.case = case
+        self.model = model
+        self.fn = fn
+        self.settings = settings
+        self.train = case.mode == "train"
+        self.opt = torch.optim.SGD(model.parameters(), lr=settings.lr) if self.train else None
+        self.next_index = 0
+
+    def call(self, x: torch.Tensor) -> Any:
+        if self.contender.mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        with self.contender.call_context():
+            return self.fn(x)
+
+    def step(self, index: Optional[int] = None) -> None:
+        """One timed unit: an inference call, or a full training step (forward, loss, backward, SGD)."""
+        if index is None:
+            index = self.next_index % len(self.case.inputs)
+            self.next_index += 1
+        x = self.case.inputs[index]
+        if self.train:
+            self.opt.zero_grad(set_to_none=True)
+            out = self.call(x)
+            loss = lm_loss(self.case.model_name, out, x)
+            loss.backward()
+            self.opt.step()
+        else:
+            with torch.no_grad():
+                self.call(x)
+
+    def results_for(self, index: int) -> dict[str, Any]:
+        """What accuracy compares, for batch ``index``; training: from the seed weights, no SGD step."""
+        x = self.case.inputs[index]
+        if not self.train:
+            with torch.no_grad():
+                out = self.call(x)
+                return {"logits": out.detach().float().cpu().clone()}
+        _restore_weights(self.model, self.case.base)
+        self.opt.zero_grad(set_to_none=True)
+        out = self.call(x)
+        loss = lm_loss(self.case.model_name, out, x)
+        loss.backward()
+        grads = {name: (None if p.grad is None else p.grad.detach().float().cpu().clone())
+                 for name, p in self.model.named_parameters()}
+        return {"loss": loss.detach().float().cpu().clone(), "grads": grads}
+
+
+def _compare(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, str]:
+    """max over compared tensors of max|got - ref| / max|ref| (absolute when ref is all zeros)."""
+    worst, where = 0.0, ""
+
+    def one(name: str, a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> None:
+        nonlocal worst, where
+        if a is None and b is None:
+            return
+        if a is None or b is None:
+            err, note = math.inf, f"{name}: gradient {'missing' if a is None else 'unexpected'}"
+        elif a.shape != b.shape:
+            err, note = math.inf, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        else:
+            diff = (a - b).abs().max().item() if a.numel() else 0.0
+            scale = b.abs().max().item() if b.numel() else 0.0
+            err = diff / scale if scale > 0 else diff
+            if math.isnan(err):
+                err = math.inf
+            note = name
+        if not where or err > worst:
+            worst, where = err, note
+
+    for key in ("logits", "loss"):
+        if key in ref:
+            one(key, got.get(key), ref[key])
+    if "grads" in ref:
+        for name, b in ref["grads"].items():
+            one(f"grad {name}", got["grads"].get(name), b)
+    return worst, where
+
+
+def _eager_floor(case: Case, settings: Settings) -> tuple[Optional[float], Optional[float]]:
+    """Per-step device time of eager: the device events (kernels, memcpy, memset) recorded by
+    torch.profiler over ``floor_steps`` eager steps, summed and divided by the step count."""
+    if settings.device.type != "cuda" or settings.floor_steps == 0:
+        return None, None
+    from torch.profiler import ProfilerActivity, profile
+    model = _new_model(case, settings)
+    runner = Runner(CONTENDERS["eager"], case, model, model, settings)
+    try:
+        for _ in range(3):
+            runner.step()
+        _sync(settings.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(settings.floor_steps):
+                runner.step()
+            _sync(settings.device)
+        total_us, count = 0.0, 0
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                total_us += event.self_device_time_total
+                count += 1
+        if count == 0:
+            raise RuntimeError("the profiler recorded no CUDA device events")
+        return total_us / 1e3 / settings.floor_steps, count / settings.floor_steps
+    finally:
+        del runner, model
+        _cleanup(settings.device)
+
+
+def prepare_case(model_name: str, mode: str, settings: Settings) -> Case:
+    from .models import build_model, make_inputs
+    base = build_model(model_name, size=settings.size, device="cpu", dtype=settings.dtype, seed=settings.seed,
+                       **settings.overrides)
+    inputs = make_inputs(model_name, base, batch=settings.batch, seq=settings.seq, n=settings.batches,
+                         device=settings.device, dtype=settings.dtype, seed=settings.seed + 1)
+    step = max(1, len(inputs) // max(settings.acc_batches, 1))
+    acc_indices = [i * step for i in range(settings.acc_batches)]
+    case = Case(model_name, mode, base, inputs, acc_indices, ref=[])
+    _cleanup(settings.device)
+    model = _new_model(case, settings)
+    runner = Runner(CONTENDERS["eager"], case, model, model, settings)
+    case.ref = [runner.results_for(i) for i in acc_indices]
+    del runner, model
+    _cleanup(settings.device)
+    try:
+        case.floor_ms, case.floor_device_events = _eager_floor(case, settings)
+    except Exception as exc:  # the floor is informative; never fatal
+        case.floor_error = _error_text(exc)
+        _log(f"{model_name}/{mode}: floor failed: {case.floor_error}")
+    return case
+
+
+def _empty_row(case: Case, contender: Contender, settings: Settings) -> dict[str, Any]:
+    return {
+        "model": case.model_name, "mode": case.mode, "contender": contender.name, "stock": contender.stock,
+        "median_ms": None, "p10_ms": None, "p90_ms": None, "mean_ms": None, "floor_ms": case.floor_ms,
+        "floor_device_events_per_step": case.floor_device_events,
+        "accuracy_ok": None, "accuracy_err": None, "accuracy_worst": None, "accuracy_tol": settings.tol,
+        "peak_mem_bytes": None, "mem_baseline_bytes": None, "compile_s": None, "first_call_s": None,
+        "graphs": None, "graph_breaks": None, "graph_break_reasons": None, "recompiles": None, "rerecords": None, "dynamo_graphs": None,
+        "cudagraph_skips": None, "backend_stats": None,
+        "ratio_to_eager": None, "ratio_to_best_stock": None, "ratio_to_floor": None, "beats_best_stock": None,
+        "error": None, "error_stage": None,
+    }
+
+
+_STATS_KEYS = ("graphs_captured", "static_regions", "dynamic_regions", "replays", "eager_calls",
+               "capture_time_s", "capture_failures", "pool_bytes", "nothing_captured_reason")
+
+
+def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[str, Any]:
+    row = _empty_row(case, contender, settings)
+    device = settings.device
+    if contender.needs_cuda and device.type != "cuda":
+        row["error"], row["error_stage"] = "needs CUDA", "setup"
+        return row
+    stage = "setup"
+    runner = model = fn = None
+    cuda = device.type == "cuda"
+    try:
+        _cleanup(device)
+        breaks0 = _graph_breaks()
+        unique0 = _counter("stats", "unique_graphs")
+        skips0 = _counter("inductor", "cudagraph_skips")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
+        stage = "compile"
+        model = _new_model(case, settings)
+        fn = contender.make(model)
+        runner = Runner(contender, case, model, fn, settings)
+
+        # Warm-up: the first call compiles (Dynamo + backend), CUDA-graph contenders capture within.
+        warm: list[float] = []
+        for _ in range(settings.warmup):
+            _sync(device)
+            t0 = time.perf_counter()
+            runner.step()
+            _sync(device)
+            warm.append(time.perf_counter() - t0)
+        row["graph_breaks"], row["graph_break_reasons"] = _graph_break_delta(breaks0)
+
+        stage = "accuracy"
+        errors = [_compare(runner.results_for(i), ref) for i, ref in zip(case.acc_indices, case.ref)]
+        if errors:
+            err, where = max(errors, key=lambda e: e[0])
+            row["accuracy_err"] = err
+            row["accuracy_worst"] = where
+            row["accuracy_ok"] = bool(err <= settings.tol)
+        else:
+            row["accuracy_ok"] = None
+
+        stage = "timing"
+        times: list[float] = []
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(settings.iters):
+            if cuda:
+                torch.cuda.synchronize(device)
+                start.record()
+                runner.step()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                runner.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+        _sync(device)
+        row["median_ms"] = statistics.median(times)
+        row["p10_ms"] = _percentile(times, 0.10)
+        row["p90_ms"] = _percentile(times, 0.90)
+        row["mean_ms"] = statistics.fmean(times)
+        if warm:
+            row["first_call_s"] = warm[0]
+            row["compile_s"] = max(0.0, sum(warm) - len(warm) * row["median_ms"] / 1e3)
+
+        stage = "counters"
+        if cuda:
+            row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        row["dynamo_graphs"] = _counter("stats", "unique_graphs") - unique0
+        row["cudagraph_skips"] = _counter("inductor", "cudagraph_skips") - skips0
+        row["recompiles"] = _recompiles()
+        if contender.backend_stats is not None:
+            stats = contender.backend_stats(fn) or {}
+            row["backend_stats"] = {k: stats[k] for k in _STATS_KEYS if k in stats}
+            row["graphs"] = stats.get("graphs_captured")
+        else:
+            row["graphs"], row["rerecords"] = _cudagraph_tree_counts(device)
+    except Exception as exc:
+        row["error"], row["error_stage"] = _error_text(exc), stage
+        if settings.verbose:
+            traceback.print_exc()
+    finally:
+        del runner, fn, model
+        _cleanup(device)
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """ratio_to_X = median_ms / X's median (below 1: faster than X). best stock: the fastest stock
+    contender of the same model x mode that ran and passed accuracy. Rows that failed accuracy get
+    no ratio_to_best_stock and never count as a win."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["mode"]), []).append(row)
+    for group in groups.values():
+        ok = [r for r in group if r["error"] is None and r["median_ms"] is not None]
+        eager = next((r for r in ok if r["contender"] == "eager"), None)
+        stock = [r for r in ok if r["contender"] in STOCK_CONTENDERS and r["accuracy_ok"] is not False]
+        best = min(stock, key=lambda r: r["median_ms"]) if stock else None
+        for r in group:
+            r["best_stock"] = best["contender"] if best else None
+            if r not in ok:
+                continue
+            if eager is not None and eager["median_ms"] > 0:
+                r["ratio_to_eager"] = r["median_ms"] / eager["median_ms"]
+            if r["floor_ms"]:
+                r["ratio_to_floor"] = r["median_ms"] / r["floor_ms"]
+            if best is not None and r["accuracy_ok"] is not False and best["median_ms"] > 0:
+                r["ratio_to_best_stock"] = r["median_ms"] / best["median_ms"]
+                r["beats_best_stock"] = bool(r["ratio_to_best_stock"] < 1.0 and r["contender"] != best["contender"])
+            else:
+                r["beats_best_stock"] = False
+
+
+# ------------------------------------------------------------------------------------- output
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine() or "cpu"
+    return f"CPU ({name}, {os.cpu_count()} cores)"
+
+
+def _command_line(argv: Sequence[str]) -> str:
+    orig = list(getattr(sys, "orig_argv", []) or [])
+    argv = list(argv)
+    if orig and (not argv or orig[-len(argv):] == argv):
+        return shlex.join(orig)
+    return shlex.join(["python", "-m", "cgbackend", "bench", *argv]) + "  # called in-process"
+
+
+def build_meta(settings: Settings, argv: Sequence[str], cases: list[Case]) -> dict[str, Any]:
+    try:
+        import cgbackend
+        version = cgbackend.__version__
+    except Exception:
+        version = None
+    return {
+        "schema": SCHEMA_VERSION,
+        "device": _device_name(settings.device),
+        "device_type": settings.device.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cgbackend": version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+        "command": _command_line(argv),
+        "argv": list(argv),
+        "settings": settings.to_meta(),
+        "timing": ("CUDA events around each call, synchronized before and after" if settings.device.type == "cuda"
+                   else "time.perf_counter around each call"),
+        "compile_s": "sum of the --warmup call times minus --warmup x median_ms",
+        "floor": {f"{c.model_name}/{c.mode}": {"floor_ms": c.floor_ms, "error": c.floor_error} for c in cases},
+        "contenders": {name: CONTENDERS[name].description for name in settings.contenders},
+    }
+
+
+def _fmt(value: Any, spec: str = ".3f", none: str = "-") -> str:
+    if value is None:
+        return none
+    if spec == "ratio" and isinstance(value, float):
+        return format(value, ".2f") if value >= 0.1 else format(value, ".2g")
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def _mib(value: Optional[int]) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _acc(row: dict[str, Any]) -> str:
+    if row["accuracy_ok"] is None:
+        return "-"
+    err = "inf" if row["accuracy_err"] is None else f"{row['accuracy_err']:.1e}"
+    return f"{'ok' if row['accuracy_ok'] else 'FAIL'} {err}"
+
+
+_COLUMNS = ("contender", "median ms", "p10", "p90", "x eager", "x best stock", "x floor", "accuracy",
+            "peak MiB", "compile s", "graphs", "breaks", "error")
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    name = row["contender"] + (" *" if row.get("beats_best_stock") else "")
+    return [name, _fmt(row["median_ms"]), _fmt(row["p10_ms"]), _fmt(row["p90_ms"]),
+            _fmt(row["ratio_to_eager"], "ratio"), _fmt(row["ratio_to_best_stock"], "ratio"),
+            _fmt(row["ratio_to_floor"], "ratio"), _acc(row), _mib(row["peak_mem_bytes"]),
+            _fmt(row["compile_s"], ".2f"), _fmt(row["graphs"]), _fmt(row["graph_breaks"]),
+            (row["error"] or "")[:80]]
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[tuple[str, str], list[dict[str, Any]]]]:
+    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault((row["model"], row["mode"]), []).append(row)
+    return list(out.items())
+
+
+def render_table(results: dict[str, Any]) -> str:
+    """Plain-text tables (one per model x mode) for stdout."""
+    meta = results["meta"]
+    lines = [f"device: {meta['device']}  torch {meta['torch']}  {meta['date']}",
+             f"command: {meta['command']}"]
+    for (model, mode), rows in _groups(results["rows"]):
+        floor = rows[0]["floor_ms"]
+        best = rows[0].get("best_stock")
+        lines.append("")
+        lines.append(f"== {model} / {mode}   floor {_fmt(floor)} ms   best stock: {best or '-'}")
+        table = [list(_COLUMNS)] + [_cells(r) for r in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
+        for i, cells in enumerate(table):
+            lines.append("  ".join(c.ljust(w) if j in (0, 7, 12) else c.rjust(w)
+                                   for j, (c, w) in enumerate(zip(cells, widths))).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("x = median / reference median (below 1 is faster); * = faster than the best stock "
+                 "contender with accuracy ok")
+    return "\n".join(lines)
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """RESULTS.md: header (device, torch, date, command) and one table per model x mode."""
+    meta = results["meta"]
+    s = meta.get("settings", {})
+    out = ["# Benchmark results", "",
+           "Generated by `cgbackend.bench` from the JSON results; see `benchmarks/README.md` for what each "
+           "column measures.", "",
+           f"- device: {meta['device']}",
+           f"- torch: {meta['torch']}" + (f" (CUDA {meta['cuda']})" if meta.get("cuda") else ""),
+           f"- cgbackend: {meta.get('cgbackend')}",
+           f"- date: {meta['date']}",
+           f"- command: `{meta['command']}`",
+           f"- dtype {s.get('dtype')}, batch {s.get('batch')}, seq {s.get('seq')}, {s.get('batches')} "
+           f"distinct batches, {s.get('warmup')} warm-up + {s.get('iters')} timed calls, size "
+           f"{s.get('size')} {s.get('size_overrides') or ''}".rstrip(),
+           f"- timing: {meta.get('timing')}; ratios are median / reference median (below 1 is faster)",
+           ""]
+    for (model, mode), rows in _groups(results["rows"]):
+        out.append(f"## {model} / {mode}")
+        out.append("")
+        out.append(f"Eager kernel-time floor: {_fmt(rows[0]['floor_ms'])} ms/step. "
+                   f"Best stock contender: {rows[0].get('best_stock') or '-'}.")
+        out.append("")
+        header = ["contender", "median ms", "p10 / p90 ms", "x eager", "x best stock", "x floor", "accuracy",
+                  "peak MiB", "compile s", "graphs", "graph breaks", "error"]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join("---" for _ in header) + "|")
+        for r in rows:
+            name = f"**{r['contender']}**" if r.get("beats_best_stock") else r["contender"]
+            err = (r["error"] or "").replace("|", "\\|")[:120]
+            cells = [name, _fmt(r["median_ms"]), f"{_fmt(r['p10_ms'])} / {_fmt(r['p90_ms'])}",
+                     _fmt(r["ratio_to_eager"], "ratio"), _fmt(r["ratio_to_best_stock"], "ratio"),
+                     _fmt(r["ratio_to_floor"], "ratio"), _acc(r), _mib(r["peak_mem_bytes"]),
+                     _fmt(r["compile_s"], ".2f"), _fmt(r["graphs"]), _fmt(r["graph_breaks"]), err]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    out.append("Bold: faster than the best stock contender, with accuracy ok.")
+    out.append("")
+    return "\n".join(out)
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_sanitize(results), indent=2, allow_nan=False)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    cases: list[Case] = []
+    for model_name in settings.models:
+        for mode in settings.modes:
+            _log(f"{model_name}/{mode}: preparing inputs, eager reference and floor")
+            case = prepare_case(model_name, mode, settings)
+            cases.append(case)
+            if case.floor_ms is not None:
+                _log(f"{model_name}/{mode}: floor {case.floor_ms:.3f} ms/step")
+            for name in settings.contenders:
+                contender = CONTENDERS[name]
+                t0 = time.perf_counter()
+                row = run_contender(case, contender, settings)
+                rows.append(row)
+                if row["error"]:
+                    _log(f"{model_name}/{mode} {name}: ERROR ({row['error_stage']}) {row['error'][:200]}"
+                         f" [{time.perf_counter() - t0:.1f}s]")
+                else:
+                    _log(f"{model_name}/{mode} {name}: compile {row['compile_s']:.2f}s, median "
+                         f"{row['median_ms']:.3f} ms, accuracy {_acc(row)} [{time.perf_counter() - t0:.1f}s]")
+            # Free the case's device inputs before the next one.
+            case.inputs = []
+            _cleanup(settings.device)
+    add_ratios(rows)
+    return {"meta": build_meta(settings, argv, cases), "rows": rows}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error (argparse already printed it)
+        return int(exc.code or 0)
+    if args.list_contenders:
+        for name, c in CONTENDERS.items():
+            flags = ("stock" if c.stock else "cgbackend") + (", needs CUDA" if c.needs_cuda else "")
+            print(f"{name:24s} {c.description} ({flags})")
+        return 0
+    try:
+        settings = resolve_settings(args)
+    except UsageError as exc:
+        print(f"cgbackend bench: error: {exc}", file=sys.stderr)
+        return 2
+    if settings.verbose:
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _log(f"device {settings.device} ({_device_name(settings.device)}), dtype {_dtype_name(settings.dtype)}, "
+         f"models {','.join(settings.models)}, modes {','.join(settings.modes)}, "
+         f"contenders {','.join(settings.contenders)}")
+    saved_threads = torch.get_num_threads()
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    try:
+        results = run(settings, argv)
+    finally:
+        torch.set_num_threads(saved_threads)
+    write_json(results, settings.out)
+    _log(f"wrote {settings.out}")
+    if settings.markdown is not None:
+        settings.markdown.parent.mkdir(parents=True, exist_ok=True)
+        settings.markdown.write_text(render_markdown(_sanitize(results)), encoding="utf-8")
+        _log(f"wrote {settings.markdown}")
+    print(render_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

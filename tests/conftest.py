@@ -1,0 +1,31 @@
+"""Shared test setup: the ``cuda`` marker, a Dynamo/cgbackend reset around every test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cgbackend
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test starts with empty Dynamo caches and no default backend instance."""
+    torch._dynamo.reset()
+    cgbackend.reset()
+    yield
+    torch._dynamo.reset()
+    cgbackend.reset()

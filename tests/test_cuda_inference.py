@@ -1,0 +1,212 @@
+"""GPU: inference through CUDA graphs matches eager, counters show capture once then replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cgbackend
+from cgbackend.models import MODEL_NAMES, build_model, make_inputs
+
+from cuda_utils import assert_matches
+
+pytestmark = pytest.mark.cuda
+
+WARMUP = 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_inference_matches_eager_and_replays(name, grad_mode, dtype):
+    model = build_model(name, size="tiny", device="cuda", dtype=dtype).eval()
+    inputs = make_inputs(name, model, n=8, device="cuda", dtype=dtype)
+    compiled = cgbackend.compile(model, warmup=WARMUP)
+    ctx = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode
+    kept = []
+    with ctx():
+        for i, x in enumerate(inputs):
+            ref = model(x)
+            out = compiled(x)
+            assert_matches(out, ref, dtype, f"{name} call {i}")
+            kept.append((out, ref.clone()))
+            if i == WARMUP:
+                after_capture = cgbackend.stats(compiled)
+        for i, (out, ref) in enumerate(kept):  # outputs of earlier calls were not overwritten
+            assert_matches(out, ref, dtype, f"{name} kept output {i}")
+    st = cgbackend.stats(compiled)
+    regions = st["static_regions"]
+    assert regions >= 1
+    # Every static region captured exactly once, at the first call after warm-up.
+    assert after_capture["graphs_captured"] == regions
+    assert st["graphs_captured"] == regions, st
+    assert st["capture_failures"] == []
+    assert st["replays"] == regions * (len(inputs) - WARMUP)
+    assert st["eager_calls"] == {"warmup": regions * WARMUP}, st["eager_calls"]
+    assert st["copied_by_kind"].get("param", 0) == 0
+    assert st["output_clones"] == len(inputs) - WARMUP
+
+
+def test_dense_one_graph_no_copies_but_input():
+    model = build_model("dense", size="tiny", device="cuda").eval()
+    inputs = make_inputs("dense", model, n=6, device="cuda")
+    compiled = cgbackend.compile(model, warmup=1)
+    with torch.no_grad():
+        for x in inputs:
+            assert torch.equal(compiled(x), model(x)) or assert_matches(compiled(x), model(x), torch.float32)
+    st = cgbackend.stats(compiled)
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0
+    # Only the token ids are copied (one per replay after the capturing call).
+    assert st["copied_by_kind"] == {"user_input": st["copies_made"]}
+
+
+def test_moe_hand_off_between_graphs_avoids_copies():
+    model = build_model("moe", size="tiny", device="cuda").eval()
+    inputs = make_inputs("moe", model, n=6, device="cuda")
+    compiled = cgbackend.compile(model, warmup=1)
+    with torch.no_grad():
+        for x in inputs:
+            assert_matches(compiled(x), model(x), torch.float32)
+    st = cgbackend.stats(compiled)
+    assert st["copies_avoided"] > 0
+    assert st["copied_by_kind"].get("eager_value", 0) == 0, st["copied_by_kind"]
+
+
+def test_parameter_replaced_between_calls_is_picked_up():
+    model = build_model("dense", size="tiny", device="cuda").eval()
+    x = make_inputs("dense", model, n=1, device="cuda")[0]
+    compiled = cgbackend.compile(model, warmup=1)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+        captured = cgbackend.stats(compiled)["graphs_captured"]
+        model.lm_head.weight.data = torch.randn_like(model.lm_head.weight)  # new storage
+        assert_matches(compiled(x), model(x), torch.float32, "after p.data = ...")
+        assert cgbackend.stats(compiled)["graphs_captured"] == captured + 1
+        # In-place load keeps the address: same graph, new values.
+        state = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+        assert_matches(compiled(x), model(x), torch.float32, "after load_state_dict")
+        assert cgbackend.stats(compiled)["graphs_captured"] == captured + 1
+
+
+@torch.library.custom_op("cgbackend_test::hidden_sync", mutates_args=())
+def hidden_sync(x: torch.Tensor) -> torch.Tensor:
+    # Reads a value back to the host: legal eagerly, illegal while capturing.
+    return x * (1.0 + float(x.abs().max().item() > -1.0))
+
+
+@hidden_sync.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_PRIVATE_GEN = {}
+
+
+@torch.library.custom_op("cgbackend_test::private_noise", mutates_args=())
+def private_noise(x: torch.Tensor) -> torch.Tensor:
+    # Draws from a generator no graph registered: fine eagerly, fails inside a capture (no sync).
+    gen = _PRIVATE_GEN.setdefault(x.device, torch.Generator(device=x.device).manual_seed(0))
+    return x + 0.0 * torch.rand(x.shape, device=x.device, generator=gen)
+
+
+@private_noise.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _OpModel(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.op(self.a(x)) + 1))
+
+
+def test_host_sync_found_in_warmup_runs_eagerly():
+    model = _OpModel(hidden_sync).cuda().eval()
+    xs = [torch.randn(8, 32, device="cuda") for _ in range(4)]
+    compiled = cgbackend.compile(model, warmup=1)
+    with torch.no_grad():
+        for x in xs:
+            assert_matches(compiled(x), model(x), torch.float32)
+    st = cgbackend.stats(compiled)
+    assert st["capture_failures"] == []  # never attempted
+    assert st["eager_calls"].get("host_sync_in_warmup", 0) == len(xs) - 1
+    assert st["replays"] == 0
+    assert "host_sync_in_warmup" in cgbackend.report(compiled).to_text()
+
+
+def test_capture_failure_falls_back_with_reason():
+    model = _OpModel(private_noise).cuda().eval()
+    xs = [torch.randn(8, 32, device="cuda") for _ in range(5)]
+    compiled = cgbackend.compile(model, warmup=1)
+    with torch.no_grad():
+        for x in xs:
+            assert_matches(compiled(x), model(x), torch.float32)
+    st = cgbackend.stats(compiled)
+    assert len(st["capture_failures"]) == 1, st["capture_failures"]
+    assert "generator" in st["capture_failures"][0]["error"].lower()
+    assert st["eager_calls"].get("capture_failed", 0) == len(xs) - 1
+    assert st["replays"] == 0
+    assert "capture_failed" in cgbackend.report(compiled).to_text()
+    # CUDA and its default generator still work after the failed capture.
+    torch.cuda.synchronize()
+    assert torch.isfinite(torch.randn(4, device="cuda") @ torch.randn(4, 4, device="cuda")).all()
+    assert 0.3 < F.dropout(torch.ones(10000, device="cuda"), 0.5).eq(0).float().mean().item() < 0.7
+
+
+@pytest.mark.parametrize("op, match", [(hidden_sync, "synchronizes"), (private_noise, "capturing region")])
+def test_strict_raises(op, match):
+    model = _OpModel(op).cuda().eval()
+    compiled = cgbackend.compile(model, warmup=1, strict=True)
+    x = torch.randn(8, 32, device="cuda")
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match=match):
+            compiled(x)
+            compiled(x)
+
+
+class _Dropper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+
+    def forward(self, x):
+        return F.dropout(self.lin(x).abs() + 1.0, p=0.5, training=self.training)
+
+
+def test_dropout_draws_fresh_mask_each_replay():
+    model = _Dropper().cuda().train()
+    x = torch.randn(64, 256, device="cuda")
+    compiled = cgbackend.compile(model, warmup=1)
+    masks = []
+    with torch.no_grad():
+        for _ in range(5):
+            masks.append(compiled(x) == 0)
+    assert cgbackend.stats(compiled)["replays"] == 4
+    for a, b in zip(masks[1:], masks[2:]):
+        assert not torch.equal(a, b), "two replays drew the same dropout mask"
+    for m in masks[1:]:
+        assert 0.45 < m.float().mean().item() < 0.55
+
+
+def test_output_outlives_later_calls_and_shapes():
+    model = build_model("moe", size="tiny", device="cuda").eval()
+    compiled = cgbackend.compile(model, warmup=1)
+    xs = make_inputs("moe", model, n=4, device="cuda")
+    with torch.no_grad():
+        outs = [compiled(x) for x in xs]
+        refs = [model(x) for x in xs]
+        # A different batch size: a new signature, never a replay of the old graph.
+        other = make_inputs("moe", model, batch=3, seq=16, n=2, device="cuda", seed=9)
+        for x in other:
+            assert_matches(compiled(x), model(x), torch.float32)
+    for o, r in zip(outs, refs):
+        assert_matches(o, r, torch.float32)

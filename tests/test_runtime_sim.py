@@ -1,0 +1,258 @@
+"""Runtime logic on CPU with simulated graphs (option simulate_graphs): a simulated graph re-runs the
+region into the same static buffers, so keys, hand-offs, copies, slots, replay order and fallbacks
+are exercised exactly as with CUDA graphs. GPU tests (test_cuda_*) check the real thing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cgbackend
+from cgbackend.models import MODEL_NAMES, build_model, is_language_model, make_inputs
+from cgbackend.runtime.capture import CaptureError, Capturer
+
+SIM = dict(simulate_graphs=True, warmup=1)
+
+
+def _loss(name, out, x):
+    if is_language_model(name):
+        return F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
+    return out.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_inference_counters_and_exact_results(name):
+    model = build_model(name).eval()
+    inputs = make_inputs(name, model, n=6)
+    compiled = cgbackend.compile(model, **SIM)
+    kept = []
+    with torch.no_grad():
+        for x in inputs:
+            torch.manual_seed(0)
+            ref = model(x)
+            torch.manual_seed(0)
+            out = compiled(x)
+            assert torch.equal(out, ref)
+            kept.append((out, ref))
+    assert all(torch.equal(o, r) for o, r in kept), "a replay overwrote an output returned earlier"
+    st = cgbackend.stats(compiled)
+    regions = st["static_regions"]
+    assert st["graphs_captured"] == regions >= 1
+    assert st["replays"] == regions * (len(inputs) - 1)
+    assert st["eager_calls"] == {"warmup": regions}
+    assert st["copied_by_kind"].get("param", 0) == 0
+    assert st["output_clones"] == len(inputs) - 1
+
+
+def test_moe_static_outputs_handed_over_without_copies():
+    model = build_model("moe").eval()
+    compiled = cgbackend.compile(model, **SIM)
+    with torch.no_grad():
+        for x in make_inputs("moe", model, n=4):
+            compiled(x)
+    st = cgbackend.stats(compiled)
+    # The token ids: once per replay after the capturing call (which fills the buffer itself).
+    assert st["copied_by_kind"] == {"user_input": 2}
+    assert st["copies_avoided"] > 0
+
+
+def test_parameter_replaced_recaptures_and_load_state_dict_does_not():
+    model = build_model("dense").eval()
+    x = make_inputs("dense", model, n=1)[0]
+    compiled = cgbackend.compile(model, **SIM)
+    with torch.no_grad():
+        compiled(x), compiled(x)
+        assert cgbackend.stats(compiled)["graphs_captured"] == 1
+        model.lm_head.weight.data = torch.randn_like(model.lm_head.weight)
+        assert torch.equal(compiled(x), model(x))
+        assert cgbackend.stats(compiled)["graphs_captured"] == 2
+        model.load_state_dict({k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()})
+        assert torch.equal(compiled(x), model(x))
+        assert cgbackend.stats(compiled)["graphs_captured"] == 2
+
+
+def test_graph_limit_falls_back_with_reason():
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
+    # dynamic=True: one Dynamo graph for every batch size, so one region sees several signatures.
+    compiled = cgbackend.compile(model, dynamic=True, max_graphs_per_region=1, **SIM)
+    with torch.no_grad():
+        for n in (4, 4, 5, 5, 5, 6, 6):
+            x = torch.randn(n, 8)
+            assert torch.equal(compiled(x), model(x))
+    st = cgbackend.stats(compiled)
+    assert st["graphs_captured"] == 1
+    # Each new size warms up once; its later calls would need a second graph.
+    assert st["eager_calls"] == {"warmup": 3, "graph_limit": 3}
+
+
+def _failing_capture(monkeypatch, region_suffix="S0"):
+    real = Capturer.capture
+
+    def capture(self, fn, pool, restore=()):
+        raise CaptureError("RuntimeError: injected failure")
+    monkeypatch.setattr(Capturer, "capture", capture)
+    return real
+
+
+def test_capture_failure_falls_back_and_is_reported(monkeypatch):
+    _failing_capture(monkeypatch)
+    model = build_model("dense").eval()
+    compiled = cgbackend.compile(model, **SIM)
+    with torch.no_grad():
+        for x in make_inputs("dense", model, n=4):
+            assert torch.equal(compiled(x), model(x))
+    st = cgbackend.stats(compiled)
+    assert [f["error"] for f in st["capture_failures"]] == ["RuntimeError: injected failure"]
+    assert st["eager_calls"]["capture_failed"] == 3
+    report = cgbackend.report(compiled)
+    runtime = report.graphs[0].runtime["regions"]
+    assert any(r["disabled"] == "capture_failed" and "injected" in r["disabled_detail"] for r in runtime.values())
+
+
+def test_capture_failure_strict_raises(monkeypatch):
+    _failing_capture(monkeypatch)
+    model = build_model("dense").eval()
+    compiled = cgbackend.compile(model, strict=True, **SIM)
+    x = make_inputs("dense", model, n=1)[0]
+    with torch.no_grad():
+        compiled(x)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            compiled(x)
+
+
+class _MutatesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, state):
+        state.mul_(0.5).add_(self.lin(x))
+        return torch.tanh(state) * 2
+
+
+def test_region_writing_a_caller_tensor_writes_it_back():
+    model = _MutatesInput().eval()
+    compiled = cgbackend.compile(model, **SIM)
+    ref_state, my_state = torch.randn(4, 8), None
+    my_state = ref_state.clone()
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            assert torch.equal(compiled(x, my_state), model(x, ref_state))
+            assert torch.equal(my_state, ref_state)
+    assert cgbackend.stats(compiled)["copy_backs"] >= 1
+
+
+# ------------------------------------------------------------------------------ training
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_training_matches_eager_bitwise(name):
+    base = build_model(name).train()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, **SIM)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)
+    for step, x in enumerate(make_inputs(name, base, n=5, seed=3)):
+        for model, fn, opt in ((ref, ref, opt_ref), (mine, compiled, opt_mine)):
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            torch.manual_seed(step)
+            loss = _loss(name, fn(x), x)
+            loss.backward()
+            opt.step()
+            if model is ref:
+                ref_loss = loss.detach()
+        assert torch.equal(loss.detach(), ref_loss)
+        for a, b in zip(ref.parameters(), mine.parameters()):
+            assert torch.equal(a, b)
+    st = cgbackend.stats(compiled)
+    assert st["fwd_graphs"] == st["bwd_graphs"] == st["static_regions"]
+    assert st["fwd_replays"] == st["bwd_replays"] == 4 * st["static_regions"]
+    assert st["eager_calls"] == {"warmup": st["static_regions"]}
+
+
+@pytest.mark.parametrize("pattern", ["sum", "two_then_backward"])
+def test_outstanding_forwards_use_separate_slots(pattern):
+    base = build_model("moe").train()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, **SIM)
+    batches = make_inputs("moe", base, n=9, seed=4)
+    for step in range(3):
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad()
+            losses = [_loss("moe", fn(x), x) for x in batches[3 * step: 3 * step + 3]]
+            if pattern == "sum":
+                sum(losses).backward()
+            else:
+                for loss in losses:
+                    loss.backward()
+        for a, b in zip(ref.parameters(), mine.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    st = cgbackend.stats(compiled)
+    assert st["fwd_graphs"] == 3 * st["static_regions"]  # three forwards in flight: three slots
+    assert st["pending_forwards"] == 0
+    assert st["eager_calls"] == {"warmup": st["static_regions"]}
+
+
+def test_pending_forward_limit_runs_eagerly():
+    base = build_model("dense").train()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, max_pending_forwards=1, **SIM)
+    batches = make_inputs("dense", base, n=6, seed=4)
+    for step in range(3):
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad()
+            sum(_loss("dense", fn(x), x) for x in batches[2 * step: 2 * step + 2]).backward()
+        for a, b in zip(ref.parameters(), mine.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    st = cgbackend.stats(compiled)
+    # Step 0 starts with the warm-up call; steps 1 and 2 each have one forward beyond the limit.
+    assert st["eager_calls"]["pending_forwards_limit"] == 2
+    assert st["fwd_graphs"] == 1
+
+
+def test_backward_after_slot_reuse_raises():
+    model = build_model("dense").train()
+    compiled = cgbackend.compile(model, **SIM)
+    x, y = make_inputs("dense", model, n=2)
+    compiled(x).sum().backward()  # warm-up
+    out = compiled(x)
+    loss = out.float().pow(2).mean()
+    loss.backward(retain_graph=True)
+    compiled(y).sum().backward()  # reuses the slot of the retained graph
+    with pytest.raises(RuntimeError, match="memory was reused"):
+        loss.backward()
+
+
+def test_inference_graph_older_than_pending_training_forward_runs_eagerly():
+    """Eval graphs captured first share the pool with training graphs captured later: replaying an
+    eval graph while a training forward waits for its backward could clobber saved activations."""
+    model = build_model("dense")
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, **SIM)
+    x, y = make_inputs("dense", model, n=2)
+    model.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(y)
+    model.train()
+    ref.train()
+    compiled(x).sum().backward()
+    compiled(x).sum().backward()  # training graphs captured (newer than the eval graph)
+    out = compiled(x)  # pending forward
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.equal(compiled(y), ref(y))
+    assert cgbackend.stats(compiled)["eager_calls"]["replay_order_hazard"] == 1
+    model.train()
+    ref.train()
+    model.zero_grad()
+    out.float().pow(2).mean().backward()
+    ref(x).float().pow(2).mean().backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
