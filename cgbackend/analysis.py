@@ -8,8 +8,8 @@ from typing import Optional
 import torch.fx
 
 from .config import Config
-from .passes import (Classification, Effects, Labels, Partition, Shapes, analyze_effects,
-                     classify, label, partition, shapes)
+from .passes import (Classification, Effects, Labels, Partition, Schedule, Shapes, analyze_effects,
+                     classify, label, partition, schedule, shapes)
 from .reasons import Reason
 
 __all__ = ["Analysis", "analyze"]
@@ -24,6 +24,7 @@ class Analysis:
     partition: Partition
     labels: Labels
     shapes: Shapes
+    schedule: Schedule
 
     def reason_of(self, node: torch.fx.Node) -> Optional[Reason]:
         return self.partition.reason_of(node, self.classification)
@@ -35,4 +36,5 @@ def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool
     classification = classify(gm, config, training=training, compute_device=compute_device)
     part = partition(gm, classification, effects, config)
     return Analysis(gm=gm, config=config, effects=effects, classification=classification,
-                    partition=part, labels=label(gm, part), shapes=shapes(gm, part))
+                    partition=part, labels=label(gm, part), shapes=shapes(gm, part),
+                    schedule=schedule(part, classification, effects))

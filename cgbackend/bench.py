@@ -533,7 +533,7 @@ class Runner:
         if not self.train:
             with torch.no_grad():
                 out = self.call(x)
-                return {"logits": out.detach().float().cpu().clone()}
+                return {"output": out.detach().float().cpu().clone()}
         _restore_weights(self.model, self.case.base)
         self.opt.zero_grad(set_to_none=True)
         out = self.call(x)
@@ -566,7 +566,7 @@ def _compare(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, str]:
         if not where or err > worst:
             worst, where = err, note
 
-    for key in ("logits", "loss"):
+    for key in ("output", "loss"):
         if key in ref:
             one(key, got.get(key), ref[key])
     if "grads" in ref:
@@ -594,7 +594,7 @@ def _eager_floor(case: Case, settings: Settings) -> tuple[Optional[float], Optio
         total_us, count = 0.0, 0
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
-                total_us += event.self_device_time_total
+                total_us += event.self_device_time_total or event.time_range.elapsed_us()
                 count += 1
         if count == 0:
             raise RuntimeError("the profiler recorded no CUDA device events")
@@ -634,7 +634,8 @@ def _empty_row(case: Case, contender: Contender, settings: Settings) -> dict[str
         "floor_device_events_per_step": case.floor_device_events,
         "accuracy_ok": None, "accuracy_err": None, "accuracy_worst": None, "accuracy_tol": settings.tol,
         "peak_mem_bytes": None, "mem_baseline_bytes": None, "compile_s": None, "first_call_s": None,
-        "graphs": None, "graph_breaks": None, "graph_break_reasons": None, "recompiles": None, "rerecords": None, "dynamo_graphs": None,
+        "graphs": None, "graph_breaks": None, "graph_break_reasons": None, "recompiles": None,
+        "rerecords": None, "dynamo_graphs": None,
         "cudagraph_skips": None, "backend_stats": None,
         "ratio_to_eager": None, "ratio_to_best_stock": None, "ratio_to_floor": None, "beats_best_stock": None,
         "error": None, "error_stage": None,
@@ -748,7 +749,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         best = min(stock, key=lambda r: r["median_ms"]) if stock else None
         for r in group:
             r["best_stock"] = best["contender"] if best else None
-            if r not in ok:
+            r["ratio_to_eager"] = r["ratio_to_best_stock"] = r["ratio_to_floor"] = None
+            r["beats_best_stock"] = False
+            if not any(r is o for o in ok):
                 continue
             if eager is not None and eager["median_ms"] > 0:
                 r["ratio_to_eager"] = r["median_ms"] / eager["median_ms"]
@@ -757,8 +760,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             if best is not None and r["accuracy_ok"] is not False and best["median_ms"] > 0:
                 r["ratio_to_best_stock"] = r["median_ms"] / best["median_ms"]
                 r["beats_best_stock"] = bool(r["ratio_to_best_stock"] < 1.0 and r["contender"] != best["contender"])
-            else:
-                r["beats_best_stock"] = False
 
 
 # ------------------------------------------------------------------------------------- output
@@ -774,7 +775,8 @@ def _device_name(device: torch.device) -> str:
 def _command_line(argv: Sequence[str]) -> str:
     orig = list(getattr(sys, "orig_argv", []) or [])
     argv = list(argv)
-    if orig and (not argv or orig[-len(argv):] == argv):
+    tail_matches = orig[-len(argv):] == argv if argv else bool(orig) and orig[-1].endswith(("bench", "run.py"))
+    if orig and tail_matches:
         return shlex.join(orig)
     return shlex.join(["python", "-m", "cgbackend", "bench", *argv]) + "  # called in-process"
 
@@ -943,8 +945,9 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
                     _log(f"{model_name}/{mode} {name}: ERROR ({row['error_stage']}) {row['error'][:200]}"
                          f" [{time.perf_counter() - t0:.1f}s]")
                 else:
-                    _log(f"{model_name}/{mode} {name}: compile {row['compile_s']:.2f}s, median "
-                         f"{row['median_ms']:.3f} ms, accuracy {_acc(row)} [{time.perf_counter() - t0:.1f}s]")
+                    _log(f"{model_name}/{mode} {name}: compile {_fmt(row['compile_s'], '.2f')}s, median "
+                         f"{_fmt(row['median_ms'])} ms, accuracy {_acc(row)}, graphs {_fmt(row['graphs'])}, "
+                         f"breaks {_fmt(row['graph_breaks'])} [{time.perf_counter() - t0:.1f}s]")
             # Free the case's device inputs before the next one.
             case.inputs = []
             _cleanup(settings.device)

@@ -67,6 +67,9 @@ class Config:
             raise ConfigError(
                 f"cgbackend option inner={self.inner!r} is not one of {', '.join(_INNER_COMPILERS)}"
             )
+        if self.inner == "inductor" and self.warmup < 1 and self.capture:
+            raise ConfigError("cgbackend option inner='inductor' needs warmup >= 1: Inductor compiles "
+                              "its backward at the first backward, which must not happen during a capture")
         for name in ("dynamic_ops", "dynamic_modules"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):

@@ -19,7 +19,8 @@ kernel launches per call if nothing is graphed), ``est_launches_graphed``
 "spec"}]``, spec like ``[s0, 512]@bfloat16``), ``symbols`` ({name: "backed" |
 "unbacked"}), ``reasons[]`` (``{"rule", "op", "source", "code", "module_path",
 "detail", "count"}``; empty for static regions), ``nodes[]`` (``{"name", "op",
-"role", "rule"}``; ``rule`` is null for nodes that are graphed).
+"role", "rule"}``; ``rule`` is null for nodes that are graphed), ``hoisted_syncs``
+(dynamic regions: host syncs the scheduler moved earlier).
 
 ``runtime`` is null in an ahead-of-time report; for a compiled model it holds
 the counters of :func:`cgbackend.stats`.
@@ -57,6 +58,8 @@ class RegionReport:
     symbols: dict[str, str]
     reasons: list[dict[str, Any]]
     nodes: list[dict[str, Any]]
+    hoisted_syncs: int = 0
+    """Dynamic regions: host synchronizations issued earlier than in program order (passes/schedule)."""
 
 
 @dataclasses.dataclass
@@ -152,6 +155,7 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
             symbols=rs.symbols,
             reasons=_aggregate_reasons(reasons),
             nodes=nodes,
+            hoisted_syncs=analysis.schedule.moved.get(region.index, 0),
         ))
     ops = sum(r.ops for r in regions)
     static_ops = sum(r.ops for r in regions if r.kind == "static")
@@ -274,6 +278,9 @@ def render_text(report: Report) -> str:
                     lines.append(f"{'':<17}`{reason['code']}`")
             if len(roots) > 6:
                 lines.append(f"{'':<10}... {len(roots) - 6} more causes (see --json)")
+            if r.hoisted_syncs:
+                lines.append(f"{'':<10}{r.hoisted_syncs} host sync(s) issued before the work that "
+                             "precedes them in the code, so later launches overlap the GPU")
             if derived:
                 total = sum(x["count"] for x in derived)
                 ops = collections.Counter()

@@ -151,3 +151,24 @@ def test_dropout_training_same_mask_forward_and_backward():
         assert_matches(model.w.grad, expected, torch.float32, f"dropout grad step {step}")
     assert not torch.equal(masks[-1], masks[-2])
     assert cgbackend.stats(compiled)["bwd_replays"] >= 2
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_inductor_inner_compiler_on_gpu(name, train):
+    ref, mine, compiled = _pair(name, warmup=1, inner="inductor")
+    ref.train(train)
+    mine.train(train)
+    for step, x in enumerate(make_inputs(name, ref, n=4, device="cuda", seed=13)):
+        if not train:
+            with torch.no_grad():
+                assert_matches(compiled(x), ref(x), torch.float32, f"inductor infer {step}")
+            continue
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad(set_to_none=True)
+            _loss(name, fn(x), x).backward()
+        _compare_grads(ref, mine, torch.float32, f"inductor train {step}")
+    st = cgbackend.stats(compiled)
+    assert st["capture_failures"] == []
+    assert st["eager_calls"].keys() <= {"warmup"}, st["eager_calls"]
+    assert st["replays"] > 0

@@ -256,3 +256,28 @@ def test_inference_graph_older_than_pending_training_forward_runs_eagerly():
     ref(x).float().pow(2).mean().backward()
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_inductor_inner_compiler(train):
+    base = build_model("dense").train(train)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, inner="inductor", **SIM)
+    for x in make_inputs("dense", base, n=4, seed=8):
+        if not train:
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
+            continue
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad()
+            _loss("dense", fn(x), x).backward()
+        for a, b in zip(ref.parameters(), mine.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+    st = cgbackend.stats(compiled)
+    assert st["replays"] == 3 * (2 if train else 1)
+    assert st["eager_calls"] == {"warmup": 1}
+
+
+def test_inductor_inner_needs_warmup():
+    with pytest.raises(cgbackend.ConfigError, match="warmup >= 1"):
+        cgbackend.backend(inner="inductor", warmup=0)

@@ -4,7 +4,8 @@ from .classify import Classification, classify
 from .effects import Effects, analyze_effects
 from .label import Labels, label
 from .partition import Partition, Region, partition
+from .schedule import Schedule, schedule
 from .shapes import Shapes, shapes
 
-__all__ = ["Classification", "Effects", "Labels", "Partition", "Region", "Shapes",
-           "analyze_effects", "classify", "label", "partition", "shapes"]
+__all__ = ["Classification", "Effects", "Labels", "Partition", "Region", "Schedule", "Shapes",
+           "analyze_effects", "classify", "label", "partition", "schedule", "shapes"]

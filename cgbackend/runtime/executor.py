@@ -166,7 +166,7 @@ class CompiledGraph:
         self.steps: list[_Step] = []
         self.runners: list[RegionRunner] = []
         for step_index, region in enumerate(partition.regions):
-            module = build_region_module(gm, region)
+            module = build_region_module(gm, region, analysis.schedule.order.get(region.index))
             ins = tuple(slot_of[n] for n in region.inputs)
             outs = tuple(slot_of[n] for n in region.outputs)
             frees = tuple(s for s in ins if last_use.get(s) == step_index and s not in graph_outputs)

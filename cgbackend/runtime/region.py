@@ -140,7 +140,9 @@ class RegionRunner:
                 out = self.fn(*ins)
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
-        sync = [w for w in caught if "synchroniz" in str(w.message)]
+        # The warning PyTorch gives for each synchronizing call; not its one-time notice that the
+        # debug mode is a prototype.
+        sync = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
         for w in caught:
             if w not in sync:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -276,8 +278,14 @@ class RegionRunner:
         persistent = self.shared.persistent_ptrs
         for pos, value in enumerate(ins):
             kind = self.kinds[pos]
-            if kind == VALUE or kind == PARAM:
+            if kind == VALUE or (kind == PARAM and not (grad_path and value.requires_grad)):
                 static_ins.append(value)
+                continue
+            if kind == PARAM:
+                # A leaf alias (same storage): the capture then builds its own autograd nodes on the
+                # capture stream instead of reusing the parameter's AccumulateGrad node, which was
+                # made on the default stream and would tie that stream to the capture.
+                static_ins.append(value.detach().requires_grad_(True))
                 continue
             producer = self.producers[pos]
             handoff = kind == EAGER or (kind == HANDOFF and producer is not None and producer.disabled is None)
@@ -397,10 +405,14 @@ class RegionRunner:
         inputs = [entry.static_ins[p] for p in entry.diff_in]
 
         def run() -> Any:
-            grads_in = torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
-                                           retain_graph=True, allow_unused=True)
+            with _backward_config():
+                grads_in = torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
+                                               retain_graph=True, allow_unused=True)
             return tuple(grads_in)
 
+        if getattr(self.fn, "needs_backward_prewarm", False):
+            # Inductor compiles the keep-graph variant of its backward on first use: not in a capture.
+            self.eager_backward(entry, grads)
         device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None
         reserved_before = _reserved(device)
         start = time.perf_counter()
@@ -431,8 +443,14 @@ class RegionRunner:
             grad = grads[i]
             grad_outs.append(torch.zeros_like(entry.outputs[i]) if grad is None else grad)
         inputs = [entry.static_ins[p] for p in entry.diff_in]
-        return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
-                                   retain_graph=True, allow_unused=True)
+        with _backward_config():
+            return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
+                                       retain_graph=True, allow_unused=True)
+
+
+def _backward_config():
+    """Backward through a retained graph: AOT autograd must not expect donated buffers."""
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 def _pack(t: torch.Tensor) -> torch.Tensor:

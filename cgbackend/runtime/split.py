@@ -1,9 +1,17 @@
 """Turn each region of a partition into its own GraphModule (inputs in Region.inputs order,
 outputs as a tuple in Region.outputs order). The mapping region -> module is kept by the caller;
-nothing is recovered from names."""
+nothing is recovered from names.
+
+In eager (dynamic) regions, Dynamo's host-only checks on sizes (``aten._assert_scalar``,
+``aten.sym_size``) become plain Python: same results and errors, without a dispatcher round trip
+per call (a per-expert loop has several per expert).
+"""
 
 from __future__ import annotations
 
+from typing import Any, Optional, Sequence
+
+import torch
 import torch.fx
 
 from ..passes.partition import Partition, Region
@@ -11,15 +19,34 @@ from ..passes.partition import Partition, Region
 __all__ = ["build_region_module", "split"]
 
 
-def build_region_module(gm: torch.fx.GraphModule, region: Region) -> torch.fx.GraphModule:
+def _assert_scalar(cond: Any, msg: str) -> None:
+    if not cond:
+        raise RuntimeError(f"Runtime assertion failed for expression {msg}")
+
+
+def _sym_size(t: torch.Tensor, dim: int) -> int:
+    return t.size(dim)
+
+
+_HOST_ONLY_REPLACEMENTS = {
+    torch.ops.aten._assert_scalar.default: _assert_scalar,
+    torch.ops.aten.sym_size.int: _sym_size,
+}
+
+
+def build_region_module(gm: torch.fx.GraphModule, region: Region,
+                        order: Optional[Sequence[torch.fx.Node]] = None) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     for inp in region.inputs:
         placeholder = graph.placeholder(inp.name)
         placeholder.meta = dict(inp.meta)
         env[inp] = placeholder
-    for node in region.nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
+    for node in (order if order is not None else region.nodes):
+        new = graph.node_copy(node, lambda n: env[n])
+        if not region.is_static and new.op == "call_function":
+            new.target = _HOST_ONLY_REPLACEMENTS.get(new.target, new.target)
+        env[node] = new
     graph.output(tuple(env[n] for n in region.outputs))
     graph.lint()
     # The root is the original module: get_attr targets (constants, nested graphs) resolve there.
