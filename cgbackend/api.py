@@ -67,18 +67,25 @@ def find_backend(obj: Any = None) -> CGBackend:
     found = getattr(obj, "_cgbackend", None)
     if isinstance(found, CGBackend):
         return found
-    # torch.compile(model, backend=...): the backend sits behind the OptimizeContext's callback.
-    ctx = getattr(obj, "dynamo_ctx", None)
-    candidate: Any = getattr(ctx, "callback", None)
-    for _ in range(8):
-        if candidate is None:
-            break
-        if isinstance(candidate, CGBackend):
-            return candidate
-        if candidate is dynamo_entry:
-            return default_backend()
-        candidate = (getattr(candidate, "_torchdynamo_orig_backend", None)
-                     or getattr(candidate, "compiler_fn", None))
+    # torch.compile(model, backend=...): the backend sits behind the OptimizeContext's callback; a
+    # compiled function keeps that context (or its callback) in its closure.
+    starts = [getattr(getattr(obj, "dynamo_ctx", None), "callback", None)]
+    for cell in getattr(obj, "__closure__", None) or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        starts.append(getattr(content, "callback", None) or content)
+    for candidate in starts:
+        for _ in range(8):
+            if candidate is None:
+                break
+            if isinstance(candidate, CGBackend):
+                return candidate
+            if candidate is dynamo_entry:
+                return default_backend()
+            candidate = (getattr(candidate, "_torchdynamo_orig_backend", None)
+                         or getattr(candidate, "compiler_fn", None))
     raise TypeError(
         "cgbackend could not find the backend behind this object; pass the backend instance "
         "(cgbackend.backend(...)), a model from cgbackend.compile(...), or a module compiled "

@@ -17,6 +17,11 @@ class CLIError(Exception):
     """A one-line error for the user; main() prints it and exits with status 2."""
 
 
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def _load_factory(spec: str):
     if ":" not in spec:
         raise CLIError(f"expected MODULE:FACTORY (e.g. mymodels:make), got {spec!r}")
@@ -36,9 +41,9 @@ def _load_factory(spec: str):
     except CLIError:
         raise
     except ImportError as exc:
-        raise CLIError(f"cannot import {module_name!r}: {exc}") from None
+        raise CLIError(f"cannot import {module_name!r}: {_one_line(exc)}") from None
     except Exception as exc:
-        raise CLIError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from None
+        raise CLIError(f"importing {module_name!r} failed: {type(exc).__name__}: {_one_line(exc)}") from None
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise CLIError(f"{module_name!r} has no callable {attr!r}")
@@ -59,7 +64,7 @@ def _split_inputs(made: Any) -> tuple[Any, tuple, dict]:
 
 
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:
-    from .config import Config
+    from .config import Config, parse_value
     fields = {f: Config.__dataclass_fields__[f].default for f in Config.field_names()}
     options: dict[str, Any] = {}
     for item in items:
@@ -68,8 +73,7 @@ def _parse_options(items: Sequence[str]) -> dict[str, Any]:
             raise CLIError(f"--option takes KEY=VALUE, got {item!r}")
         if key not in fields:
             raise CLIError(f"unknown option {key!r}; valid: {', '.join(fields)}")
-        from .config import _parse_env
-        options[key] = _parse_env(f"--option {key}", raw, fields[key])
+        options[key] = parse_value(f"--option {key}", raw, fields[key])
     return options
 
 
@@ -87,7 +91,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         try:
             made = factory()
         except Exception as exc:
-            raise CLIError(f"the factory {args.target} raised {type(exc).__name__}: {exc}") from None
+            raise CLIError(f"the factory {args.target} raised {type(exc).__name__}: {_one_line(exc)}") from None
         model, call_args, call_kwargs = _split_inputs(made)
     options = _parse_options(args.option or [])
     grad = torch.enable_grad() if args.train else torch.no_grad()
@@ -124,8 +128,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if getattr(args, "verbose", False):
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from .config import ConfigError
     try:
         return args.func(args)
-    except CLIError as exc:
-        print(f"cgbackend: error: {exc}", file=sys.stderr)
+    except (CLIError, ConfigError) as exc:
+        print(f"cgbackend: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `... | head` closed the pipe: not an error
+        sys.stderr.close()
+        return 0

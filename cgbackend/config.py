@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-__all__ = ["Config", "ConfigError", "ENV_PREFIX"]
+__all__ = ["Config", "ConfigError", "ENV_PREFIX", "parse_value"]
 
 ENV_PREFIX = "CGBACKEND_"
 
@@ -103,7 +103,7 @@ class Config:
                     f"environment variable {key} names no cgbackend option; valid: "
                     + ", ".join(ENV_PREFIX + v.upper() for v in valid)
                 )
-            values[name] = _parse_env(key, raw, fields[name].default)
+            values[name] = parse_value(key, raw, fields[name].default)
         values.update(options)
         return cls(**values)
 
@@ -120,7 +120,8 @@ def _check_int(cfg: Config, name: str, minimum: int) -> None:
         raise ConfigError(f"cgbackend option {name} must be an integer >= {minimum}, got {value!r}")
 
 
-def _parse_env(key: str, raw: str, default: Any) -> Any:
+def parse_value(key: str, raw: str, default: Any) -> Any:
+    """Parse an option's text (environment variable, command line) by the type of its default."""
     text = raw.strip()
     if isinstance(default, bool):
         lowered = text.lower()

@@ -144,10 +144,10 @@ def op_key(node: torch.fx.Node) -> str:
             return target._qualified_op_name
         module = getattr(target, "__module__", None) or ""
         name = getattr(target, "__name__", None) or str(target)
-        if module in ("torch", "torch._C._VariableFunctions") or module.startswith("torch._C"):
-            return f"torch.{name}"
         if module.startswith("torch.nn.functional") or module == "torch._C._nn":
             return f"torch.nn.functional.{name}"
+        if module in ("torch", "torch._C._VariableFunctions") or module.startswith("torch._C"):
+            return f"torch.{name}"
         return f"{module}.{name}" if module else name
     return str(target)
 

@@ -49,12 +49,9 @@ def mark_dynamic(target: Any = None, reason: str = "marked dynamic by the user")
         setattr(target, _ATTR, reason)
         return target
     if isinstance(target, torch.nn.Module):
-        cls = type(target)
         # A subclass with the same name carries the mark for this instance only; Dynamo records
         # the class in nn_module_stack, which is where the classifier looks.
-        marked = type(cls.__name__, (cls,), {_ATTR: reason, "__module__": cls.__module__,
-                                             "__qualname__": cls.__qualname__})
-        target.__class__ = marked
+        target.__class__ = _marked_subclass(_unmarked_class(type(target)), reason)
         return target
     name = _op_qualname(target)
     if name is None:
@@ -65,6 +62,35 @@ def mark_dynamic(target: Any = None, reason: str = "marked dynamic by the user")
     with _lock:
         _op_marks[name] = reason
     return target
+
+
+_INSTANCE_MARK = "__cgbackend_instance_mark__"
+
+
+def _unmarked_class(cls: type) -> type:
+    return cls.__bases__[0] if cls.__dict__.get(_INSTANCE_MARK) else cls
+
+
+def _marked_subclass(base: type, reason: str) -> type:
+    return type(base.__name__, (base,), {
+        _ATTR: reason, _INSTANCE_MARK: True, "__module__": base.__module__,
+        "__qualname__": base.__qualname__, "__reduce_ex__": _reduce_marked})
+
+
+def _reduce_marked(self: Any, protocol: int) -> Any:
+    """Pickle / deepcopy a marked instance as its real class plus the mark (the generated
+    subclass itself cannot be found by name)."""
+    cls = type(self)
+    base = _unmarked_class(cls)
+    reduced = base.__reduce_ex__(self, protocol)
+    state = reduced[2] if len(reduced) > 2 else None
+    return (_restore_marked, (base, cls.__dict__[_ATTR])) + ((state,) if state is not None else ()) + tuple(reduced[3:])
+
+
+def _restore_marked(base: type, reason: str) -> Any:
+    obj = base.__new__(base)
+    obj.__class__ = _marked_subclass(base, reason)
+    return obj
 
 
 def unmark_op(op: Any) -> None:

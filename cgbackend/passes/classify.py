@@ -46,6 +46,8 @@ class Classification:
     verdicts: dict[torch.fx.Node, NodeVerdict]
     compute_device: str
     training: bool
+    grad_enabled: bool = True
+    """Grad mode when the graph was traced (the state its grad-mode switches start from)."""
 
     def is_static(self, node: torch.fx.Node) -> bool:
         return self.verdicts[node].static
@@ -196,6 +198,30 @@ def rule_syncing_op(node: torch.fx.Node, ctx: ClassifyContext) -> Optional[Reaso
                       "(a hidden synchronize), which cannot be captured")
 
 
+def _requested_device(node: torch.fx.Node) -> Optional[str]:
+    """The device a .to()/.cuda() call asks for, as written in the code: "cuda", "cpu", or None
+    when the call names no device (a dtype-only .to)."""
+    method = node.target if node.op == "call_method" else None
+    if method == "cuda":
+        return "cuda"
+    candidates = list(node.args[1:]) + [node.kwargs.get("device")]
+    for arg in candidates:
+        if isinstance(arg, torch.device):
+            return arg.type
+        if isinstance(arg, str):
+            return torch.device(arg).type
+        if isinstance(arg, torch.fx.Node):
+            value = fake_value(arg)
+            if isinstance(value, torch.Tensor):  # .to(other_tensor)
+                return value.device.type
+    return None
+
+
+def _cpu_literal(node: torch.fx.Node) -> bool:
+    """.to("cpu") written with the string: a copy to the host even on a CPU trace."""
+    return any(isinstance(a, str) and a == "cpu" for a in list(node.args[1:]) + [node.kwargs.get("device")])
+
+
 def rule_device_move(node: torch.fx.Node, ctx: ClassifyContext) -> Optional[Reason]:
     method = node.target if node.op == "call_method" else None
     outs = _node_tensors(node)
@@ -203,17 +229,22 @@ def rule_device_move(node: torch.fx.Node, ctx: ClassifyContext) -> Optional[Reas
     if method in _TO_HOST_METHODS:
         return reason_for(node, Rule.DEVICE_MOVE,
                           f"Tensor.{method}() copies to the host; copies between devices synchronize")
+    if not (method in _TO_DEVICE_METHODS or (node.op == "call_function" and
+                                            callee_name(node) in ("to", "_to_copy"))):
+        return None
     in_devices = {_device_type(t) for _, t in ins}
     out_devices = {_device_type(t) for t in outs}
-    if method in _TO_DEVICE_METHODS or (node.op == "call_function" and
-                                        callee_name(node) in ("to", "_to_copy")):
-        if in_devices and out_devices and in_devices != out_devices:
-            return reason_for(node, Rule.DEVICE_MOVE,
-                              f"moves data from {'/'.join(sorted(in_devices))} to "
-                              f"{'/'.join(sorted(out_devices))}")
-        if any(inp in ctx.host_nodes for inp, _ in ins):
-            return reason_for(node, Rule.DEVICE_MOVE,
-                              f"moves a host tensor to the device ({op_name(node)})")
+    if in_devices and out_devices and in_devices != out_devices:
+        return reason_for(node, Rule.DEVICE_MOVE,
+                          f"moves data from {'/'.join(sorted(in_devices))} to {'/'.join(sorted(out_devices))}")
+    requested = _requested_device(node)
+    host_input = any(inp in ctx.host_nodes for inp, _ in ins)
+    if host_input and requested is not None:
+        return reason_for(node, Rule.DEVICE_MOVE, f"moves a host tensor to the device ({op_name(node)})")
+    # On a CPU trace a device move cannot be seen in the values. A literal "cpu" string in the
+    # code still says "copy to the host" (a torch.device may equally be x.device: no way to tell).
+    if _cpu_literal(node) and not host_input:
+        return reason_for(node, Rule.DEVICE_MOVE, f"{op_name(node)}('cpu') copies to the host")
     return None
 
 
@@ -290,6 +321,8 @@ def _is_host_value(node: torch.fx.Node, ctx: ClassifyContext, reason: Optional[R
     if reason.rule == Rule.DEVICE_MOVE:
         if node.op == "call_method" and node.target in _TO_HOST_METHODS:
             return True
+        if _cpu_literal(node):
+            return True
         outs = _node_tensors(node)
         return ctx.compute_device != "cpu" and bool(outs) and all(_device_type(t) == "cpu" for t in outs)
     return False
@@ -313,4 +346,5 @@ def classify(gm: torch.fx.GraphModule, config: Config, *, training: Optional[boo
         if _is_host_value(node, ctx, reason):
             ctx.host_nodes.add(node)
         verdicts[node] = NodeVerdict(static=reason is None, reason=reason)
-    return Classification(verdicts=verdicts, compute_device=ctx.compute_device, training=ctx.training)
+    return Classification(verdicts=verdicts, compute_device=ctx.compute_device, training=ctx.training,
+                          grad_enabled=torch.is_grad_enabled())

@@ -123,6 +123,28 @@ def _autocast_partner(node: torch.fx.Node, nodes: list[torch.fx.Node]) -> Option
     return None
 
 
+def _grad_switch_value(node: torch.fx.Node) -> Optional[bool]:
+    if callee_name(node) in ("_set_grad_enabled", "set_grad_enabled") and node.args \
+            and isinstance(node.args[0], bool):
+        return node.args[0]
+    return None
+
+
+def _grad_mode_before(barriers: list[torch.fx.Node], initial: bool) -> dict[torch.fx.Node, Optional[bool]]:
+    """Grad-mode switches with a constant argument -> the mode in force just before them."""
+    out: dict[torch.fx.Node, Optional[bool]] = {}
+    mode: Optional[bool] = initial
+    for node in barriers:
+        value = _grad_switch_value(node)
+        if value is None:
+            if callee_name(node) in ("_set_grad_enabled", "set_grad_enabled"):
+                mode = None  # unknown from here on: such switches are always cut
+            continue
+        out[node] = mode
+        mode = value
+    return out
+
+
 def partition(gm: torch.fx.GraphModule, classification: Classification, effects: Effects,
               config: Config) -> Partition:
     nodes = compute_nodes(gm)
@@ -130,15 +152,24 @@ def partition(gm: torch.fx.GraphModule, classification: Classification, effects:
     static = {n: classification.is_static(n) for n in nodes}
     extra: dict[torch.fx.Node, Reason] = {}
 
+    grad_before = _grad_mode_before(effects.barriers, classification.grad_enabled)
     for _round in range(len(effects.barriers) + 1):
         level = _levels(nodes, static, effects)
         cut: list[torch.fx.Node] = []
+        grad_switches: dict[int, list[torch.fx.Node]] = {}
         for barrier in effects.barriers:
             if not static[barrier]:
+                continue
+            if barrier in grad_before:
+                grad_switches.setdefault(level[barrier], []).append(barrier)
                 continue
             partner = _autocast_partner(barrier, nodes)
             if partner is None or not static.get(partner, False) or level[partner] != level[barrier]:
                 cut.append(barrier)
+        for switches in grad_switches.values():
+            # A region may switch grad mode inside (a no_grad block) if it leaves it as it found it.
+            if grad_before[switches[0]] != _grad_switch_value(switches[-1]):
+                cut.extend(switches)
         if not cut:
             break
         for barrier in cut:

@@ -1,7 +1,7 @@
 """Which shape symbols each region's inputs and outputs depend on (sympy), backed or unbacked.
 
 Reads: fake values of each region's boundary nodes (``Region.inputs`` and
-``Region.outputs``) and the shape environment's symbols in them.
+``Region.outputs``) and of its inner nodes, and the shape environment's symbols in them.
 Writes: nothing on the graph; returns :class:`Shapes`.
 
 A *backed* symbol (``s0``) is a size Dynamo made symbolic but knows at every
@@ -34,10 +34,12 @@ class RegionShapes:
     input_symbols: dict[str, str]
     """Symbol name -> "backed" | "unbacked", for symbols in the inputs' shapes and values."""
     output_symbols: dict[str, str]
+    inner_symbols: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Symbols of values made and used inside the region (a dispatch's u0..u7)."""
 
     @property
     def symbols(self) -> dict[str, str]:
-        return {**self.input_symbols, **self.output_symbols}
+        return {**self.input_symbols, **self.output_symbols, **self.inner_symbols}
 
     @property
     def is_symbolic(self) -> bool:
@@ -76,6 +78,12 @@ def shapes(gm: torch.fx.GraphModule, partition: Partition) -> Shapes:
     for region in partition.regions:
         ins, in_syms = _specs(region.inputs)
         outs, out_syms = _specs(region.outputs)
+        inner: dict[str, str] = {}
+        for node in region.nodes:
+            inner.update(_symbols(fake_value(node)))
+        for name in list(inner):
+            if name in in_syms or name in out_syms:
+                del inner[name]
         out[region.index] = RegionShapes(inputs=ins, outputs=outs, input_symbols=in_syms,
-                                         output_symbols=out_syms)
+                                         output_symbols=out_syms, inner_symbols=inner)
     return Shapes(regions=out)

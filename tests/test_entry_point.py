@@ -1,0 +1,192 @@
+"""The ways in: torch.compile(backend="cgbackend") through the torch_dynamo_backends entry point, and
+cgbackend.compile(); on CPU both must give eager's results bit for bit and say why nothing was captured."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import cgbackend
+from cgbackend.models import MODEL_NAMES, build_model, make_inputs
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def test_entry_point_is_registered():
+    eps = [ep for ep in importlib.metadata.entry_points(group="torch_dynamo_backends") if ep.name == "cgbackend"]
+    assert len(eps) == 1
+    assert eps[0].value == "cgbackend.backend:dynamo_entry"
+    assert eps[0].load() is sys.modules["cgbackend.backend"].dynamo_entry
+
+
+def test_backend_by_name_in_a_fresh_interpreter():
+    proc = run_python("""
+        import sys
+        import torch
+
+        assert "cgbackend" not in sys.modules
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+        compiled = torch.compile(model, backend="cgbackend")
+        with torch.no_grad():
+            for i in range(3):
+                x = torch.randn(5, 8)
+                assert torch.equal(compiled(x), model(x)), i
+        assert "cgbackend" in sys.modules  # loaded through the entry point
+        import cgbackend
+        stats = cgbackend.stats(compiled)
+        assert stats["compiled_graphs"] == 1, stats
+        assert stats["nothing_captured_reason"] == "no_cuda", stats
+        assert "cgbackend" in torch._dynamo.list_backends(exclude_tags=())
+        print("OK")
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "OK"
+
+
+def test_backend_by_name_moe_in_a_fresh_interpreter():
+    """The MoE through plain torch.compile: Dynamo breaks the graph at the dispatch; results still equal eager."""
+    proc = run_python("""
+        import sys
+        import torch
+        from cgbackend.models import build_model, make_inputs  # imports cgbackend, not its backend
+
+        model = build_model("moe", size="tiny").eval()
+        compiled = torch.compile(model, backend="cgbackend")
+        with torch.no_grad():
+            for x in make_inputs("moe", model, n=3):
+                assert torch.equal(compiled(x), model(x))
+        print("OK")
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "OK"
+
+
+def test_backend_by_name_uses_one_default_instance():
+    f = torch.compile(torch.nn.Linear(4, 4), backend="cgbackend")
+    g = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), backend="cgbackend")
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(f(x), f._orig_mod(x)) and torch.equal(g(x), g._orig_mod(x))
+    assert cgbackend.find_backend(f) is cgbackend.find_backend(g) is cgbackend.find_backend()
+    assert cgbackend.stats(f)["compiled_graphs"] == 2
+    old = cgbackend.find_backend()
+    cgbackend.reset()
+    assert cgbackend.find_backend() is not old
+    assert cgbackend.stats()["compiled_graphs"] == 0
+
+
+@pytest.mark.parametrize("backend", ["by_name", "instance"])
+def test_stats_of_a_compiled_function(backend):
+    """find_backend / stats take "a compiled model or function"."""
+    instance = cgbackend.backend() if backend == "instance" else "cgbackend"
+    f = torch.compile(lambda x: x.sin() * 2, backend=instance)
+    x = torch.randn(4)
+    assert torch.equal(f(x), x.sin() * 2)
+    if backend == "instance":
+        assert cgbackend.find_backend(f) is instance
+    assert cgbackend.stats(f)["compiled_graphs"] == 1
+
+
+def test_separate_instances_keep_separate_counters():
+    a, b = cgbackend.backend(), cgbackend.backend()
+    torch.compile(lambda x: x.sin() * 2, backend=a)(torch.randn(3))
+    assert a.stats()["compiled_graphs"] == 1
+    assert b.stats()["compiled_graphs"] == 0
+
+
+# ----------------------------------------------------------------------------- eager runtime on CPU
+
+def _compile(model, how: str):
+    if how == "by_name":
+        return torch.compile(model, backend="cgbackend")
+    return cgbackend.compile(model)
+
+
+@pytest.mark.parametrize("how", ["by_name", "cgbackend_compile"])
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_reference_models_equal_eager_on_cpu(name, how):
+    model = build_model(name, size="tiny").eval()
+    compiled = _compile(model, how)
+    batches = make_inputs(name, model, n=3)
+    assert not all(torch.equal(batches[0], b) for b in batches[1:])
+    with torch.no_grad():
+        for x in batches:
+            expected = model(x)
+            got = compiled(x)
+            assert got.shape == expected.shape and got.dtype == expected.dtype
+            assert torch.equal(got, expected)
+    stats = cgbackend.stats(compiled)
+    assert stats["nothing_captured_reason"] == "no_cuda"
+    assert stats["compiled_graphs"] >= 1
+    assert stats["graphs_captured"] == 0 and stats["replays"] == 0
+    assert set(stats["eager_calls"]) == {"no_cuda"}
+    assert stats["eager_calls"]["no_cuda"] >= len(batches) * stats["static_regions"] // stats["compiled_graphs"]
+    # The dynamic-op path traces each model into one graph.
+    if how == "cgbackend_compile":
+        assert stats["compiled_graphs"] == 1
+
+
+def test_cgbackend_compile_splits_moe_like_explain():
+    model = build_model("moe", size="tiny").eval()
+    compiled = cgbackend.compile(model)
+    with torch.no_grad():
+        for x in make_inputs("moe", model, n=3):
+            compiled(x)
+    stats = cgbackend.stats(compiled)
+    assert (stats["compiled_graphs"], stats["static_regions"], stats["dynamic_regions"]) == (1, 3, 2)
+    assert stats["eager_calls"] == {"no_cuda": 3 * 3}
+
+
+def test_cgbackend_compile_leaves_dynamo_settings_alone():
+    model = build_model("item", size="tiny").eval()
+    compiled = cgbackend.compile(model)
+    with torch.no_grad():
+        compiled(make_inputs("item", model, n=1)[0])
+    assert torch._dynamo.config.capture_dynamic_output_shape_ops is False
+    assert torch._dynamo.config.capture_scalar_outputs is False
+
+
+def test_new_input_shapes_equal_eager():
+    model = build_model("moe", size="tiny").eval()
+    compiled = cgbackend.compile(model)
+    with torch.no_grad():
+        for batch, seq in ((2, 16), (3, 8), (1, 5)):
+            (x,) = make_inputs("moe", model, batch=batch, seq=seq, n=1)
+            assert torch.equal(compiled(x), model(x))
+    assert set(cgbackend.stats(compiled)["eager_calls"]) == {"no_cuda"}
+
+
+@pytest.mark.parametrize("how", ["by_name", "cgbackend_compile"])
+def test_dropout_training_is_bitwise_equal_with_the_same_seed(how):
+    model = build_model("dropout", size="tiny").train()
+    reference = build_model("dropout", size="tiny").train()
+    reference.load_state_dict(model.state_dict())
+    compiled = _compile(model, how)
+    for i, x in enumerate(make_inputs("dropout", model, n=3)):
+        torch.manual_seed(100 + i)
+        got = compiled(x)
+        torch.manual_seed(100 + i)
+        expected = reference(x)
+        assert torch.equal(got, expected)
+        got.square().sum().backward()
+        expected.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    # Dropout really drew different masks from call to call.
+    torch.manual_seed(1)
+    a = compiled(x)
+    torch.manual_seed(2)
+    b = compiled(x)
+    assert not torch.equal(a, b)
+    assert set(cgbackend.stats(compiled)["eager_calls"]) == {"no_cuda"}
