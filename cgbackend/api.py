@@ -20,10 +20,34 @@ def backend(**options: Any) -> CGBackend:
     return CGBackend(**options)
 
 
-def dynamic_ops_config():
+class _TraceDynamicOps:
     """Dynamo settings that keep data-dependent ops (nonzero, .item()) inside the graph, so the
-    partitioner sees them instead of a graph break. Used scoped, as a context manager."""
-    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+    partitioner sees them instead of a graph break; scoped to one call and restored afterwards.
+
+    Dynamo only reads them while tracing, but nobody can tell beforehand whether a call will
+    trace, so every call sets them. Plain attribute writes cost about half of config.patch, and
+    nothing is written when the user already turned them on."""
+
+    __slots__ = ("_saved",)
+    _KEYS = ("capture_dynamic_output_shape_ops", "capture_scalar_outputs")
+
+    def __enter__(self) -> None:
+        cfg = torch._dynamo.config
+        saved = []
+        for key in self._KEYS:
+            if not getattr(cfg, key):
+                setattr(cfg, key, True)
+                saved.append(key)
+        self._saved = saved
+
+    def __exit__(self, *exc: Any) -> None:
+        cfg = torch._dynamo.config
+        for key in self._saved:
+            setattr(cfg, key, False)
+
+
+def dynamic_ops_config() -> _TraceDynamicOps:
+    return _TraceDynamicOps()
 
 
 def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = False,

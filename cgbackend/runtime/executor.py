@@ -24,6 +24,7 @@ import torch.fx
 from ..analysis import Analysis
 from ..fx_utils import fake_value, storage_ids
 from .region import COPY, EAGER, HANDOFF, PARAM, VALUE, RegionRunner, RuntimeShared, is_static_address
+from ..passes.gather import rewrite_gathers
 from .split import build_region_module
 from .stats import EagerReason
 
@@ -165,6 +166,8 @@ class CompiledGraph:
         runner_of: dict[int, RegionRunner] = {}
         self.steps: list[_Step] = []
         self.runners: list[RegionRunner] = []
+        self.gather_rewrites: dict[int, int] = {}
+        """Dynamic region index -> row gathers rewritten to index_select (passes/gather.py)."""
         for step_index, region in enumerate(partition.regions):
             module = build_region_module(gm, region, analysis.schedule.order.get(region.index))
             ins = tuple(slot_of[n] for n in region.inputs)
@@ -198,6 +201,7 @@ class CompiledGraph:
                 run = runner
             else:
                 run = None
+                self.gather_rewrites[region.index] = rewrite_gathers(module)
             self.steps.append(_Step(region, run, ins, outs, frees, runner, module))
 
         counters = shared.counters
@@ -318,6 +322,7 @@ class CompiledGraph:
                 for r in self.runners
             },
             "pending_forwards": self.slots.pending(),
+            "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
         }
 
 
