@@ -172,3 +172,21 @@ def test_inductor_inner_compiler_on_gpu(name, train):
     assert st["capture_failures"] == []
     assert st["eager_calls"].keys() <= {"warmup"}, st["eager_calls"]
     assert st["replays"] > 0
+
+
+def test_gradients_handed_over_and_never_overwritten_on_gpu():
+    name = "dense"
+    ref, mine, compiled = _pair(name, warmup=1)
+    kept, expected = [], []
+    for x in make_inputs(name, ref, n=5, device="cuda", seed=17):
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad(set_to_none=True)
+            _loss(name, fn(x), x).backward()
+        kept.append([p.grad for p in mine.parameters()])
+        expected.append([p.grad.clone() for p in ref.parameters()])
+    for step, (got, want) in enumerate(zip(kept, expected)):
+        for g, w in zip(got, want):
+            assert_matches(g, w, torch.float32, f"kept grad step {step}")
+    st = cgbackend.stats(compiled)
+    assert st["bwd_replays"] >= 1
+    assert st["eager_calls"].get("gradient_still_held", 0) >= 1

@@ -23,7 +23,8 @@ import torch.fx
 
 from ..analysis import Analysis
 from ..fx_utils import fake_value, storage_ids
-from .region import COPY, EAGER, HANDOFF, PARAM, VALUE, RegionRunner, RuntimeShared, is_static_address
+from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionRunner, RuntimeShared,
+                     is_static_address)
 from ..passes.gather import rewrite_gathers
 from .split import build_region_module
 from .stats import EagerReason
@@ -31,14 +32,6 @@ from .stats import EagerReason
 __all__ = ["CompiledGraph", "CallState", "SlotTable"]
 
 log = logging.getLogger(__name__)
-
-
-def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    return getattr(engine, "queue_callback", None)
-
-
-_QUEUE_CALLBACK = _queue_callback()
 
 
 class SlotTable:
@@ -109,8 +102,8 @@ class CallState:
         if self._scheduled:
             return
         self._scheduled = True
-        if _QUEUE_CALLBACK is not None:
-            _QUEUE_CALLBACK(self.release)
+        if QUEUE_CALLBACK is not None:
+            QUEUE_CALLBACK(self.release)
         else:  # no engine hook: no forward can start before this backward pass returns anyway
             self.release()
 
@@ -201,7 +194,10 @@ class CompiledGraph:
                 run = runner
             else:
                 run = None
-                self.gather_rewrites[region.index] = rewrite_gathers(module)
+                # Only pays off under autograd (its backward is the cheap part); in inference the
+                # two-index form costs one more launch.
+                if self.training_graph:
+                    self.gather_rewrites[region.index] = rewrite_gathers(module)
             self.steps.append(_Step(region, run, ins, outs, frees, runner, module))
 
         counters = shared.counters

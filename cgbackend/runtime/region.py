@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,7 +37,7 @@ from .capture import CaptureError, Capturer
 from .pool import PoolSet, PoolState
 from .stats import Counters, EagerReason
 
-__all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "RuntimeShared", "RegionRunner", "is_static_address"]
+__all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "QUEUE_CALLBACK", "RuntimeShared", "RegionRunner", "is_static_address"]
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class _Entry:
 
 class _TrainEntry(_Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
-                 "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed")
+                 "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "grad_ptrs")
 
     def autograd_outputs(self) -> list:
         """Outputs carrying the forward's autograd graph: capture-time ones for CUDA graphs (their
@@ -364,6 +365,8 @@ class RegionRunner:
         entry.bwd_failed = None
         entry.static_grad_outs = None
         entry.static_grad_ins = None
+        entry.handed = []
+        entry.grad_ptrs = frozenset()
         self.shared.register_persistent(entry.outputs)
 
     def _count_capture(self, elapsed: float, pool_growth: int, forward: bool) -> None:
@@ -431,10 +434,56 @@ class RegionRunner:
         entry.bwd_graph = graph
         entry.bwd_index = entry.pool.new_index()
         entry.static_grad_ins = static_grad_ins
+        entry.grad_ptrs = frozenset(g.data_ptr() for g in static_grad_ins if g is not None)
         self.shared.register_persistent([g for g in static_grad_ins if g is not None], handoff=False)
         counters = self.shared.counters
         counters.bwd_graphs += 1
         self._count_capture(elapsed, _reserved(device) - reserved_before, forward=False)
+
+    def reclaim_grads(self, entry: _TrainEntry, leaves: list[torch.Tensor]) -> bool:
+        """Before a backward replay rewrites the static gradients: may it?
+
+        The last backward handed out aliases of them (autograd's AccumulateGrad keeps such an alias
+        as ``param.grad`` instead of copying it). A ``.grad`` still aliasing one gets its own copy
+        now; if anything else still holds one (``torch.autograd.grad`` results, a saved ``.grad``),
+        return False: this backward must not overwrite it."""
+        if not entry.handed:
+            return True
+        alive = [t for t in (ref() for ref in entry.handed) if t is not None]
+        if alive:
+            held = {id(t) for t in alive}
+            del alive
+            for leaf in leaves:
+                grad = leaf.grad
+                if grad is not None and id(grad) in held:
+                    leaf.grad = grad.clone()
+                    counters = self.shared.counters
+                    counters.copies_made += 1
+                    counters.copied_by_kind["grad_reclaimed"] += 1
+                del grad
+            if any(ref() is not None for ref in entry.handed):
+                return False
+        entry.handed = []
+        return True
+
+    def hand_out(self, entry: _TrainEntry, leaves: list[torch.Tensor]) -> tuple:
+        """Fresh aliases of the static gradients for autograd (which may keep them as ``.grad``
+        without a copy); remembered weakly, with the ``.grad`` that end up aliasing them."""
+        if QUEUE_CALLBACK is None:
+            # Without the hook nobody could tell which .grad keeps an alias: hand out the buffers
+            # themselves, which autograd copies because we hold them.
+            return entry.static_grad_ins
+        out = tuple(None if g is None else g.detach() for g in entry.static_grad_ins)
+        entry.handed = [weakref.ref(t) for t in out if t is not None]
+
+        def record_grads() -> None:
+            for leaf in leaves:
+                grad = leaf.grad
+                if grad is not None and grad.data_ptr() in entry.grad_ptrs:
+                    entry.handed.append(weakref.ref(grad))
+
+        QUEUE_CALLBACK(record_grads)
+        return out
 
     def eager_backward(self, entry: _TrainEntry, grads: tuple) -> tuple:
         """Backward without the backward graph: autograd through the captured forward's graph."""
@@ -446,6 +495,15 @@ class RegionRunner:
         with _backward_config():
             return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
                                        retain_graph=True, allow_unused=True)
+
+
+def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
+    """The autograd engine's end-of-backward-pass hook (semi-private; feature-tested)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return getattr(engine, "queue_callback", None)
+
+
+QUEUE_CALLBACK = _queue_callback()
 
 
 def _backward_config():
@@ -484,6 +542,7 @@ class _RegionFunction(torch.autograd.Function):
         counters.fwd_replays += 1
         ctx.runner, ctx.entry, ctx.call = runner, entry, call
         ctx.generation = call.generation
+        ctx.leaves = [t for t in tensors if t.requires_grad and t.is_leaf]
         call.add_token()
         ctx.set_materialize_grads(False)
         # Fresh aliases each call: autograd attaches this call's history to the returned objects,
@@ -508,8 +567,15 @@ class _RegionFunction(torch.autograd.Function):
             fresh = True
         else:
             fresh = False
-        if entry.bwd_graph is None or entry.pool.hazard(entry.bwd_index):
-            reason = "backward_capture_failed" if entry.bwd_graph is None else EagerReason.REPLAY_ORDER
+        if entry.bwd_graph is None:
+            reason = "backward_capture_failed"
+        elif entry.pool.hazard(entry.bwd_index):
+            reason = EagerReason.REPLAY_ORDER
+        elif not runner.reclaim_grads(entry, ctx.leaves):
+            reason = EagerReason.GRAD_HELD
+        else:
+            reason = None
+        if reason is not None:
             runner._count_eager(reason)
             grads_in = runner.eager_backward(entry, grads)
         else:
@@ -525,6 +591,6 @@ class _RegionFunction(torch.autograd.Function):
             entry.bwd_graph.replay()
             counters.replays += 1
             counters.bwd_replays += 1
-            grads_in = entry.static_grad_ins
+            grads_in = runner.hand_out(entry, ctx.leaves)
         by_pos = dict(zip(entry.diff_in, grads_in))
         return (None,) + tuple(by_pos.get(p) for p in entry.tensor_pos)

@@ -22,6 +22,7 @@ class EagerReason:
     PRODUCER_EAGER = "producer_ran_eagerly"
     REPLAY_ORDER = "replay_order_hazard"
     MODE_CHANGE = "grad_mode_change"
+    GRAD_HELD = "gradient_still_held"
 
     DESCRIPTIONS = {
         WARMUP: "eager warm-up call before capture (option warmup)",
@@ -35,6 +36,9 @@ class EagerReason:
         PRODUCER_EAGER: "an input usually handed over by the previous graph came from eager code",
         REPLAY_ORDER: "replaying this older graph could overwrite memory a newer graph still needs",
         MODE_CHANGE: "grad mode differs from the one the graph was traced with",
+        GRAD_HELD: "a gradient the previous backward handed out is still referenced (a saved .grad, "
+                   "torch.autograd.grad results); this backward runs through the captured forward "
+                   "instead of overwriting it",
     }
 
 
