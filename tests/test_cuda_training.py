@@ -189,4 +189,5 @@ def test_gradients_handed_over_and_never_overwritten_on_gpu():
             assert_matches(g, w, torch.float32, f"kept grad step {step}")
     st = cgbackend.stats(compiled)
     assert st["bwd_replays"] >= 1
-    assert st["eager_calls"].get("gradient_still_held", 0) >= 1
+    calls = st["eager_calls"]  # the graphs that could overwrite held gradients ran eagerly
+    assert calls.get("replay_order_hazard", 0) + calls.get("gradient_still_held", 0) >= 1

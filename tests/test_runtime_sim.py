@@ -331,7 +331,10 @@ def test_gradients_kept_by_the_user_are_never_overwritten():
     for got, want in zip(kept, expected):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
-    assert cgbackend.stats(compiled)["eager_calls"].get("gradient_still_held", 0) >= 1
+    # Held gradients make the graphs that could overwrite them run eagerly: the next forward
+    # (captured before the backward graph, counted as replay_order_hazard) or the backward itself.
+    calls = cgbackend.stats(compiled)["eager_calls"]
+    assert calls.get("replay_order_hazard", 0) + calls.get("gradient_still_held", 0) >= 1
 
 
 def test_autograd_grad_results_survive_later_backwards():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -27,15 +27,38 @@ class CaptureError(RuntimeError):
 
 
 class SimulatedGraph:
-    """Stands in for torch.cuda.CUDAGraph on machines without a GPU (option simulate_graphs)."""
+    """Stands in for torch.cuda.CUDAGraph on machines without a GPU (option simulate_graphs).
+
+    Adversarial about memory: a CUDA graph's temporaries may lie in the static outputs of any graph
+    of its pool captured after it, so each replay first fills those outputs with garbage (NaN,
+    huge integers). Code that respects the replay-order rule (runtime/pool.py) never reads them;
+    code that breaks it fails tests on a CPU."""
 
     def __init__(self, fn: Callable[[], Any], outputs: Any) -> None:
         self._fn = fn
         self.outputs = outputs
         self.last = outputs
         """What the latest replay computed (with its autograd graph, for a training forward)."""
+        self.pool: Optional[PoolState] = None
+        self.index = -1
+
+    def attach(self, pool: PoolState, index: int) -> None:
+        self.pool, self.index = pool, index
+        pool.graphs.append(self)
+
+    def scribble(self) -> None:
+        with torch.no_grad():
+            for t in iter_tensors(self.outputs):
+                if t.is_floating_point() or t.is_complex():
+                    t.fill_(float("nan"))
+                elif t.dtype != torch.bool:
+                    t.fill_(2 ** 30 if t.dtype in (torch.int32, torch.int64) else 100)
 
     def replay(self) -> None:
+        if self.pool is not None:
+            for other in self.pool.graphs:
+                if other.index > self.index:
+                    other.scribble()
         result = self._fn()
         with torch.no_grad():
             for static, new in zip(iter_tensors(self.outputs), iter_tensors(result)):

@@ -219,6 +219,8 @@ class CompiledGraph:
     # ------------------------------------------------------------------ call
 
     def __call__(self, *args: Any) -> Any:
+        if self.shared.handed:
+            self.shared.reclaim_handed()
         training = self.training_graph and torch.is_grad_enabled()
         if training:
             acquired = self.slots.acquire()

@@ -35,6 +35,8 @@ class PoolState:
     """torch.cuda.graph_pool_handle(), or None for simulated graphs."""
     next_index: int = 0
     live: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    graphs: list = dataclasses.field(default_factory=list)
+    """Simulated graphs of this pool (they model what replays may do to each other's memory)."""
 
     def new_index(self) -> int:
         self.next_index += 1

@@ -33,7 +33,7 @@ import torch
 
 from ..config import Config
 from ..fx_utils import iter_tensors
-from .capture import CaptureError, Capturer
+from .capture import CaptureError, Capturer, SimulatedGraph
 from .pool import PoolSet, PoolState
 from .stats import Counters, EagerReason
 
@@ -63,6 +63,15 @@ class RuntimeShared:
         self.persistent_storages: set[int] = set()
         """Storage base pointers of static outputs and static input buffers: outputs aliasing
         them are cloned before they reach the caller."""
+        self.handed: dict[int, tuple["RegionRunner", "_TrainEntry"]] = {}
+        """Training entries whose static gradients were handed to autograd and may still be held
+        (as .grad or elsewhere): live data of their backward graph until reclaimed."""
+
+    def reclaim_handed(self) -> None:
+        """Before any replay of a new call: give each .grad still aliasing a static gradient its
+        own memory, and release the gradients nobody holds any more."""
+        for runner, entry in list(self.handed.values()):
+            runner.reclaim_grads(entry, entry.leaves)
 
     def register_persistent(self, values: Any, handoff: bool = True) -> None:
         for t in iter_tensors(values):
@@ -86,7 +95,8 @@ class _Entry:
 
 class _TrainEntry(_Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
-                 "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "grad_ptrs")
+                 "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "grad_ptrs",
+                 "leaves")
 
     def autograd_outputs(self) -> list:
         """Outputs carrying the forward's autograd graph: capture-time ones for CUDA graphs (their
@@ -163,31 +173,36 @@ class RegionRunner:
 
     def _keys(self, ins: list, grad_path: bool, slot: int) -> tuple[Optional[tuple], tuple]:
         """(full key: slot, shapes and addresses, or None if a hand-off came from eager code;
-        shape key: what warm-up counts, the same for every slot)."""
+        shape key: what warm-up counts, the same for every slot).
+
+        Parameters enter by address only: Dynamo guards their shape, stride, dtype, device and
+        requires_grad (a change recompiles the graph), but not their address."""
         shape_parts: list = [grad_path, torch.is_inference_mode_enabled()]
         addr_parts: list = []
         persistent = self.shared.persistent_ptrs
         missing_handoff = False
+        kinds = self.kinds
         for pos, value in enumerate(ins):
-            kind = self.kinds[pos]
-            if kind == VALUE:
-                shape_parts.append(value)
+            kind = kinds[pos]
+            if kind is PARAM:
+                addr_parts.append(value.data_ptr())
                 continue
-            t = value
-            shape_parts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad if grad_path else None))
-            if kind == PARAM:
-                addr_parts.append(t.data_ptr())
-            elif kind == HANDOFF:
+            if kind is VALUE:
+                shape_parts.append(_freeze(value))
+                continue
+            shape_parts.append((value.shape, value.stride(), value.dtype,
+                                value.requires_grad if grad_path else None))
+            if kind is HANDOFF:
                 producer = self.producers[pos]
                 if producer is not None and producer.disabled is not None:
                     addr_parts.append(None)  # producer is eager for good: copy like any eager value
                 else:
-                    ptr = t.data_ptr()
+                    ptr = value.data_ptr()
                     if ptr not in persistent:
                         missing_handoff = True
                     addr_parts.append(ptr)
-            elif kind == EAGER:
-                ptr = t.data_ptr()
+            elif kind is EAGER:
+                ptr = value.data_ptr()
                 addr_parts.append(ptr if ptr in persistent else None)
         shape_key = tuple(shape_parts)
         if missing_handoff:
@@ -340,6 +355,8 @@ class RegionRunner:
         entry.graph = graph
         entry.index = pool.new_index()
         entry.slot = call.slot
+        if isinstance(graph, SimulatedGraph):
+            graph.attach(pool, entry.index)
         self._count_capture(elapsed, _reserved(device) - reserved_before, forward=grad_path)
         if grad_path:
             self._finish_train_entry(entry, outputs, ins)
@@ -367,6 +384,7 @@ class RegionRunner:
         entry.static_grad_ins = None
         entry.handed = []
         entry.grad_ptrs = frozenset()
+        entry.leaves = []
         self.shared.register_persistent(entry.outputs)
 
     def _count_capture(self, elapsed: float, pool_growth: int, forward: bool) -> None:
@@ -433,6 +451,8 @@ class RegionRunner:
         elapsed = time.perf_counter() - start
         entry.bwd_graph = graph
         entry.bwd_index = entry.pool.new_index()
+        if isinstance(graph, SimulatedGraph):
+            graph.attach(entry.pool, entry.bwd_index)
         entry.static_grad_ins = static_grad_ins
         entry.grad_ptrs = frozenset(g.data_ptr() for g in static_grad_ins if g is not None)
         self.shared.register_persistent([g for g in static_grad_ins if g is not None], handoff=False)
@@ -464,6 +484,9 @@ class RegionRunner:
             if any(ref() is not None for ref in entry.handed):
                 return False
         entry.handed = []
+        entry.leaves = []
+        if self.shared.handed.pop(id(entry), None) is not None:
+            entry.pool.release(entry.bwd_index)
         return True
 
     def hand_out(self, entry: _TrainEntry, leaves: list[torch.Tensor]) -> tuple:
@@ -475,6 +498,12 @@ class RegionRunner:
             return entry.static_grad_ins
         out = tuple(None if g is None else g.detach() for g in entry.static_grad_ins)
         entry.handed = [weakref.ref(t) for t in out if t is not None]
+        entry.leaves = leaves
+        if id(entry) not in self.shared.handed:
+            # Until reclaimed, the gradients are live data of the backward graph: the replay-order
+            # rule then keeps graphs captured before it from running over them.
+            self.shared.handed[id(entry)] = (self, entry)
+            entry.pool.acquire(entry.bwd_index)
 
         def record_grads() -> None:
             for leaf in leaves:
@@ -504,6 +533,13 @@ def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
 
 
 QUEUE_CALLBACK = _queue_callback()
+
+
+def _freeze(value: Any) -> Any:
+    """Non-tensor inputs become part of a dict key: lists (of sizes) as tuples."""
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
 
 
 def _backward_config():
