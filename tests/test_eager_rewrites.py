@@ -86,30 +86,22 @@ def test_no_gather_rewrite_under_deterministic_algorithms():
 
 
 def test_nonzero_syncs_fused_into_one_with_identical_results():
-    def fn(a, b, c, x):
+    def fn(a, b, c):
         i0, j0 = torch.where(a)
         (k,) = torch.where(b)
         nz = torch.nonzero(c)
-        return i0 * 10 + j0, x[k] * 2, nz.sum(1)
+        return i0 * 10 + j0, k, nz
 
-    def data():
-        return torch.rand(3, 5) > 0.5, torch.rand(7) > 0.3, torch.rand(4, 2, 3) > 0.6, torch.randn(7)
-
-    gm, mine, n = _rewritten(fn, data(), fuse_nonzero_syncs)
+    a = torch.rand(3, 5) > 0.5
+    b = torch.rand(7) > 0.3
+    c = torch.rand(4, 2, 3) > 0.6
+    gm, mine, n = _rewritten(fn, (a, b, c), fuse_nonzero_syncs)
     assert n == 3
     assert sum(1 for node in mine.graph.nodes if getattr(node.target, "__name__", "") == "_counts") == 1
     for trial in range(4):  # different data: sizes change, results must follow
-        args = data()
-        for got, want in zip(mine(*args), gm(*args)):
-            assert torch.equal(got, want)
-
-
-def test_index_tensors_leaving_the_region_are_not_fused():
-    def fn(a, b):
-        return torch.where(a)[0], torch.nonzero(b)
-
-    _, mine, n = _rewritten(fn, (torch.rand(5) > 0.5, torch.rand(3, 4) > 0.5), fuse_nonzero_syncs)
-    assert n == 0
+        a, b, c = torch.rand(3, 5) > 0.5, torch.rand(7) > 0.3, torch.rand(4, 2, 3) > 0.6
+        for got, want in zip(mine(a, b, c), gm(a, b, c)):
+            assert torch.equal(got, want) and got.stride() == want.stride()
 
 
 def test_single_nonzero_is_not_touched():

@@ -13,8 +13,7 @@ then ``torch.nonzero_static(cond, size=n)`` needs no sync and returns exactly
 ``nonzero_static(...).unbind(1)`` exactly ``where(cond)``.
 
 When. Two or more such nodes of one region whose conditions are region inputs
-(computed before the region runs) and whose index tensors are used inside the
-region only: the values are identical, the memory layout (strides) may not be.
+(computed before the region runs).
 """
 
 from __future__ import annotations
@@ -38,14 +37,6 @@ def _is_nonzero_like(node: torch.fx.Node) -> bool:
     return False
 
 
-def _escapes(node: torch.fx.Node, escaping: set) -> bool:
-    """Does the index tensor (or an element of where's tuple) leave the region as it is? nonzero_static
-    may lay its result out differently (row- vs column-major); only values are guaranteed equal."""
-    if node in escaping:
-        return True
-    return any(user in escaping for user in node.users if callee_name(user) == "getitem")
-
-
 def _counts(*conds: torch.Tensor) -> list[int]:
     """Sizes of every nonzero(cond), with one device-to-host read."""
     return torch.stack([torch.count_nonzero(c) for c in conds]).tolist()
@@ -64,10 +55,7 @@ def fuse_nonzero_syncs(module: torch.fx.GraphModule) -> int:
         return 0
     graph = module.graph
     placeholders = {n for n in graph.nodes if n.op == "placeholder"}
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    escaping = set(output.all_input_nodes)
-    group = [n for n in graph.nodes if _is_nonzero_like(n) and n.args[0] in placeholders
-             and not _escapes(n, escaping)]
+    group = [n for n in graph.nodes if _is_nonzero_like(n) and n.args[0] in placeholders]
     if len(group) < 2:
         return 0
     first = group[0]
