@@ -26,7 +26,6 @@ from ..fx_utils import fake_value, storage_ids
 from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionRunner, RuntimeShared,
                      is_static_address)
 from ..passes.gather import rewrite_gathers
-from ..passes.syncs import fuse_nonzero_syncs
 from .split import build_region_module
 from .stats import EagerReason
 
@@ -162,8 +161,6 @@ class CompiledGraph:
         self.runners: list[RegionRunner] = []
         self.gather_rewrites: dict[int, int] = {}
         """Dynamic region index -> row gathers rewritten to index_select (passes/gather.py)."""
-        self.fused_syncs: dict[int, int] = {}
-        """Dynamic region index -> nonzero/where sharing one host sync (passes/syncs.py)."""
         for step_index, region in enumerate(partition.regions):
             module = build_region_module(gm, region, analysis.schedule.order.get(region.index))
             ins = tuple(slot_of[n] for n in region.inputs)
@@ -201,7 +198,6 @@ class CompiledGraph:
                 # two-index form costs one more launch.
                 if self.training_graph:
                     self.gather_rewrites[region.index] = rewrite_gathers(module)
-                self.fused_syncs[region.index] = fuse_nonzero_syncs(module)
             self.steps.append(_Step(region, run, ins, outs, frees, runner, module))
 
         counters = shared.counters
@@ -325,7 +321,6 @@ class CompiledGraph:
             },
             "pending_forwards": self.slots.pending(),
             "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
-            "fused_syncs": {f"D{i}": n for i, n in self.fused_syncs.items() if n},
         }
 
 
