@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "sympy"],
     extras_require={
-        "test": ["pytest", "numpy"],
+        "test": ["pytest", "numpy", "transformers>=5"],
         "te": ["transformer-engine[pytorch]"],
     },
     entry_points={

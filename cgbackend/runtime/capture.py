@@ -49,6 +49,9 @@ class SimulatedGraph:
     def scribble(self) -> None:
         with torch.no_grad():
             for t in iter_tensors(self.outputs):
+                t = _writable(t)
+                if t is None:
+                    continue
                 if t.is_floating_point() or t.is_complex():
                     t.fill_(float("nan"))
                 elif t.dtype != torch.bool:
@@ -60,11 +63,32 @@ class SimulatedGraph:
                 if other.index > self.index:
                     other.scribble()
         result = self._fn()
+        written: set[int] = set()
         with torch.no_grad():
             for static, new in zip(iter_tensors(self.outputs), iter_tensors(result)):
-                if static is not new:
+                if static is new:
+                    continue
+                if _writable(static) is static:
                     static.copy_(new)
+                    continue
+                # An overlapping view (an expand): a CUDA replay rewrites its base, the view follows.
+                base, new_base = static._base, new._base
+                if base is None or new_base is None or base is new_base or id(base) in written:
+                    continue
+                base.copy_(new_base)
+                written.add(id(base))
         self.last = result
+
+
+def _writable(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t`` if it can be written element by element; an expanded view cannot (its elements
+    share memory)."""
+    span = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if st < span:
+            return None
+        span = st * sz
+    return t
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ backward. Inference calls use slot 0 and release it when they return.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any, Callable, Optional
 
@@ -205,6 +206,7 @@ class CompiledGraph:
         counters.static_regions += len(self.runners)
         counters.dynamic_regions += len(self.steps) - len(self.runners)
         self._capture_logged = blocked is not None
+        self._lock = threading.RLock()
 
     def _blocked_reason(self) -> Optional[str]:
         if not self.config.capture:
@@ -219,6 +221,12 @@ class CompiledGraph:
     # ------------------------------------------------------------------ call
 
     def __call__(self, *args: Any) -> Any:
+        # Static buffers, graphs and slots are shared by every call: calls from several threads run
+        # one after the other (a graph's backward runs on autograd's thread, outside this lock).
+        with self._lock:
+            return self._call(args)
+
+    def _call(self, args: tuple) -> Any:
         if self.shared.handed:
             self.shared.reclaim_handed()
         training = self.training_graph and torch.is_grad_enabled()

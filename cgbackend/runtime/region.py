@@ -192,6 +192,8 @@ class RegionRunner:
                 continue
             shape_parts.append((value.shape, value.stride(), value.dtype,
                                 value.requires_grad if grad_path else None))
+            if value.numel() == 0:
+                continue  # nothing to read: any empty tensor of that shape will do
             if kind is HANDOFF:
                 producer = self.producers[pos]
                 if producer is not None and producer.disabled is not None:
@@ -303,6 +305,10 @@ class RegionRunner:
                 # made on the default stream and would tie that stream to the capture.
                 static_ins.append(value.detach().requires_grad_(True))
                 continue
+            if value.numel() == 0:
+                empty = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+                static_ins.append(empty.requires_grad_(True) if grad_path and value.requires_grad else empty)
+                continue
             producer = self.producers[pos]
             handoff = kind == EAGER or (kind == HANDOFF and producer is not None and producer.disabled is None)
             if handoff and value.data_ptr() in persistent:
@@ -312,7 +318,7 @@ class RegionRunner:
                 static_ins.append(alias)
                 handoff_pos.append(pos)
                 continue
-            buf = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+            buf = _static_buffer_like(value)
             with torch.no_grad():
                 buf.copy_(value)
             if grad_path and value.requires_grad:
@@ -415,7 +421,7 @@ class RegionRunner:
         for i in entry.diff_out:
             out = entry.outputs[i]
             grad = grads[i]
-            buf = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+            buf = _static_buffer_like(out)
             if grad is None:
                 buf.zero_()
             else:
@@ -533,6 +539,24 @@ def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
 
 
 QUEUE_CALLBACK = _queue_callback()
+
+
+def _non_overlapping(size: torch.Size, stride: tuple[int, ...]) -> bool:
+    """No two elements share memory (an expand() has stride 0 and fails this)."""
+    span = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(size, stride) if sz > 1):
+        if st < span:
+            return False
+        span = st * sz
+    return True
+
+
+def _static_buffer_like(value: torch.Tensor) -> torch.Tensor:
+    """A buffer to copy ``value`` into before each replay: same strides where they are a valid
+    layout to write, dense otherwise (expanded inputs); the graph is keyed by the input strides."""
+    if _non_overlapping(value.size(), value.stride()):
+        return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+    return torch.empty(value.size(), dtype=value.dtype, device=value.device)
 
 
 def _freeze(value: Any) -> Any:

@@ -1,0 +1,193 @@
+"""Fault and bad-input matrix: each case ends in a correct result or a clear error naming the cause,
+never a silently wrong result. CPU cases run with simulated graphs (same runtime code paths);
+GPU cases (capture out of memory, memory given back) carry the cuda marker."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cgbackend
+from cgbackend.models import build_model, make_inputs
+
+SIM = dict(simulate_graphs=True, warmup=1)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.a = nn.Linear(d, 2 * d)
+        self.b = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x))) + x
+
+
+def _check(compiled, model, xs):
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "stride", "non_contiguous"])
+def test_input_changes_between_calls_give_correct_results(change):
+    model = _MLP().eval()
+    compiled = cgbackend.compile(model, **SIM)
+    base = [torch.randn(8, 16) for _ in range(3)]
+    if change == "shape":
+        later = [torch.randn(5, 16), torch.randn(9, 16)]
+    elif change == "dtype":
+        model64 = model
+        later = []
+    elif change == "stride":
+        later = [torch.randn(16, 8).t(), torch.randn(16, 8).t()]  # same shape, transposed strides
+    else:
+        later = [torch.randn(8, 32)[:, ::2], torch.randn(8, 32)[:, 1::2]]
+    _check(compiled, model, base + later + base)
+    if change == "dtype":
+        model64 = model.double()
+        _check(compiled, model64, [x.double() for x in base])
+    st = cgbackend.stats(compiled)
+    assert st["capture_failures"] == []
+    assert st["replays"] > 0
+
+
+def test_two_compiled_models_alive_at_once_stay_independent():
+    m1, m2 = _MLP().eval(), _MLP().eval()
+    c1, c2 = cgbackend.compile(m1, **SIM), cgbackend.compile(m2, **SIM)
+    xs = [torch.randn(8, 16) for _ in range(5)]
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(c1(x), m1(x), rtol=0, atol=0)
+            torch.testing.assert_close(c2(x), m2(x), rtol=0, atol=0)
+    assert cgbackend.stats(c1)["replays"] > 0 and cgbackend.stats(c2)["replays"] > 0
+    assert cgbackend.find_backend(c1) is not cgbackend.find_backend(c2)
+
+
+def test_two_models_sharing_the_default_backend_share_one_pool_safely():
+    m1, m2 = _MLP().eval(), _MLP().eval()
+    options = cgbackend.backend(**SIM)
+    c1 = torch.compile(m1, backend=options)
+    c2 = torch.compile(m2, backend=options)
+    xs = [torch.randn(8, 16) for _ in range(5)]
+    with torch.no_grad():
+        kept = []
+        for x in xs:
+            kept.append((c1(x), m1(x), c2(x), m2(x)))
+        for a, ra, b, rb in kept:
+            torch.testing.assert_close(a, ra, rtol=0, atol=0)
+            torch.testing.assert_close(b, rb, rtol=0, atol=0)
+
+
+class _Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if (x.abs().max() > 1e3).item():  # read on the host: eager code, never inside a graph
+            raise ValueError("input too large for this model")
+        return F.relu(self.lin(x))
+
+
+def test_exception_inside_the_model_reaches_the_caller_with_its_traceback():
+    model = _Raises().eval()
+    compiled = cgbackend.compile(model, **SIM)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(torch.randn(4, 8))
+        with pytest.raises(ValueError, match="input too large") as info:
+            compiled(torch.full((4, 8), 1e6))
+    frames = traceback.extract_tb(info.value.__traceback__)
+    assert any(f.name == "forward" and "test_faults.py" in f.filename for f in frames)
+    with torch.no_grad():  # and the model still works afterwards
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+def test_calls_from_several_threads_are_serialized_and_correct():
+    model = build_model("moe").eval()
+    compiled = cgbackend.compile(model, **SIM)
+    xs = make_inputs("moe", model, n=8)
+    with torch.no_grad():
+        compiled(xs[0]), compiled(xs[0])  # warm-up and capture on this thread
+        refs = [model(x) for x in xs]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    results[i] = compiled(xs[i])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(results[i], ref, rtol=0, atol=0)
+
+
+def test_bad_options_fail_fast_with_the_valid_list():
+    with pytest.raises(cgbackend.ConfigError, match="valid options: .*warmup"):
+        cgbackend.compile(_MLP(), wramup=3)
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.cuda
+def test_out_of_memory_during_capture_falls_back_with_the_reason():
+    model = _MLP(1024).cuda().eval()
+    xs = [torch.randn(4096, 1024, device="cuda") for _ in range(3)]
+    compiled = cgbackend.compile(model, warmup=1)
+    total = torch.cuda.get_device_properties(0).total_memory
+    with torch.no_grad():
+        compiled(xs[0])  # warm-up (eager)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        fraction = (torch.cuda.memory_allocated() + 8 * 2**20) / total  # no room for the graph's pool
+        torch.cuda.set_per_process_memory_fraction(fraction)
+        try:
+            out = compiled(xs[1])
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.testing.assert_close(out, model(xs[1]))
+        torch.testing.assert_close(compiled(xs[2]), model(xs[2]))
+    st = cgbackend.stats(compiled)
+    assert len(st["capture_failures"]) == 1
+    assert "out of memory" in st["capture_failures"][0]["error"].lower()
+    assert st["eager_calls"]["capture_failed"] >= 1
+
+
+@pytest.mark.cuda
+def test_deleting_the_compiled_model_gives_the_pool_memory_back():
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    model = build_model("dense", size="small", device="cuda").eval()
+    x = make_inputs("dense", model, n=1, device="cuda")[0]
+    compiled = cgbackend.compile(model, warmup=1)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+    assert cgbackend.stats(compiled)["graphs_captured"] == 1
+    held = torch.cuda.memory_reserved()
+    del compiled, model, x
+    torch._dynamo.reset()  # Dynamo's code cache holds compiled graphs of every model until reset
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_reserved()
+    assert after - before < 0.1 * (held - before) + 2**20, (before, held, after)
