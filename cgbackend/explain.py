@@ -33,7 +33,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     ``options`` are cgbackend options (as for cgbackend.backend). ``trace_dynamic_ops`` traces
     data-dependent ops into the graph (Dynamo's capture_dynamic_output_shape_ops and
     capture_scalar_outputs, scoped to this call); False shows what plain torch.compile sees.
-    Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing.
+    Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing. The model's
+    buffers (batch-norm statistics) and the RNG state are restored afterwards.
     """
     config = Config.from_options(options or {})
     instance = CGBackend(config=config.replace(capture=False))
@@ -42,8 +43,12 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     torch._dynamo.reset()
     before = dict(counters["graph_break"])
     scope = dynamic_ops_config() if trace_dynamic_ops else contextlib.nullcontext()
+    # Tracing runs the model once: leave no trace of it (batch-norm statistics, counters, RNG).
+    buffers = ([(b, b.detach().clone()) for b in model.buffers()]
+               if isinstance(model, torch.nn.Module) else [])
+    devices = sorted({b.device.index or 0 for b, _ in buffers if b.is_cuda})
     try:
-        with scope:
+        with scope, torch.random.fork_rng(devices=devices):
             compiled = torch.compile(model, backend=instance)
             compiled(*args, **kwargs)
     except Exception as exc:
@@ -51,6 +56,9 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     finally:
         after = dict(counters["graph_break"])
         torch._dynamo.reset()
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
     breaks = [b for b in (br for _, br in instance._analyses) if b]
     seen = {b["reason"] for b in breaks}

@@ -410,3 +410,16 @@ def test_cli_bad_environment_is_one_line_error(main_in_process, monkeypatch):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cgbackend: error:")
     assert "CGBACKEND_WARMUP" in lines[0]
+
+
+def test_explain_leaves_module_state_and_rng_as_they_were():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 4)
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    cgbackend.explain(model, x)
+    assert torch.equal(torch.rand(3), expected_next)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k

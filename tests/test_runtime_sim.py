@@ -347,3 +347,21 @@ def test_autograd_grad_results_survive_later_backwards():
     for got, want in results:
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+
+
+def test_out_of_memory_while_preparing_a_capture_falls_back(monkeypatch):
+    """The static input buffers are allocated before the capture: running out of memory there is a
+    capture failure like any other (the GPU version of this test squeezes real memory)."""
+    from cgbackend.runtime import region as region_module
+
+    def no_memory(value):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+    monkeypatch.setattr(region_module, "_static_buffer_like", no_memory)
+    model = build_model("dense").eval()
+    compiled = cgbackend.compile(model, **SIM)
+    with torch.no_grad():
+        for x in make_inputs("dense", model, n=3):
+            assert torch.equal(compiled(x), model(x))
+    st = cgbackend.stats(compiled)
+    assert [f["error"].split(":")[0] for f in st["capture_failures"]] == ["OutOfMemoryError"]
+    assert st["eager_calls"]["capture_failed"] == 2

@@ -27,7 +27,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..config import Config
 from ..fx_utils import (callee_name, class_name, compute_nodes, fake_value, iter_tensors, module_stack,
-                        op_key, op_name)
+                        op_key, op_name, storage_ids)
 from ..marks import marked_module_reason, marked_op_reason
 from ..reasons import Reason, Rule, reason_for
 from .effects import mutated_args
@@ -63,6 +63,8 @@ class ClassifyContext:
     training: bool
     host_nodes: set[torch.fx.Node] = dataclasses.field(default_factory=set)
     """Nodes whose tensors live on the host (CPU work inside a device graph)."""
+    grad_input_storages: set[int] = dataclasses.field(default_factory=set)
+    """Storages of graph inputs that require grad."""
 
 
 _SYNC_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
@@ -265,14 +267,19 @@ def rule_cpu_tensor(node: torch.fx.Node, ctx: ClassifyContext) -> Optional[Reaso
 
 
 def rule_inplace_on_grad(node: torch.fx.Node, ctx: ClassifyContext) -> Optional[Reason]:
+    """Training: an in-place write to a graph input that requires grad (a parameter, an input
+    leaf). Writes to intermediates (ReLU(inplace=True) after a norm) are fine inside a region's own
+    autograd; one that lands on another region's output fails that region's capture, which then
+    runs eagerly with the reason."""
     if not ctx.training:
         return None
     for arg in mutated_args(node):
-        if any(t.requires_grad for t in iter_tensors(fake_value(arg))):
+        if any(t.requires_grad for t in iter_tensors(fake_value(arg))) and \
+                storage_ids(fake_value(arg)) & ctx.grad_input_storages:
             return reason_for(node, Rule.INPLACE_ON_GRAD,
-                              f"{op_name(node)} writes {arg.name} in place while it requires grad; "
-                              "graphed regions take their inputs by copy or hand-off, so the "
-                              "write stays eager under autograd")
+                              f"{op_name(node)} writes the graph input {arg.name} in place while it "
+                              "requires grad; graphed regions take inputs by copy or hand-off, so "
+                              "the write stays eager under autograd")
     return None
 
 
@@ -335,6 +342,11 @@ def classify(gm: torch.fx.GraphModule, config: Config, *, training: Optional[boo
         compute_device=compute_device or infer_compute_device(gm),
         training=is_training_graph(gm) if training is None else training,
     )
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = fake_value(node)
+            if any(t.requires_grad for t in iter_tensors(value)):
+                ctx.grad_input_storages |= storage_ids(value)
     verdicts: dict[torch.fx.Node, NodeVerdict] = {}
     for node in compute_nodes(gm):
         reason = None

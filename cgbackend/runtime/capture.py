@@ -17,7 +17,7 @@ import torch
 from ..fx_utils import iter_tensors
 from .pool import PoolState
 
-__all__ = ["CaptureError", "Capturer", "SimulatedGraph"]
+__all__ = ["CaptureError", "Capturer", "SimulatedGraph", "first_line"]
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class Capturer:
         except Exception as exc:
             self._recover(graph, stream, device)
             root = inner_errors[0] if inner_errors else exc
-            raise CaptureError(_first_line(root)) from exc
+            raise CaptureError(first_line(root)) from exc
         return graph, outputs
 
     @staticmethod
@@ -187,6 +187,6 @@ class Capturer:
             log.warning("cgbackend: CUDA state after a failed capture could not be restored", exc_info=True)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"

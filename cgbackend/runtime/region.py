@@ -33,7 +33,7 @@ import torch
 
 from ..config import Config
 from ..fx_utils import iter_tensors
-from .capture import CaptureError, Capturer, SimulatedGraph
+from .capture import CaptureError, Capturer, SimulatedGraph, first_line
 from .pool import PoolSet, PoolState
 from .stats import Counters, EagerReason
 
@@ -339,7 +339,11 @@ class RegionRunner:
         pool = self.shared.pools.get(device, call.slot)
         entry: _Entry = _TrainEntry() if grad_path else _Entry()
         entry.pool = pool
-        self._prepare_static_inputs(ins, grad_path, entry)
+        try:
+            self._prepare_static_inputs(ins, grad_path, entry)
+        except torch.OutOfMemoryError as exc:  # the static buffers are part of what capturing costs
+            self._capture_failed(first_line(exc))
+            return None
         static_ins = entry.static_ins
         fn = self.fn
         if grad_path:
@@ -418,15 +422,19 @@ class RegionRunner:
     def capture_backward(self, entry: _TrainEntry, grads: tuple) -> None:
         """First backward of a training entry: capture its backward graph in the entry's pool."""
         grad_outs = []
-        for i in entry.diff_out:
-            out = entry.outputs[i]
-            grad = grads[i]
-            buf = _static_buffer_like(out)
-            if grad is None:
-                buf.zero_()
-            else:
-                buf.copy_(grad)
-            grad_outs.append(buf)
+        try:
+            for i in entry.diff_out:
+                out = entry.outputs[i]
+                grad = grads[i]
+                buf = _static_buffer_like(out)
+                if grad is None:
+                    buf.zero_()
+                else:
+                    buf.copy_(grad)
+                grad_outs.append(buf)
+        except torch.OutOfMemoryError as exc:
+            self._backward_capture_failed(first_line(exc), entry)
+            return
         entry.static_grad_outs = grad_outs
         self.shared.register_persistent(grad_outs, handoff=False)
         inputs = [entry.static_ins[p] for p in entry.diff_in]
@@ -446,13 +454,7 @@ class RegionRunner:
         try:
             graph, static_grad_ins = self.shared.capturer.capture(run, entry.pool)
         except CaptureError as exc:
-            self.shared.counters.capture_failures.append({"region": self.name + " (backward)",
-                                                          "error": str(exc)})
-            if self.config.strict:
-                raise RuntimeError(f"cgbackend: capturing the backward of {self.name} failed: {exc}")
-            log.warning("cgbackend: capturing the backward of %s failed; its backward runs eagerly "
-                        "through the captured forward: %s", self.name, exc)
-            entry.bwd_failed = str(exc)
+            self._backward_capture_failed(str(exc), entry)
             return
         elapsed = time.perf_counter() - start
         entry.bwd_graph = graph
@@ -519,6 +521,14 @@ class RegionRunner:
 
         QUEUE_CALLBACK(record_grads)
         return out
+
+    def _backward_capture_failed(self, error: str, entry: _TrainEntry) -> None:
+        self.shared.counters.capture_failures.append({"region": self.name + " (backward)", "error": error})
+        if self.config.strict:
+            raise RuntimeError(f"cgbackend: capturing the backward of {self.name} failed: {error}")
+        log.warning("cgbackend: capturing the backward of %s failed; its backward runs eagerly "
+                    "through the captured forward: %s", self.name, error)
+        entry.bwd_failed = error
 
     def eager_backward(self, entry: _TrainEntry, grads: tuple) -> tuple:
         """Backward without the backward graph: autograd through the captured forward's graph."""
