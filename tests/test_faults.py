@@ -149,16 +149,23 @@ def test_bad_options_fail_fast_with_the_valid_list():
 
 @pytest.mark.cuda
 def test_out_of_memory_during_capture_falls_back_with_the_reason():
-    model = _MLP(1024).cuda().eval()
-    xs = [torch.randn(4096, 1024, device="cuda") for _ in range(3)]
+    model = _MLP(2048).cuda().eval()
+    xs = [torch.randn(4096, 2048, device="cuda") for _ in range(3)]
     compiled = cgbackend.compile(model, warmup=1)
     total = torch.cuda.get_device_properties(0).total_memory
     with torch.no_grad():
-        compiled(xs[0])  # warm-up (eager)
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        compiled(xs[0])  # warm-up (eager): measure what an eager call needs
+        torch.cuda.synchronize()
+        eager_need = torch.cuda.max_memory_allocated() - base
         torch.cuda.empty_cache()
-        fraction = (torch.cuda.memory_allocated() + 8 * 2**20) / total  # no room for the graph's pool
-        torch.cuda.set_per_process_memory_fraction(fraction)
+        # Room for an eager call (about 160 MiB here) and 30% more, not for a capture: its input
+        # copy (32 MiB), its outputs and pool (about the eager need) and the capture stream's
+        # cuBLAS workspace (32 MiB on Hopper) come on top.
+        limit = torch.cuda.memory_allocated() + int(1.3 * eager_need)
+        torch.cuda.set_per_process_memory_fraction(limit / total)
         try:
             out = compiled(xs[1])
         finally:

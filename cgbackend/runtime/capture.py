@@ -104,17 +104,31 @@ def _autocast_cache_off() -> Iterator[None]:
         torch.set_autocast_cache_enabled(previous)
 
 
+# One capture stream per device for the whole process. cuBLAS keeps a workspace for every
+# (handle, stream) it has seen until the process ends (32 MiB on Hopper): a stream per backend
+# instance would leave one behind for every compiled model. Like cuBLAS handles, a device resource.
+_CAPTURE_STREAMS: dict[str, "torch.cuda.Stream"] = {}
+
+
+def capture_stream(device: str) -> "torch.cuda.Stream":
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        dev = torch.device(device)
+        stream = torch.cuda.Stream(device=dev)
+        # Create the stream's cuBLAS / cuBLASLt workspaces now, from the ordinary allocator. Made
+        # during a first capture they would come from that graph's pool and pin it forever.
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
+            for dtype in (torch.float32, torch.bfloat16):
+                a = torch.ones(16, 16, device=dev, dtype=dtype)
+                torch.addmm(a, a, a)
+        stream.synchronize()
+        _CAPTURE_STREAMS[device] = stream
+    return stream
+
+
 class Capturer:
     def __init__(self, simulate: bool) -> None:
         self.simulate = simulate
-        self._streams: dict[str, "torch.cuda.Stream"] = {}
-
-    def _stream(self, device: str) -> "torch.cuda.Stream":
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = torch.cuda.Stream(device=torch.device(device))
-            self._streams[device] = stream
-        return stream
 
     def capture(self, fn: Callable[[], Any], pool: PoolState,
                 restore: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
@@ -139,7 +153,10 @@ class Capturer:
                             t.copy_(value)
             return SimulatedGraph(fn, outputs), outputs
 
-        stream = self._stream(pool.device)
+        try:
+            stream = capture_stream(pool.device)
+        except torch.OutOfMemoryError as exc:  # its workspaces are part of what capturing costs
+            raise CaptureError(first_line(exc)) from None
         graph = torch.cuda.CUDAGraph()
         inner_errors: list[BaseException] = []
 
@@ -158,8 +175,14 @@ class Capturer:
                     outputs = guarded()
         except Exception as exc:
             self._recover(graph, stream, device)
-            root = inner_errors[0] if inner_errors else exc
-            raise CaptureError(first_line(root)) from exc
+            message = first_line(inner_errors[0] if inner_errors else exc)
+            # The tracebacks hold the half-captured region's frames and tensors: drop them so
+            # their memory is free for the eager fallback (it may be short after out-of-memory).
+            for error in inner_errors + [exc]:
+                error.__traceback__ = None
+            inner_errors.clear()
+            del exc
+            raise CaptureError(message) from None
         return graph, outputs
 
     @staticmethod

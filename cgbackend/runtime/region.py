@@ -23,6 +23,7 @@ until the backward pass is over (see executor.CallState).
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import warnings
@@ -411,6 +412,11 @@ class RegionRunner:
 
     def _capture_failed(self, error: str) -> None:
         self.shared.counters.capture_failures.append({"region": self.name, "error": error})
+        if torch.cuda.is_available() and not self.shared.capturer.simulate:
+            # Hand back what the failed attempt held and cached (its pool's blocks): the eager
+            # calls need it, and after an out-of-memory error they may need all of it.
+            gc.collect()
+            torch.cuda.empty_cache()
         if self.config.strict:
             raise RuntimeError(f"cgbackend: capturing region {self.name} failed: {error}")
         log.warning("cgbackend: capturing region %s failed, it runs eagerly from now on: %s",
