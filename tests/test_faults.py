@@ -16,7 +16,11 @@ import torch.nn.functional as F
 import cgbackend
 from cgbackend.models import build_model, make_inputs
 
-SIM = dict(simulate_graphs=True, warmup=1)
+# Real CUDA graphs on a GPU machine, simulated graphs (same runtime code) on a CPU machine.
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+SIM = dict(warmup=1) if CUDA else dict(simulate_graphs=True, warmup=1)
+EXACT = dict(rtol=1e-5, atol=1e-5) if CUDA else dict(rtol=0, atol=0)
 
 
 class _MLP(nn.Module):
@@ -32,23 +36,22 @@ class _MLP(nn.Module):
 def _check(compiled, model, xs):
     with torch.no_grad():
         for x in xs:
-            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+            torch.testing.assert_close(compiled(x), model(x), **EXACT)
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "stride", "non_contiguous"])
 def test_input_changes_between_calls_give_correct_results(change):
-    model = _MLP().eval()
+    model = _MLP().to(DEV).eval()
     compiled = cgbackend.compile(model, **SIM)
-    base = [torch.randn(8, 16) for _ in range(3)]
+    base = [torch.randn(8, 16, device=DEV) for _ in range(3)]
     if change == "shape":
-        later = [torch.randn(5, 16), torch.randn(9, 16)]
+        later = [torch.randn(5, 16, device=DEV), torch.randn(9, 16, device=DEV)]
     elif change == "dtype":
-        model64 = model
         later = []
-    elif change == "stride":
-        later = [torch.randn(16, 8).t(), torch.randn(16, 8).t()]  # same shape, transposed strides
+    elif change == "stride":  # same shape, transposed strides
+        later = [torch.randn(16, 8, device=DEV).t(), torch.randn(16, 8, device=DEV).t()]
     else:
-        later = [torch.randn(8, 32)[:, ::2], torch.randn(8, 32)[:, 1::2]]
+        later = [torch.randn(8, 32, device=DEV)[:, ::2], torch.randn(8, 32, device=DEV)[:, 1::2]]
     _check(compiled, model, base + later + base)
     if change == "dtype":
         model64 = model.double()
@@ -59,30 +62,30 @@ def test_input_changes_between_calls_give_correct_results(change):
 
 
 def test_two_compiled_models_alive_at_once_stay_independent():
-    m1, m2 = _MLP().eval(), _MLP().eval()
+    m1, m2 = _MLP().to(DEV).eval(), _MLP().to(DEV).eval()
     c1, c2 = cgbackend.compile(m1, **SIM), cgbackend.compile(m2, **SIM)
-    xs = [torch.randn(8, 16) for _ in range(5)]
+    xs = [torch.randn(8, 16, device=DEV) for _ in range(5)]
     with torch.no_grad():
         for x in xs:
-            torch.testing.assert_close(c1(x), m1(x), rtol=0, atol=0)
-            torch.testing.assert_close(c2(x), m2(x), rtol=0, atol=0)
+            torch.testing.assert_close(c1(x), m1(x), **EXACT)
+            torch.testing.assert_close(c2(x), m2(x), **EXACT)
     assert cgbackend.stats(c1)["replays"] > 0 and cgbackend.stats(c2)["replays"] > 0
     assert cgbackend.find_backend(c1) is not cgbackend.find_backend(c2)
 
 
 def test_two_models_sharing_the_default_backend_share_one_pool_safely():
-    m1, m2 = _MLP().eval(), _MLP().eval()
+    m1, m2 = _MLP().to(DEV).eval(), _MLP().to(DEV).eval()
     options = cgbackend.backend(**SIM)
     c1 = torch.compile(m1, backend=options)
     c2 = torch.compile(m2, backend=options)
-    xs = [torch.randn(8, 16) for _ in range(5)]
+    xs = [torch.randn(8, 16, device=DEV) for _ in range(5)]
     with torch.no_grad():
         kept = []
         for x in xs:
             kept.append((c1(x), m1(x), c2(x), m2(x)))
         for a, ra, b, rb in kept:
-            torch.testing.assert_close(a, ra, rtol=0, atol=0)
-            torch.testing.assert_close(b, rb, rtol=0, atol=0)
+            torch.testing.assert_close(a, ra, **EXACT)
+            torch.testing.assert_close(b, rb, **EXACT)
 
 
 class _Raises(nn.Module):
@@ -97,24 +100,24 @@ class _Raises(nn.Module):
 
 
 def test_exception_inside_the_model_reaches_the_caller_with_its_traceback():
-    model = _Raises().eval()
+    model = _Raises().to(DEV).eval()
     compiled = cgbackend.compile(model, **SIM)
     with torch.no_grad():
         for _ in range(3):
-            compiled(torch.randn(4, 8))
+            compiled(torch.randn(4, 8, device=DEV))
         with pytest.raises(ValueError, match="input too large") as info:
-            compiled(torch.full((4, 8), 1e6))
+            compiled(torch.full((4, 8), 1e6, device=DEV))
     frames = traceback.extract_tb(info.value.__traceback__)
     assert any(f.name == "forward" and "test_faults.py" in f.filename for f in frames)
     with torch.no_grad():  # and the model still works afterwards
-        x = torch.randn(4, 8)
-        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+        x = torch.randn(4, 8, device=DEV)
+        torch.testing.assert_close(compiled(x), model(x), **EXACT)
 
 
 def test_calls_from_several_threads_are_serialized_and_correct():
-    model = build_model("moe").eval()
+    model = build_model("moe", device=DEV).eval()
     compiled = cgbackend.compile(model, **SIM)
-    xs = make_inputs("moe", model, n=8)
+    xs = make_inputs("moe", model, n=8, device=DEV)
     with torch.no_grad():
         compiled(xs[0]), compiled(xs[0])  # warm-up and capture on this thread
         refs = [model(x) for x in xs]
@@ -136,7 +139,24 @@ def test_calls_from_several_threads_are_serialized_and_correct():
         t.join()
     assert not errors, errors
     for i, ref in enumerate(refs):
-        torch.testing.assert_close(results[i], ref, rtol=0, atol=0)
+        torch.testing.assert_close(results[i], ref, **EXACT)
+
+
+@pytest.mark.cuda
+def test_input_moving_between_devices_between_calls():
+    model = _MLP().cuda().eval()
+    compiled = cgbackend.compile(model, warmup=1)
+    with torch.no_grad():
+        for x in [torch.randn(8, 16, device="cuda") for _ in range(3)]:
+            torch.testing.assert_close(compiled(x), model(x), **EXACT)
+        cpu_model = _MLP().eval()
+        cpu_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        model.cpu()  # the same module now computes on the CPU: Dynamo recompiles, nothing is captured
+        x = torch.randn(8, 16)
+        torch.testing.assert_close(compiled(x), cpu_model(x), **EXACT)
+    st = cgbackend.stats(compiled)
+    assert st["compiled_graphs"] == 2
+    assert st["eager_calls"].get("no_cuda", 0) >= 1
 
 
 def test_bad_options_fail_fast_with_the_valid_list():
@@ -147,35 +167,57 @@ def test_bad_options_fail_fast_with_the_valid_list():
 # ------------------------------------------------------------------------------------ GPU
 
 
+_OOM_SCRIPT = r"""
+import json, torch, torch.nn as nn, torch.nn.functional as F, cgbackend
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+    def forward(self, x):
+        return self.b(F.gelu(self.a(x))) + x
+
+model = MLP(2048).cuda().eval()
+xs = [torch.randn(4096, 2048, device="cuda") for _ in range(3)]
+compiled = cgbackend.compile(model, warmup=1)
+total = torch.cuda.get_device_properties(0).total_memory
+with torch.no_grad():
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    compiled(xs[0])  # warm-up (eager): what an eager call needs
+    torch.cuda.synchronize()
+    eager_need = torch.cuda.max_memory_allocated() - base
+    torch.cuda.empty_cache()
+    refs = [model(x).cpu() for x in xs[1:]]  # references before memory gets tight
+    torch.cuda.empty_cache()
+    # Room for an eager call and 8 MiB, not for a capture: its input copy alone is 32 MiB on top
+    # of a pool about as large as the eager need.
+    limit = torch.cuda.memory_allocated() + eager_need + 8 * 2**20
+    torch.cuda.set_per_process_memory_fraction(limit / total)
+    try:
+        outs = [compiled(x).cpu() for x in xs[1:]]
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    ok = [torch.allclose(o, r, rtol=1e-5, atol=1e-5) for o, r in zip(outs, refs)]
+st = cgbackend.stats(compiled)
+print(json.dumps({"ok": ok, "failures": st["capture_failures"], "eager": dict(st["eager_calls"])}))
+"""
+
+
 @pytest.mark.cuda
 def test_out_of_memory_during_capture_falls_back_with_the_reason():
-    model = _MLP(2048).cuda().eval()
-    xs = [torch.randn(4096, 2048, device="cuda") for _ in range(3)]
-    compiled = cgbackend.compile(model, warmup=1)
-    total = torch.cuda.get_device_properties(0).total_memory
-    with torch.no_grad():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        compiled(xs[0])  # warm-up (eager): measure what an eager call needs
-        torch.cuda.synchronize()
-        eager_need = torch.cuda.max_memory_allocated() - base
-        torch.cuda.empty_cache()
-        # Room for an eager call (about 160 MiB here) and 30% more, not for a capture: its input
-        # copy (32 MiB), its outputs and pool (about the eager need) and the capture stream's
-        # cuBLAS workspace (32 MiB on Hopper) come on top.
-        limit = torch.cuda.memory_allocated() + int(1.3 * eager_need)
-        torch.cuda.set_per_process_memory_fraction(limit / total)
-        try:
-            out = compiled(xs[1])
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.testing.assert_close(out, model(xs[1]))
-        torch.testing.assert_close(compiled(xs[2]), model(xs[2]))
-    st = cgbackend.stats(compiled)
-    assert len(st["capture_failures"]) == 1
-    assert "out of memory" in st["capture_failures"][0]["error"].lower()
-    assert st["eager_calls"]["capture_failed"] >= 1
+    """In a fresh process, so the memory in use is known (nothing left by other tests)."""
+    import json
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _OOM_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ok"] == [True, True]
+    assert len(result["failures"]) == 1, result
+    assert "out of memory" in result["failures"][0]["error"].lower()
+    assert result["eager"].get("capture_failed", 0) >= 1
 
 
 @pytest.mark.cuda
