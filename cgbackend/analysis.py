@@ -36,5 +36,5 @@ def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool
     classification = classify(gm, config, training=training, compute_device=compute_device)
     part = partition(gm, classification, effects, config)
     return Analysis(gm=gm, config=config, effects=effects, classification=classification,
-                    partition=part, labels=label(gm, part), shapes=shapes(gm, part),
+                    partition=part, labels=label(gm, part, effects), shapes=shapes(gm, part),
                     schedule=schedule(part, classification, effects))

@@ -2,7 +2,7 @@
 mlp, norm, embedding or other.
 
 Reads: ``nn_module_stack`` (module paths and classes), op names, the
-partition's static/dynamic split.
+partition's static/dynamic split, data and effect edges.
 Writes: nothing on the graph; returns :class:`Labels`.
 
 Per node, the first signal wins: the op itself (embedding, norms, attention
@@ -28,6 +28,7 @@ from typing import Optional
 import torch.fx
 
 from ..fx_utils import callee_name, class_name, module_stack
+from .effects import Effects
 from .partition import Partition, Region
 
 __all__ = ["ROLES", "Labels", "label", "node_role"]
@@ -134,20 +135,29 @@ def _region_role(region: Region, roles: dict[torch.fx.Node, str]) -> tuple[str, 
     return "other", dict(ops)
 
 
-def label(gm: torch.fx.GraphModule, partition: Partition) -> Labels:
+def label(gm: torch.fx.GraphModule, partition: Partition, effects: Optional[Effects] = None) -> Labels:
+    """``effects``: its ordering edges count as "consumes" (a combine reads what an eager index_add_
+    wrote in place)."""
     roles: dict[torch.fx.Node, str] = {}
-    # Static ops of an MoE layer after its first eager op combine the experts' results: they
-    # belong to the dispatch, not to the preprocessing before it.
-    dispatch_started: set[str] = set()
+    # Static ops of an MoE layer that consume its eager dispatch (directly or through other ops of
+    # the same layer) combine the experts' results: they belong to the dispatch, not to the
+    # preprocessing before it.
+    scope_of: dict[torch.fx.Node, str] = {}
+    after_dispatch: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         region = partition.region_of.get(node)
         if region is None:
             continue
         role, scope = _role_and_scope(node, region.is_static)
-        if role == "moe_dispatch":
-            dispatch_started.add(scope)
-        elif role == "preprocess" and scope in dispatch_started:
-            role = "moe_dispatch"
+        scope_of[node] = scope
+        if role in ("moe_dispatch", "preprocess"):
+            preds = list(node.all_input_nodes) + (list(effects.preds(node)) if effects is not None else [])
+            fed = any(scope_of.get(p) == scope and (p in after_dispatch or roles.get(p) == "moe_dispatch")
+                      for p in preds)
+            if role == "moe_dispatch" or fed:
+                after_dispatch.add(node)
+            if role == "preprocess" and fed:
+                role = "moe_dispatch"
         roles[node] = role
     region_roles: dict[int, str] = {}
     region_role_ops: dict[int, dict[str, int]] = {}
