@@ -6,7 +6,6 @@ expected verdicts are given as data: (op name of the node, static?, rule).
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -17,24 +16,9 @@ from cgbackend import Config, Rule
 from cgbackend.analysis import analyze
 from cgbackend.fx_utils import compute_nodes, module_path, op_name
 from cgbackend.passes import classify
+from fx_helpers import trace
 
 FILE = "test_classify.py"
-
-
-def trace(fn, *args, dynamic_ops=True, **compile_kwargs) -> torch.fx.GraphModule:
-    """The one FX graph Dynamo hands a backend for ``fn(*args)``."""
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    scope = (torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
-             if dynamic_ops else contextlib.nullcontext())
-    with scope:
-        torch.compile(fn, backend=record, fullgraph=True, **compile_kwargs)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
 
 
 def verdicts_by_op(gm, config=None, **kwargs):

@@ -8,18 +8,7 @@ import pytest
 import torch
 
 from cgbackend.passes.gather import rewrite_gathers
-
-
-def _trace(fn, *args):
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
-        torch.compile(fn, backend=record, fullgraph=True)(*args)
-    return graphs[0]
+from fx_helpers import trace as _trace
 
 
 def _rewritten(fn, args, rewrite):

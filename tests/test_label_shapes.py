@@ -3,7 +3,6 @@ reference models and on tiny modules named the way real models name things."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import pytest
@@ -14,21 +13,7 @@ from cgbackend import Config
 from cgbackend.analysis import analyze
 from cgbackend.fx_utils import callee_name, compute_nodes, module_path, op_name
 from cgbackend.models import build_model, make_inputs
-
-
-def trace(fn, *args, dynamic_ops=True, **compile_kwargs) -> torch.fx.GraphModule:
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    scope = (torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
-             if dynamic_ops else contextlib.nullcontext())
-    with scope:
-        torch.compile(fn, backend=record, fullgraph=True, **compile_kwargs)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
+from fx_helpers import trace
 
 
 def analyze_model(name: str, config: Config | None = None, **compile_kwargs):

@@ -15,19 +15,7 @@ from cgbackend import Config, Rule
 from cgbackend.analysis import analyze
 from cgbackend.fx_utils import compute_nodes, module_path, op_name
 from cgbackend.marks import marked_module_reason, marked_op_reason, unmark_op
-
-
-def trace(fn, *args) -> torch.fx.GraphModule:
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
-        torch.compile(fn, backend=record, fullgraph=True)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
+from fx_helpers import trace
 
 
 def run(fn, *args, config=None):

@@ -3,7 +3,6 @@ earlier static regions, in-place / RNG ordering, folding of small regions, autoc
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -13,23 +12,9 @@ from cgbackend import Config, Rule
 from cgbackend.analysis import analyze
 from cgbackend.fx_utils import compute_nodes, op_name
 from cgbackend.models import build_model, make_inputs
+from fx_helpers import trace
 
 S, D = "static", "dynamic"
-
-
-def trace(fn, *args, dynamic_ops=True, **compile_kwargs) -> torch.fx.GraphModule:
-    graphs = []
-
-    def record(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    scope = (torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
-             if dynamic_ops else contextlib.nullcontext())
-    with scope:
-        torch.compile(fn, backend=record, fullgraph=True, **compile_kwargs)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
 
 
 def run(fn, *args, config=None, **compile_kwargs):

@@ -11,9 +11,8 @@ from .layers import MLP, Block, Expert
 __all__ = ["GPT", "MixtralStyleMoE", "SortedMoE"]
 
 
-class MixtralStyleMoE(nn.Module):
-    """Dropless top-k MoE dispatched like Hugging Face Mixtral's eager experts: one-hot expert mask,
-    per-expert ``torch.where``, gather, expert MLP, ``index_add_`` weighted by the router."""
+class _DroplessMoE(nn.Module):
+    """Router ``gate`` and ``n_experts`` SwiGLU ``experts``; subclasses choose the dispatch."""
 
     def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int) -> None:
         super().__init__()
@@ -21,6 +20,11 @@ class MixtralStyleMoE(nn.Module):
         self.top_k = top_k
         self.gate = nn.Linear(d_model, n_experts, bias=False)
         self.experts = nn.ModuleList(Expert(d_model, d_ff) for _ in range(n_experts))
+
+
+class MixtralStyleMoE(_DroplessMoE):
+    """Dropless top-k MoE dispatched like Hugging Face Mixtral's eager experts: one-hot expert mask,
+    per-expert ``torch.where``, gather, expert MLP, ``index_add_`` weighted by the router."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -40,16 +44,9 @@ class MixtralStyleMoE(nn.Module):
         return final.reshape(b, t, c)
 
 
-class SortedMoE(nn.Module):
+class SortedMoE(_DroplessMoE):
     """Dropless top-k MoE dispatched by sorting: argsort tokens by expert, bincount the groups,
     split, run each expert on its group, scatter back with ``index_add_``."""
-
-    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int) -> None:
-        super().__init__()
-        self.n_experts = n_experts
-        self.top_k = top_k
-        self.gate = nn.Linear(d_model, n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(d_model, d_ff) for _ in range(n_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
