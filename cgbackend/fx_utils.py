@@ -170,11 +170,6 @@ def callee_name(node: torch.fx.Node) -> str:
     return ""
 
 
-def node_args(node: torch.fx.Node) -> list[Any]:
-    """Positional then keyword arguments, flattened one level."""
-    return list(node.args) + list(node.kwargs.values())
-
-
 def shape_str(t: torch.Tensor) -> str:
     dims = ", ".join(str(d) for d in t.shape)
     dtype = str(t.dtype).replace("torch.", "")

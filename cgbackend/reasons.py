@@ -71,10 +71,6 @@ class Reason:
             "detail": self.detail,
         }
 
-    def short(self) -> str:
-        where = f" at {self.source}" if self.source else ""
-        return f"{self.op}: {self.rule.value}{where}"
-
 
 def reason_for(node: torch.fx.Node, rule: Rule, detail: str) -> Reason:
     source, code = source_location(node)

@@ -228,6 +228,27 @@ def _paths_text(paths: list[str], limit: int = 3) -> str:
     return text
 
 
+def _runtime_text(runtime: dict[str, Any]) -> list[str]:
+    from .runtime.stats import EagerReason  # the runtime is optional for an ahead-of-time report
+    lines = ["  runtime:"]
+    seen: set[str] = set()
+    for name, r in runtime.get("regions", {}).items():
+        eager = ", ".join(f"{k} {v}" for k, v in r["eager_calls"].items()) or "none"
+        lines.append(f"{'':<4}{name.split('.')[-1]}: {r['graphs']} graph(s), {r['replays']} replays, "
+                     f"eager calls: {eager}")
+        if r.get("disabled"):
+            lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")
+        seen.update(r["eager_calls"])
+    for key in ("gather_rewrites",):
+        if runtime.get(key):
+            lines.append(f"{'':<4}gathers rewritten for a cheap backward: {runtime[key]}")
+    for reason in sorted(seen):
+        text = EagerReason.DESCRIPTIONS.get(reason)
+        if text:
+            lines.append(f"{'':<4}{reason}: {text}")
+    return lines
+
+
 def render_text(report: Report) -> str:
     s = report.summary
     lines = [
@@ -289,8 +310,7 @@ def render_text(report: Report) -> str:
                 shown = ", ".join(f"{op} x{n}" for op, n in ops.most_common(4))
                 lines.append(f"{'':<10}+ {total} ops that follow from those ({shown})")
         if g.runtime:
-            rt = g.runtime
-            lines.append(f"  runtime: {rt}")
+            lines.extend(_runtime_text(g.runtime))
     if s["top_reasons"]:
         lines.append("")
         lines.append("top reasons for eager execution:")

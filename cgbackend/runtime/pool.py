@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -75,9 +75,3 @@ class PoolSet:
             pool = PoolState(device=str(device), slot=slot, handle=handle)
             self._pools[key] = pool
         return pool
-
-    def all(self) -> list[PoolState]:
-        return list(self._pools.values())
-
-    def find(self, device: str, slot: int) -> Optional[PoolState]:
-        return self._pools.get((device, slot))

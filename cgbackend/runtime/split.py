@@ -14,9 +14,9 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx
 
-from ..passes.partition import Partition, Region
+from ..passes.partition import Region
 
-__all__ = ["build_region_module", "split"]
+__all__ = ["build_region_module"]
 
 
 def _assert_scalar(cond: Any, msg: str) -> None:
@@ -52,6 +52,3 @@ def build_region_module(gm: torch.fx.GraphModule, region: Region,
     # The root is the original module: get_attr targets (constants, nested graphs) resolve there.
     return torch.fx.GraphModule(gm, graph, class_name=f"cgbackend_region_{region.name}")
 
-
-def split(gm: torch.fx.GraphModule, partition: Partition) -> list[torch.fx.GraphModule]:
-    return [build_region_module(gm, region) for region in partition.regions]

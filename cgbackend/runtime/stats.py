@@ -71,9 +71,6 @@ class Counters:
     pool_bytes: int = 0
     """Growth of the CUDA caching allocator's reserved memory across captures."""
 
-    def eager_total(self, exclude_warmup: bool = True) -> int:
-        return sum(n for r, n in self.eager_calls.items() if not (exclude_warmup and r == EagerReason.WARMUP))
-
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eager_calls"] = dict(self.eager_calls)
@@ -81,8 +78,3 @@ class Counters:
         d["capture_failures"] = list(self.capture_failures)
         return d
 
-    def merged(self, other: "Counters") -> "Counters":
-        out = Counters()
-        for f in dataclasses.fields(Counters):
-            setattr(out, f.name, getattr(self, f.name) + getattr(other, f.name))
-        return out
