@@ -16,8 +16,9 @@ import torch.fx
 
 from .config import Config
 from .fx_utils import fake_value
+from .runtime.region import no_donated_buffers
 
-__all__ = ["inductor_inner", "no_donated_buffers"]
+__all__ = ["inductor_inner"]
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,3 @@ def inductor_inner(config: Config) -> Callable[[torch.fx.GraphModule, Any], Call
 
     return compile_region
 
-
-def no_donated_buffers():
-    """Donated buffers let AOT's backward reuse saved tensors' memory, which forbids
-    retain_graph=True; cgbackend keeps the captured forward's autograd graph to capture the backward
-    (and to run it eagerly if that capture fails). Read at compile time and at backward time."""
-    return torch._functorch.config.patch(donated_buffer=False)

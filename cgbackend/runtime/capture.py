@@ -17,7 +17,7 @@ import torch
 from ..fx_utils import iter_tensors
 from .pool import PoolState
 
-__all__ = ["CaptureError", "Capturer", "SimulatedGraph", "first_line"]
+__all__ = ["CaptureError", "Capturer", "SimulatedGraph", "first_line", "non_overlapping"]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ class SimulatedGraph:
     def scribble(self) -> None:
         with torch.no_grad():
             for t in iter_tensors(self.outputs):
-                t = _writable(t)
-                if t is None:
+                if not non_overlapping(t):  # an expanded view: its elements share memory
                     continue
                 if t.is_floating_point() or t.is_complex():
                     t.fill_(float("nan"))
@@ -68,7 +67,7 @@ class SimulatedGraph:
             for static, new in zip(iter_tensors(self.outputs), iter_tensors(result)):
                 if static is new:
                     continue
-                if _writable(static) is static:
+                if non_overlapping(static):
                     static.copy_(new)
                     continue
                 # An overlapping view (an expand): a CUDA replay rewrites its base, the view follows.
@@ -80,15 +79,15 @@ class SimulatedGraph:
         self.last = result
 
 
-def _writable(t: torch.Tensor) -> Optional[torch.Tensor]:
-    """``t`` if it can be written element by element; an expanded view cannot (its elements
-    share memory)."""
+def non_overlapping(t: torch.Tensor) -> bool:
+    """No two elements share memory, so the tensor can be written element by element (an expand()
+    has stride 0 and fails this)."""
     span = 1
     for st, sz in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
         if st < span:
-            return None
+            return False
         span = st * sz
-    return t
+    return True
 
 
 @contextlib.contextmanager

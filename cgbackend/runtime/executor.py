@@ -110,11 +110,9 @@ class CallState:
 
 
 class _Step:
-    __slots__ = ("region", "run", "ins", "outs", "frees", "runner", "module")
+    __slots__ = ("ins", "outs", "frees", "runner", "module")
 
-    def __init__(self, region, run, ins, outs, frees, runner, module) -> None:
-        self.region = region
-        self.run = run
+    def __init__(self, ins, outs, frees, runner, module) -> None:
         self.ins = ins
         self.outs = outs
         self.frees = frees
@@ -192,14 +190,12 @@ class CompiledGraph:
                     runner.disable(blocked, _BLOCKED_DETAIL.get(blocked, blocked))
                 runner_of[region.index] = runner
                 self.runners.append(runner)
-                run = runner
             else:
-                run = None
                 # Only pays off under autograd (its backward is the cheap part); in inference the
                 # two-index form costs one more launch.
                 if self.training_graph:
                     self.gather_rewrites[region.index] = rewrite_gathers(module)
-            self.steps.append(_Step(region, run, ins, outs, frees, runner, module))
+            self.steps.append(_Step(ins, outs, frees, runner, module))
 
         counters = shared.counters
         counters.compiled_graphs += 1

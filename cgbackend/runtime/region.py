@@ -34,7 +34,7 @@ import torch
 
 from ..config import Config
 from ..fx_utils import iter_tensors
-from .capture import CaptureError, Capturer, SimulatedGraph, first_line
+from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
 from .pool import PoolSet, PoolState
 from .stats import Counters, EagerReason
 
@@ -86,7 +86,7 @@ class RuntimeShared:
 class _Entry:
     """Common part of inference and training entries."""
 
-    __slots__ = ("pool", "static_ins", "kinds", "copy_pos", "handoff_pos", "copy_back_pos",
+    __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
                  "outputs", "index", "graph", "slot")
 
     def __init__(self) -> None:
@@ -282,11 +282,11 @@ class RegionRunner:
     def _after_replay(self, entry: _Entry, ins: list, call: Any) -> None:
         for pos in entry.copy_back_pos:
             ins[pos].copy_(entry.static_ins[pos])
-        self.shared.counters.copy_backs += len(entry.copy_back_pos)
+        counters = self.shared.counters
+        counters.copy_backs += len(entry.copy_back_pos)
         entry.pool.acquire(entry.index)
         call.live.append((entry.pool, entry.index))
         self.replays += 1
-        counters = self.shared.counters
         counters.replays += 1
 
     # ------------------------------------------------------------------ capture
@@ -349,7 +349,7 @@ class RegionRunner:
         fn = self.fn
         if grad_path:
             def run() -> Any:
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
                     return fn(*static_ins)
         else:
             def run() -> Any:
@@ -370,7 +370,7 @@ class RegionRunner:
             graph.attach(pool, entry.index)
         self._count_capture(elapsed, _reserved(device) - reserved_before, forward=grad_path)
         if grad_path:
-            self._finish_train_entry(entry, outputs, ins)
+            self._finish_train_entry(entry, outputs)
         else:
             entry.outputs = outputs
             self.shared.register_persistent(outputs)
@@ -378,7 +378,7 @@ class RegionRunner:
                   "forward" if grad_path else "inference", call.slot, elapsed)
         return entry
 
-    def _finish_train_entry(self, entry: _TrainEntry, outputs: Any, ins: list) -> None:
+    def _finish_train_entry(self, entry: _TrainEntry, outputs: Any) -> None:
         outs = list(outputs)
         entry.capture_outs = outs
         entry.tensor_pos = tuple(p for p, k in enumerate(self.kinds) if k != VALUE)
@@ -427,17 +427,9 @@ class RegionRunner:
 
     def capture_backward(self, entry: _TrainEntry, grads: tuple) -> None:
         """First backward of a training entry: capture its backward graph in the entry's pool."""
-        grad_outs = []
         try:
-            for i in entry.diff_out:
-                out = entry.outputs[i]
-                grad = grads[i]
-                buf = _static_buffer_like(out)
-                if grad is None:
-                    buf.zero_()
-                else:
-                    buf.copy_(grad)
-                grad_outs.append(buf)
+            grad_outs = [_static_buffer_like(entry.outputs[i]) for i in entry.diff_out]
+            _fill_grads(grad_outs, entry.diff_out, grads)
         except torch.OutOfMemoryError as exc:
             self._backward_capture_failed(first_line(exc), entry)
             return
@@ -446,7 +438,7 @@ class RegionRunner:
         inputs = [entry.static_ins[p] for p in entry.diff_in]
 
         def run() -> Any:
-            with _backward_config():
+            with no_donated_buffers():
                 grads_in = torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
                                                retain_graph=True, allow_unused=True)
             return tuple(grads_in)
@@ -543,7 +535,7 @@ class RegionRunner:
             grad = grads[i]
             grad_outs.append(torch.zeros_like(entry.outputs[i]) if grad is None else grad)
         inputs = [entry.static_ins[p] for p in entry.diff_in]
-        with _backward_config():
+        with no_donated_buffers():
             return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
                                        retain_graph=True, allow_unused=True)
 
@@ -557,22 +549,25 @@ def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
 QUEUE_CALLBACK = _queue_callback()
 
 
-def _non_overlapping(size: torch.Size, stride: tuple[int, ...]) -> bool:
-    """No two elements share memory (an expand() has stride 0 and fails this)."""
-    span = 1
-    for st, sz in sorted((st, sz) for sz, st in zip(size, stride) if sz > 1):
-        if st < span:
-            return False
-        span = st * sz
-    return True
-
-
 def _static_buffer_like(value: torch.Tensor) -> torch.Tensor:
     """A buffer to copy ``value`` into before each replay: same strides where they are a valid
     layout to write, dense otherwise (expanded inputs); the graph is keyed by the input strides."""
-    if _non_overlapping(value.size(), value.stride()):
+    if non_overlapping(value):
         return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
     return torch.empty(value.size(), dtype=value.dtype, device=value.device)
+
+
+def _fill_grads(bufs: list[torch.Tensor], positions: tuple[int, ...], grads: tuple) -> int:
+    """Incoming gradients into the backward graph's static buffers (zeros for None); returns how
+    many were copied."""
+    copied = 0
+    for buf, i in zip(bufs, positions):
+        if grads[i] is None:
+            buf.zero_()
+        else:
+            buf.copy_(grads[i])
+            copied += 1
+    return copied
 
 
 def _freeze(value: Any) -> Any:
@@ -582,16 +577,15 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _backward_config():
-    """Backward through a retained graph: AOT autograd must not expect donated buffers."""
+def no_donated_buffers():
+    """Donated buffers let AOT autograd's backward reuse saved tensors' memory, which forbids
+    retain_graph=True; cgbackend keeps the captured forward's autograd graph to capture the backward
+    (and to run it eagerly if that capture fails). Read at compile time and at backward time."""
     return torch._functorch.config.patch(donated_buffer=False)
 
 
-def _pack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
+def _same(t: torch.Tensor) -> torch.Tensor:
+    """Saved-tensor hook (pack and unpack): keeps the tensor as is, and skips the version check."""
     return t
 
 
@@ -656,14 +650,9 @@ class _RegionFunction(torch.autograd.Function):
             grads_in = runner.eager_backward(entry, grads)
         else:
             if not fresh:
-                for buf, i in zip(entry.static_grad_outs, entry.diff_out):
-                    grad = grads[i]
-                    if grad is None:
-                        buf.zero_()
-                    else:
-                        buf.copy_(grad)
-                        counters.copies_made += 1
-                        counters.copied_by_kind["grad_output"] += 1
+                copied = _fill_grads(entry.static_grad_outs, entry.diff_out, grads)
+                counters.copies_made += copied
+                counters.copied_by_kind["grad_output"] += copied
             entry.bwd_graph.replay()
             counters.replays += 1
             counters.bwd_replays += 1
