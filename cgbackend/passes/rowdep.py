@@ -1,0 +1,324 @@
+"""Row-independence proof: which dimension of each tensor carries "rows", op by op.
+
+Reads: an FX graph with fake example values (Dynamo's ``example_value``).
+Returns: for every node that depends on the given sources, the dimension that
+holds the rows (or ``ROWS_IN_TUPLE`` for tuples whose elements all keep them),
+or raises :class:`NotRowwise` naming the first op that mixes rows.
+
+"Row-independent along dimension d" means: row i of every output depends only on
+row i of the row inputs (and on tensors that do not depend on the rows at all,
+such as parameters). It is what makes two rewrites safe: computing a per-row
+function on *all* rows and masking (the static MoE dispatch, passes/dispatch.py),
+and padding rows up to a bucket and slicing the result.
+
+The rules are a whitelist. An op not listed, or listed but applied across the row
+dimension (a softmax, sum or cumsum over it, a matmul that contracts it, a reshape
+that merges it with another dimension, attention over it), fails the proof with
+the op and the reason; nothing unknown is assumed safe.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.fx
+
+from ..fx_utils import callee_name, fake_value, op_name
+
+__all__ = ["NotRowwise", "propagate_rows", "ROWS_IN_TUPLE"]
+
+ROWS_IN_TUPLE = "tuple"
+
+# Element-wise in the first argument; the other arguments must not depend on the rows.
+_UNARY = {
+    "relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "tanh", "exp", "log", "log2", "neg", "abs",
+    "sqrt", "rsqrt", "square", "sin", "cos", "erf", "softplus", "mish", "hardswish", "hardsigmoid",
+    "leaky_relu", "elu", "selu", "celu", "relu6", "hardtanh", "log1p", "expm1", "reciprocal", "sign",
+    "float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "clone", "detach",
+    "clamp", "clamp_min", "clamp_max", "nan_to_num", "logical_not", "bitwise_not", "softsign",
+    "logsigmoid", "glu_", "invert", "pos", "neg_", "abs_", "round", "floor", "ceil", "trunc",
+    "isnan", "isinf", "isfinite", "sigmoid_", "tanh_", "exp_", "mul_scalar",
+}
+# Element-wise with broadcasting over all tensor arguments.
+_BINARY = {
+    "add", "sub", "mul", "truediv", "div", "floordiv", "pow", "maximum", "minimum", "eq", "ne", "lt",
+    "gt", "le", "ge", "and_", "or_", "xor", "logical_and", "logical_or", "iadd", "imul", "isub",
+    "itruediv", "rsub", "atan2", "true_divide", "fmod", "remainder", "add_", "mul_", "sub_", "div_",
+    "masked_fill", "masked_fill_", "where", "lerp", "addcmul", "addcdiv", "bitwise_and", "bitwise_or",
+    "mod", "copysign", "hypot", "xlogy", "fmax", "fmin",
+}
+_REDUCE = {"sum", "mean", "amax", "amin", "prod", "logsumexp", "var", "std", "norm", "any", "all",
+           "max", "min", "argmax", "argmin", "count_nonzero"}
+_ALONG = {"softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
+          "argsort", "sort", "topk", "glu", "normalize"}
+
+
+class NotRowwise(Exception):
+    """An op that (as far as the rules can tell) mixes rows; ``node`` and ``why`` say which and how."""
+
+    def __init__(self, node: torch.fx.Node, why: str) -> None:
+        super().__init__(f"{op_name(node)} ({node.name}): {why}")
+        self.node = node
+        self.why = why
+
+
+def _shape(node: Any) -> Optional[tuple]:
+    value = fake_value(node) if isinstance(node, torch.fx.Node) else node
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _ndim(node: Any) -> int:
+    shape = _shape(node)
+    return len(shape) if shape is not None else 0
+
+
+def _norm_dim(dim: Any, ndim: int) -> int:
+    if not isinstance(dim, int):
+        raise TypeError
+    return dim + ndim if dim < 0 else dim
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an unbacked comparison that cannot be decided
+        return False
+
+
+def _prod_is_one(dims: Iterable[Any]) -> bool:
+    return all(_same(d, 1) for d in dims)
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _row_args(node: torch.fx.Node, dims: dict) -> list[tuple[Any, Any]]:
+    out = []
+    for a in list(node.args) + list(node.kwargs.values()):
+        items = a if isinstance(a, (list, tuple)) else [a]
+        for item in items:
+            if isinstance(item, torch.fx.Node) and item in dims:
+                out.append((item, dims[item]))
+    return out
+
+
+def _broadcast_dim(node: torch.fx.Node, dims: dict) -> int:
+    """Element-wise op over broadcast tensors: all row tensors must line their rows up, and no
+    other tensor may have a size above one at that position."""
+    out_nd = _ndim(node)
+    tensors = [a for a in list(node.args) + list(node.kwargs.values())
+               if isinstance(a, torch.fx.Node) and isinstance(fake_value(a), torch.Tensor)]
+    from_right = None
+    for t in tensors:
+        if t in dims:
+            r = dims[t]
+            if not isinstance(r, int):
+                raise NotRowwise(node, "a tuple operand")
+            k = _ndim(t) - r
+            if from_right is not None and k != from_right:
+                raise NotRowwise(node, "its operands hold rows in different dimensions")
+            from_right = k
+    assert from_right is not None
+    for t in tensors:
+        if t in dims:
+            continue
+        shape = _shape(t)
+        if len(shape) >= from_right and not _same(shape[len(shape) - from_right], 1):
+            raise NotRowwise(node, f"operand {t.name} is not row-wise but spans the row dimension")
+    return out_nd - from_right
+
+
+def _reshape_dim(node: torch.fx.Node, src: torch.fx.Node, r: int) -> int:
+    """A reshape keeps rows apart when everything before the row dimension has size one in both
+    shapes and the row size reappears as a whole dimension (row-major: each row stays one block)."""
+    ins, outs = _shape(src), _shape(node)
+    if not _prod_is_one(ins[:r]):
+        raise NotRowwise(node, "reshape of a tensor with non-unit dimensions before the rows")
+    for j, size in enumerate(outs):
+        if _same(size, ins[r]) and _prod_is_one(outs[:j]):
+            return j
+        if not _same(size, 1):
+            break
+    raise NotRowwise(node, "reshape merges or splits the row dimension")
+
+
+def _getitem_dim(node: torch.fx.Node, r: int) -> int:
+    key = node.args[1]
+    key = key if isinstance(key, tuple) else (key,)
+    if any(isinstance(k, torch.fx.Node) or isinstance(k, (list, torch.Tensor)) for k in key):
+        raise NotRowwise(node, "advanced indexing of row-wise values")
+    ndim_in = _ndim(node.args[0])
+    n_consuming = sum(1 for k in key if k is not None and k is not Ellipsis)
+    expanded: list[Any] = []
+    for k in key:
+        if k is Ellipsis:
+            expanded.extend([slice(None)] * (ndim_in - n_consuming))
+        else:
+            expanded.append(k)
+    in_dim, out_dim = 0, 0
+    for k in expanded:
+        if k is None:
+            out_dim += 1
+            continue
+        if in_dim == r:
+            if not (isinstance(k, slice) and k == slice(None)):
+                raise NotRowwise(node, "indexing slices or picks rows")
+            return out_dim
+        in_dim += 1
+        if not isinstance(k, int):
+            out_dim += 1
+    return out_dim + (r - in_dim)
+
+
+def _rule(node: torch.fx.Node, dims: dict) -> Any:
+    name = callee_name(node)
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        name = name[2:-2]  # ``x.__mul__(y)``: how some torch versions record ``x * y``
+    rows = _row_args(node, dims)
+    src, r = rows[0]
+    first = node.args[0] if node.args else None
+    nd = _ndim(src)
+
+    if node.op == "call_function" and node.target is operator.getitem:
+        if r == ROWS_IN_TUPLE:
+            return _tuple_elem(node, src, dims)
+        return _getitem_dim(node, r)
+    if not isinstance(r, int) and name not in ("cat", "stack"):
+        raise NotRowwise(node, "a tuple of row-wise values passed whole")
+    if name in _UNARY:
+        if src is not first or len(rows) > 1:
+            raise NotRowwise(node, "a row-wise value in a non-element-wise argument")
+        return r
+    if name in _BINARY:
+        return _broadcast_dim(node, dims)
+    if name == "dropout":
+        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
+        if training is False or p == 0:
+            return r
+        raise NotRowwise(node, "dropout draws random numbers by position, not by row")
+    if name in ("linear", "matmul", "mm", "bmm"):
+        if src is not first or len(rows) > 1:
+            raise NotRowwise(node, "the rows are contracted (row-wise value as the right operand)")
+        if r >= nd - 1 or (name == "bmm" and r != 0):
+            raise NotRowwise(node, "the row dimension is contracted")
+        return r
+    if name in ("layer_norm", "rms_norm", "group_norm"):
+        if name == "group_norm":
+            raise NotRowwise(node, "group_norm normalizes over channels and positions")
+        shape = _arg(node, 1, "normalized_shape")
+        n = len(shape) if isinstance(shape, (list, tuple)) else 1
+        if r >= nd - n or len(rows) > 1:
+            raise NotRowwise(node, "normalized over the row dimension")
+        return r
+    if name in _ALONG:
+        dim = _arg(node, 1, "dim", -1) if name not in ("topk",) else _arg(node, 2, "dim", -1)
+        if name == "normalize":
+            dim = _arg(node, 2, "dim", 1)
+        if name in ("argsort", "sort") and dim is None:
+            dim = -1
+        if _norm_dim(dim, nd) == r:
+            raise NotRowwise(node, f"{name} runs along the row dimension")
+        return ROWS_IN_TUPLE if isinstance(fake_value(node), (tuple, list)) else r
+    if name in _REDUCE:
+        dim = _arg(node, 1, "dim")
+        if dim is None:
+            raise NotRowwise(node, f"{name} over all elements mixes rows")
+        reduced = [_norm_dim(d, nd) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+        if r in reduced:
+            raise NotRowwise(node, f"{name} reduces the row dimension")
+        keep = _arg(node, 2, "keepdim", False)
+        out = r if keep else r - sum(1 for d in reduced if d < r)
+        return ROWS_IN_TUPLE if isinstance(fake_value(node), (tuple, list)) else out
+    if name in ("chunk", "split", "tensor_split", "split_with_sizes", "unbind"):
+        dim = _arg(node, 2, "dim", 0) if name != "unbind" else _arg(node, 1, "dim", 0)
+        if _norm_dim(dim, nd) == r:
+            raise NotRowwise(node, f"{name} cuts the row dimension")
+        if name == "unbind":
+            raise NotRowwise(node, "unbind")  # elements lose a dimension; not needed so far
+        return ROWS_IN_TUPLE
+    if name in ("reshape", "view", "flatten", "view_as", "reshape_as", "unflatten"):
+        return _reshape_dim(node, src, r)
+    if name == "unsqueeze":
+        d = _norm_dim(_arg(node, 1, "dim"), nd + 1)
+        return r + 1 if d <= r else r
+    if name == "squeeze":
+        d = _arg(node, 1, "dim")
+        if d is None:
+            raise NotRowwise(node, "squeeze without a dimension may drop the rows")
+        d = _norm_dim(d, nd)
+        if d == r:
+            raise NotRowwise(node, "squeeze of the row dimension")
+        return r - 1 if d < r else r
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
+        return b if r == a else a if r == b else r
+    if name == "t":
+        return 1 - r if nd == 2 else r
+    if name == "permute":
+        perm = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        return [_norm_dim(p, nd) for p in perm].index(r)
+    if name in ("expand", "expand_as"):
+        out = _shape(node)
+        k = nd - r
+        if not _same(out[len(out) - k], _shape(src)[r]):
+            raise NotRowwise(node, "expand of the row dimension")
+        return len(out) - k
+    if name in ("cat", "concat", "stack"):
+        tensors = node.args[0]
+        dim = _norm_dim(_arg(node, 1, "dim", 0), _ndim(tensors[0]) + (name == "stack"))
+        rs = {dims.get(t) for t in tensors}
+        if len(rs) != 1 or None in rs:
+            raise NotRowwise(node, f"{name} of row-wise and other tensors")
+        (r,) = rs
+        if name == "stack":
+            return r + 1 if dim <= r else r
+        if dim == r:
+            raise NotRowwise(node, f"{name} along the row dimension")
+        return r
+    if name == "embedding":
+        if src is not first:
+            raise NotRowwise(node, "row-wise embedding table")
+        return r
+    if name == "scaled_dot_product_attention":
+        qkv = [a for a in node.args[:3]]
+        if any(dims.get(a) != r for a in qkv) or r >= nd - 2:
+            raise NotRowwise(node, "attention mixes positions along the row dimension")
+        return r
+    raise NotRowwise(node, "not known to be row-wise")
+
+
+def _tuple_elem(node: torch.fx.Node, src: torch.fx.Node, dims: dict) -> int:
+    """Element of a tuple made by a row-keeping op: the same row dimension as that op's input
+    (values and indices of topk/sort/max keep the shape; chunk/split pieces too)."""
+    producer_rows = _row_args(src, dims)
+    r = producer_rows[0][1]
+    name = callee_name(src)
+    if name in _REDUCE:
+        nd = _ndim(producer_rows[0][0])
+        dim = _arg(src, 1, "dim")
+        keep = _arg(src, 2, "keepdim", False)
+        d = _norm_dim(dim, nd)
+        return r if keep or d > r else r - 1
+    return r
+
+
+def propagate_rows(nodes: Iterable[torch.fx.Node], sources: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, Any]:
+    """Row dimension of every node (in ``nodes``, topological order) that depends on ``sources``.
+
+    Raises NotRowwise at the first node that cannot be shown to keep rows apart."""
+    dims: dict[torch.fx.Node, Any] = dict(sources)
+    for node in nodes:
+        if node in dims or node.op not in ("call_function", "call_method"):
+            continue
+        if not _row_args(node, dims):
+            continue
+        try:
+            dims[node] = _rule(node, dims)
+        except (TypeError, ValueError, IndexError) as exc:
+            raise NotRowwise(node, f"arguments not understood ({type(exc).__name__})") from None
+    return dims

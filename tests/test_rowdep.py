@@ -1,0 +1,84 @@
+"""The row-independence proof (passes/rowdep.py) on tiny Dynamo graphs: positive and negative cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cgbackend.passes.rowdep import NotRowwise, propagate_rows
+from fx_helpers import trace
+
+
+def _out_dim(fn, *args):
+    """Row dimension of the graph's output when the first input's dimension 0 holds rows."""
+    gm = trace(fn, *args)
+    nodes = list(gm.graph.nodes)
+    x = next(n for n in nodes if n.op == "placeholder")
+    dims = propagate_rows(nodes, {x: 0})
+    out = next(n for n in nodes if n.op == "output").args[0][0]
+    return dims.get(out)
+
+
+W = torch.randn(8, 8)
+X = torch.randn(5, 8)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: F.linear(x, W),
+    lambda x: F.gelu(F.linear(x, W)) * 2 + 1,
+    lambda x: F.layer_norm(x, (8,)),
+    lambda x: F.rms_norm(x, (8,)),
+    lambda x: F.softmax(x, dim=-1),
+    lambda x: x.sum(-1, keepdim=True) * x,
+    lambda x: F.silu(x @ W).chunk(2, dim=-1)[0],
+    lambda x: x.reshape(5, 2, 4).transpose(1, 2).reshape(5, 8),
+    lambda x: torch.cumsum(x, dim=1),
+    lambda x: x[:, :4].to(torch.float64).unsqueeze(1).squeeze(1),
+], ids=["linear", "gelu_affine", "layer_norm", "rms_norm", "softmax_last", "sum_last", "chunk",
+        "reshape_within_row", "cumsum_last", "slice_cast"])
+def test_row_independent_along_dim0(fn):
+    assert _out_dim(fn, X) == 0
+
+
+def test_rows_move_with_transpose():
+    assert _out_dim(lambda x: x.unsqueeze(0).transpose(0, 1).reshape(5, 8), X) == 0
+    assert _out_dim(lambda x: x.t(), X) == 1
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda x: F.softmax(x, dim=0), "softmax runs along the row dimension"),
+    (lambda x: x.sum(0), "reduces the row dimension"),
+    (lambda x: x.sum(), "over all elements"),
+    (lambda x: torch.cumsum(x, dim=0), "cumsum runs along the row dimension"),
+    (lambda x: x.t() @ x, "contracted"),
+    (lambda x: x.reshape(-1), "merges or splits the row dimension"),
+    (lambda x: x[1:], "slices or picks rows"),
+    (lambda x: x + torch.randn(5, 8), "spans the row dimension"),
+    (lambda x: torch.sort(x, dim=0).values, "sort runs along the row dimension"),
+    (lambda x: F.dropout(x, 0.5, training=True), "random numbers"),
+], ids=["softmax_dim0", "sum_dim0", "sum_all", "cumsum_dim0", "contract", "flatten", "slice",
+        "other_rows", "sort_dim0", "dropout"])
+def test_not_row_independent(fn, why):
+    with pytest.raises(NotRowwise, match=why):
+        _out_dim(fn, X)
+
+
+def test_attention_over_the_sequence_is_not_row_independent_but_over_the_batch_is():
+    q = torch.randn(2, 4, 6, 8)  # batch, heads, sequence, head dim
+
+    def attn(x):
+        return F.scaled_dot_product_attention(x, x, x)
+
+    gm = trace(attn, q)
+    nodes = list(gm.graph.nodes)
+    x = nodes[0]
+    out = next(n for n in nodes if n.op == "output").args[0][0]
+    assert propagate_rows(nodes, {x: 0})[out] == 0  # batch rows: each its own attention
+    with pytest.raises(NotRowwise, match="attention"):
+        propagate_rows(nodes, {x: 2})  # sequence positions attend to each other
+
+
+def test_unknown_op_is_not_assumed_row_independent():
+    with pytest.raises(NotRowwise, match="not known"):
+        _out_dim(lambda x: torch.fft.fft(x).real, X)
