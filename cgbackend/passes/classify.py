@@ -74,7 +74,11 @@ _TO_HOST_METHODS = {"cpu", "numpy", "tolist"}
 # Ops that read device data on the host to size their output, even when a torch._check has fixed
 # the traced size (bincount sizes its output from max(input)).
 _SYNCING_OPS = {"bincount", "nonzero", "argwhere", "unique", "unique_consecutive", "_unique2",
-                "masked_select", "histc"}
+                "masked_select"}
+# Custom operators of libraries known to read device data on the host inside (opaque to tracing).
+_SYNCING_CUSTOM_OPS = {
+    "transformers::grouped_mm_fallback": "loops over offsets.tolist() (one host sync per call)",
+}
 _TO_DEVICE_METHODS = {"cuda", "to"}
 
 
@@ -151,10 +155,16 @@ def _bool_index(node: torch.fx.Node) -> bool:
 
 def _syncing_op(node: torch.fx.Node) -> bool:
     name = callee_name(node)
-    if name in _SYNCING_OPS:
+    if name in _SYNCING_OPS or op_key(node) in _SYNCING_CUSTOM_OPS:
         return True
     if name == "where" and len(node.args) == 1 and not node.kwargs:
         return True
+    if name == "histc":
+        # histc reads the data's min and max on the host only when its range is empty (min == max,
+        # the default); with a range given (tokens per expert: min=0, max=E-1) it stays on the device.
+        lo, hi = node.kwargs.get("min", node.args[2] if len(node.args) > 2 else 0), \
+            node.kwargs.get("max", node.args[3] if len(node.args) > 3 else 0)
+        return not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo != hi)
     if name == "repeat_interleave" and "output_size" not in node.kwargs:
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
         return isinstance(repeats, torch.fx.Node) and isinstance(fake_value(repeats), torch.Tensor)
@@ -195,6 +205,9 @@ def rule_data_dependent_shape(node: torch.fx.Node, ctx: ClassifyContext) -> Opti
 def rule_syncing_op(node: torch.fx.Node, ctx: ClassifyContext) -> Optional[Reason]:
     if node.op not in ("call_function", "call_method") or not _syncing_op(node):
         return None
+    custom = _SYNCING_CUSTOM_OPS.get(op_key(node))
+    if custom:
+        return reason_for(node, Rule.HOST_SYNC, f"{op_key(node)} {custom}; static_dispatch rewrites it")
     return reason_for(node, Rule.HOST_SYNC,
                       f"{op_name(node)} reads device data on the host to size its output "
                       "(a hidden synchronize), which cannot be captured")
