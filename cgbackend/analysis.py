@@ -10,6 +10,7 @@ import torch.fx
 from .config import Config
 from .passes import (Classification, Effects, Labels, Partition, Schedule, Shapes, analyze_effects,
                      classify, label, partition, schedule, shapes)
+from .passes.dispatch import DispatchResult, rewrite_static_dispatch
 from .reasons import Reason
 
 __all__ = ["Analysis", "analyze"]
@@ -25,6 +26,7 @@ class Analysis:
     labels: Labels
     shapes: Shapes
     schedule: Schedule
+    dispatch: DispatchResult = dataclasses.field(default_factory=DispatchResult)
 
     def reason_of(self, node: torch.fx.Node) -> Optional[Reason]:
         return self.partition.reason_of(node, self.classification)
@@ -32,9 +34,10 @@ class Analysis:
 
 def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool] = None,
             compute_device: Optional[str] = None) -> Analysis:
+    dispatch = rewrite_static_dispatch(gm, config.static_dispatch)
     effects = analyze_effects(gm)
     classification = classify(gm, config, training=training, compute_device=compute_device)
     part = partition(gm, classification, effects, config)
     return Analysis(gm=gm, config=config, effects=effects, classification=classification,
                     partition=part, labels=label(gm, part, effects), shapes=shapes(gm, part),
-                    schedule=schedule(part, classification, effects))
+                    schedule=schedule(part, classification, effects), dispatch=dispatch)

@@ -53,6 +53,11 @@ class Config:
     dynamic_modules: tuple[str, ...] = ()
     """fnmatch patterns of module paths ("layers.*.moe.experts*") always kept out of graphs."""
 
+    static_dispatch: str = "off"
+    """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is
+    captured (passes/dispatch.py): "off", "auto" (cost model picks, may leave a loop dynamic) or a
+    form ("masked_dense"). The report lists every rewrite and every loop left alone, with why."""
+
     simulate_graphs: bool = False
     """Test aid for machines without a GPU: "capture" runs the region once into static buffers and
     "replay" re-runs it and writes into the same buffers, so buffer reuse, hand-offs, copies and
@@ -70,6 +75,10 @@ class Config:
         if self.inner == "inductor" and self.warmup < 1 and self.capture:
             raise ConfigError("cgbackend option inner='inductor' needs warmup >= 1: Inductor compiles "
                               "its backward at the first backward, which must not happen during a capture")
+        from .passes.dispatch import MODES
+        if self.static_dispatch not in MODES:
+            raise ConfigError(f"cgbackend option static_dispatch={self.static_dispatch!r} is not one of "
+                              f"{', '.join(MODES)}")
         for name in ("dynamic_ops", "dynamic_modules"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):

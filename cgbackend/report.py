@@ -73,6 +73,8 @@ class GraphReport:
     break_reason: Optional[dict[str, str]] = None
     notes: list[str] = dataclasses.field(default_factory=list)
     runtime: Optional[dict[str, Any]] = None
+    dispatch: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Static MoE dispatch (passes/dispatch.py): ``{"mode", "rewrites": [...], "skipped": [...]}``."""
 
 
 @dataclasses.dataclass
@@ -162,7 +164,8 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
     return GraphReport(index=index, ops=ops, static_ops=static_ops,
                        compute_device=analysis.classification.compute_device,
                        training=analysis.classification.training, regions=regions,
-                       break_reason=break_reason, notes=list(notes or []))
+                       break_reason=break_reason, notes=list(notes or []),
+                       dispatch=analysis.dispatch.to_dict())
 
 
 def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> dict[str, Any]:
@@ -183,6 +186,8 @@ def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> 
     return {
         "graphs": len(graphs),
         "graph_breaks": len(graph_breaks),
+        "dispatch_rewrites": sum(len(g.dispatch.get("rewrites", ())) for g in graphs),
+        "dispatch_left_dynamic": sum(len(g.dispatch.get("skipped", ())) for g in graphs),
         "ops": ops,
         "static_ops": static_ops,
         "static_op_fraction": round(static_ops / ops, 4) if ops else 0.0,
@@ -249,6 +254,25 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _dispatch_text(dispatch: dict[str, Any]) -> list[str]:
+    """One line per (pattern, source line, module) of rewritten or skipped dispatch units."""
+    lines = []
+    groups: collections.OrderedDict = collections.OrderedDict()
+    for r in dispatch.get("rewrites", ()):
+        groups.setdefault(("rewritten", r["pattern"], r["form"], r["source"], r["module_path"], r["why"]),
+                          []).append(r)
+    for r in dispatch.get("skipped", ()):
+        groups.setdefault(("left dynamic", r["pattern"], "", r["source"], r["module_path"], r["reason"]),
+                          []).append(r)
+    for (state, pattern, form, source, path, why), items in groups.items():
+        count = f" x{len(items)}" if len(items) > 1 else ""
+        how = f" -> {form}" if form else ""
+        lines.append(f"  static dispatch {state}: {pattern}{how} at {source or '?'}"
+                     f"{f' ({path})' if path else ''}{count}")
+        lines.append(f"{'':<10}{why}")
+    return lines
+
+
 def render_text(report: Report) -> str:
     s = report.summary
     lines = [
@@ -279,6 +303,7 @@ def render_text(report: Report) -> str:
                          f"({g.break_reason.get('source', '')})")
         for note in g.notes:
             lines.append(f"  note: {note}")
+        lines.extend(_dispatch_text(g.dispatch))
         lines.append(f"  {'region':<8}{'kind':<9}{'role':<14}{'ops':>5}{'~kern':>7}  inputs -> outputs")
         for r in g.regions:
             lines.append(f"  {r.id.split('.')[-1]:<8}{r.kind:<9}{r.role:<14}{r.ops:>5}{r.est_kernels:>7}  "

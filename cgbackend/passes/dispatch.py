@@ -1,0 +1,802 @@
+"""Static MoE dispatch: rewrite data-dependent expert loops into sync-free code of fixed shapes.
+
+Reads and writes: one Dynamo graph (in place), before the other passes, when the
+``static_dispatch`` option is not "off". Returns a :class:`DispatchResult` naming
+every rewrite (pattern, source line, module path, form and why) and every
+candidate left alone (with the reason).
+
+Patterns (each one "dispatch unit", matched from its sink):
+
+* ``where_loop``: ``i, j = torch.where(mask)`` (or ``mask.nonzero(as_tuple=True)``),
+  a gather of rows by one coordinate (``x[j]``, ``x[None, j]``, ``index_select``),
+  a computation on the gathered rows, optionally times a gathered weight
+  (``w[j, i, None]``), accumulated with ``acc.index_add_(0, j, v)`` or
+  ``acc[j] += v``. Hugging Face Mixtral's eager loop (one-hot mask, per-expert
+  ``where``) and DeepSeek's ``torch.where(indices == e)`` loop are this pattern.
+* ``sorted_split``: ``order = argsort(ids)``, ``counts = bincount(ids, minlength=E)``,
+  ``split(x[order // k], counts.tolist())``, expert ``e`` on piece ``e``,
+  ``cat(...) * w.flatten()[order]``, ``index_add_(0, order // k, ...)``.
+* ``grouped_mm_fallback``: transformers' ``grouped_mm_fallback`` op (a per-expert loop
+  over ``offsets.tolist()``, used under torch.compile for weights other than bf16).
+
+Form. ``masked_dense``: each expert computes on every row; its output is multiplied by
+the token's combine weight (the sum of its router weights routed to that expert, zero
+when none) and added where the token is routed (``torch.where``, so a non-finite value
+of an unrouted row cannot leak). Nothing reads device data on the host and every shape
+is fixed by the token count and the number of experts, so the whole MoE layer joins
+the surrounding static region. It costs E/k times the expert FLOPs of the dropless
+loop and saves every host sync and the per-expert gathers; the cost model below says
+when that trade is taken.
+
+Safety. A unit is rewritten only when (1) the computation between gather and sink is
+proven row-independent (passes/rowdep.py): row t of the result depends only on token
+t, so computing all rows and keeping the routed ones gives the same rows; (2) every
+node that depends on the selection is part of the unit or size bookkeeping
+(``sym_size``, ``_assert_scalar``), so removing the unit removes nothing else; (3) the
+row counts of the mask, the gathered tensor and the accumulator agree. Anything else
+stays as it is, dynamic, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx
+
+from ..fx_utils import callee_name, fake_value, module_path, source_location
+from .effects import mutated_args
+from .rowdep import NotRowwise, propagate_rows
+
+__all__ = ["DispatchResult", "DispatchRewrite", "DispatchSkipped", "rewrite_static_dispatch",
+           "FORMS", "MODES"]
+
+FORMS = ("masked_dense",)
+MODES = ("off", "auto") + FORMS
+
+# "auto" rewrites into masked dense while each expert computes on at most this many rows.
+_AUTO_MAX_ROWS = 1 << 16
+
+
+@dataclasses.dataclass
+class DispatchRewrite:
+    pattern: str
+    form: str
+    why: str
+    experts: int
+    source: str
+    code: str
+    module_path: str
+    removed_ops: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class DispatchSkipped:
+    pattern: str
+    reason: str
+    source: str
+    code: str
+    module_path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class DispatchResult:
+    mode: str = "off"
+    rewrites: list[DispatchRewrite] = dataclasses.field(default_factory=list)
+    skipped: list[DispatchSkipped] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "rewrites": [r.to_dict() for r in self.rewrites],
+                "skipped": [s.to_dict() for s in self.skipped]}
+
+
+class _Skip(Exception):
+    """A recognized dispatch unit that cannot be rewritten; the message is the reason."""
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+def _name(node: torch.fx.Node) -> str:
+    """callee_name without dunder wrapping: Dynamo of some torch versions records ``a == b`` as
+    the method ``__eq__``, others as ``operator.eq``."""
+    name = callee_name(node)
+    return name[2:-2] if name.startswith("__") and name.endswith("__") and len(name) > 4 else name
+
+
+def _is(node: Any, *names: str) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") \
+        and _name(node) in names
+
+
+def _is_getitem(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem
+
+
+def _shape(node: Any) -> tuple:
+    value = fake_value(node)
+    if not isinstance(value, torch.Tensor):
+        raise _Skip(f"{getattr(node, 'name', node)} has no tensor value")
+    return tuple(value.shape)
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _has_unbacked(node: torch.fx.Node) -> bool:
+    value = fake_value(node)
+    if not isinstance(value, torch.Tensor):
+        return False
+    for d in value.shape:
+        if isinstance(d, torch.SymInt) and any(str(s).startswith("u") for s in d.node.expr.free_symbols):
+            return True
+    return False
+
+
+def _selection(node: Any) -> Optional[torch.fx.Node]:
+    """The ``where(mask)`` / ``nonzero(mask, as_tuple=True)`` node a coordinate comes from."""
+    if not _is_getitem(node):
+        return None
+    src = node.args[0]
+    if _is(src, "where") and len(src.args) == 1 and not src.kwargs:
+        return src
+    if _is(src, "nonzero") and src.kwargs.get("as_tuple") is True:
+        return src
+    return None
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return seen
+
+
+def _descendants(roots: list[torch.fx.Node], stop: Optional[torch.fx.Node] = None) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set(roots)
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n is stop:
+            continue
+        for u in n.users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+_CASTS = ("to", "type", "float", "half", "bfloat16", "type_as")
+
+
+def _strip_casts(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    casts: list[torch.fx.Node] = []
+    while _is(node, *_CASTS) and all(not isinstance(a, torch.fx.Node) for a in node.args[1:]):
+        casts.insert(0, node)
+        node = node.args[0]
+    return node, casts
+
+
+class _Builder:
+    """Inserts nodes before ``anchor`` with fake values computed under the graph's fake mode."""
+
+    def __init__(self, gm: torch.fx.GraphModule, anchor: torch.fx.Node) -> None:
+        self.graph = gm.graph
+        self.anchor = anchor
+        # The graph's own fake mode (the ambient tracing context may hold another one).
+        self.fake_mode = next((fake_value(n).fake_mode for n in gm.graph.nodes
+                               if getattr(fake_value(n), "fake_mode", None) is not None), None)
+        self.created: list[torch.fx.Node] = []
+        if self.fake_mode is None:
+            raise _Skip("the graph carries no fake tensors to check the rewrite's shapes")
+
+    def _meta(self, node: torch.fx.Node, like: Optional[torch.fx.Node]) -> None:
+        like = like or self.anchor
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+
+    def _value(self, op: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        def val(a: Any) -> Any:
+            return fake_value(a) if isinstance(a, torch.fx.Node) else a
+        fargs = torch.fx.node.map_aggregate(args, val)
+        fkwargs = torch.fx.node.map_aggregate(kwargs, val)
+        with self.fake_mode:
+            if op == "call_method":
+                return getattr(fargs[0], target)(*fargs[1:], **fkwargs)
+            return target(*fargs, **fkwargs)
+
+    def add(self, op: str, target: Any, *args: Any, like: Optional[torch.fx.Node] = None,
+            **kwargs: Any) -> torch.fx.Node:
+        value = self._value(op, target, args, kwargs)
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node(op, target, args, kwargs)
+        self.created.append(node)
+        node.meta["example_value"] = value
+        self._meta(node, like)
+        return node
+
+    def undo(self, cache: dict) -> None:
+        created = set(self.created)
+        for key in [k for k, v in cache.items() if created & set(x for x in v if x is not None)]:
+            del cache[key]
+        for node in reversed(self.created):
+            self.graph.erase_node(node)
+        self.created.clear()
+
+    def fn(self, target: Callable, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        return self.add("call_function", target, *args, **kwargs)
+
+    def method(self, name: str, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        return self.add("call_method", name, *args, **kwargs)
+
+    def copy(self, node: torch.fx.Node, env: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node:
+        args = torch.fx.node.map_arg(node.args, lambda a: env.get(a, a))
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: env.get(a, a))
+        new = self.add(node.op, node.target, *args, like=node, **kwargs)
+        env[node] = new
+        return new
+
+
+# ----------------------------------------------------------------------------- unit pieces
+
+@dataclasses.dataclass
+class _Rows:
+    """A row computation: ``out`` computed from ``gathers`` (node -> dense source builder)."""
+    out: torch.fx.Node
+    gathers: dict[torch.fx.Node, Callable[[_Builder], torch.fx.Node]]
+    body: list[torch.fx.Node]
+
+    def build(self, b: _Builder) -> torch.fx.Node:
+        env = {g: make(b) for g, make in self.gathers.items()}
+        for node in self.body:
+            b.copy(node, env)
+        return env[self.out]
+
+
+def _row_computation(out: torch.fx.Node, gathers: dict, order: dict[torch.fx.Node, int],
+                     forbidden: set[torch.fx.Node], what: str) -> _Rows:
+    """Nodes between ``gathers`` (node -> (row dim, dense builder)) and ``out``, proven row-wise."""
+    anc = _ancestors(out) | {out}
+    reach = _descendants(list(gathers)) & anc
+    body = sorted((n for n in reach if n not in gathers), key=order.__getitem__)
+    for n in body:
+        for a in n.all_input_nodes:
+            if a in forbidden and a not in reach:
+                raise _Skip(f"{what} uses {a.name}, which depends on the routing other than through the gather")
+    try:
+        dims = propagate_rows(body, {g: d for g, (d, _) in gathers.items()})
+    except NotRowwise as exc:
+        src, _ = source_location(exc.node)
+        raise _Skip(f"{what} is not proven row-independent: {exc}" + (f" at {src}" if src else ""))
+    if dims.get(out) != 0:
+        raise _Skip(f"{what} does not keep rows in dimension 0")
+    return _Rows(out=out, gathers={g: m for g, (_, m) in gathers.items()}, body=body)
+
+
+def _gather_of(node: torch.fx.Node, index: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, Callable]]:
+    """(source, row dim, dense builder) if ``node`` gathers rows of a tensor by ``index``."""
+    if _is_getitem(node) and node.args[1] is index:
+        src = node.args[0]
+        return src, 0, lambda b: src
+    if _is_getitem(node) and isinstance(node.args[1], tuple):
+        key = node.args[1]
+        if key.count(index) == 1 and all(k is None for k in key if k is not index) \
+                and key.index(index) == len(key) - 1:
+            src, lead = node.args[0], len(key) - 1
+            return src, lead, lambda b: b.fn(operator.getitem, src, (None,) * lead)
+    if _is(node, "index_select") and len(node.args) >= 3 and node.args[1] == 0 and node.args[2] is index:
+        src = node.args[0]
+        return src, 0, lambda b: src
+    return None
+
+
+@dataclasses.dataclass
+class _Weight:
+    """A per-selected-position factor ``w[coords...]`` followed by unsqueezes / casts."""
+    table: torch.fx.Node
+    axes: list[int]          # grid axis indexing each leading dim of ``table``
+    nones: int               # trailing None entries of the key
+    post: list[torch.fx.Node]
+
+
+def _weight_of(node: torch.fx.Node, coords: dict[torch.fx.Node, int], forbidden: set) -> Optional[_Weight]:
+    post: list[torch.fx.Node] = []
+    while _is(node, "unsqueeze", *_CASTS) or (_is_getitem(node) and isinstance(node.args[1], tuple)
+                                               and all(k is None or k is Ellipsis for k in node.args[1])):
+        if _is_getitem(node):
+            return None  # x[..., None] style: rare, keep the matcher small
+        if _is(node, *_CASTS) and any(isinstance(a, torch.fx.Node) for a in node.args[1:]):
+            return None
+        post.insert(0, node)
+        node = node.args[0]
+    if not _is_getitem(node):
+        return None
+    table, key = node.args[0], node.args[1]
+    if table in forbidden:
+        return None
+    key = key if isinstance(key, tuple) else (key,)
+    axes, nones, seen_none = [], 0, False
+    for k in key:
+        if k is None:
+            nones += 1
+            seen_none = True
+        elif isinstance(k, torch.fx.Node) and k in coords and not seen_none:
+            axes.append(coords[k])
+        else:
+            return None
+    if not axes or len(set(axes)) != len(axes):
+        return None
+    if nones and len(_shape(table)) != len(axes):
+        return None
+    return _Weight(table, axes, nones, post)
+
+
+def _dense_weight(b: _Builder, w: _Weight, grid_nd: int, tok_axis: int) -> torch.fx.Node:
+    """The weight laid out over the token-major selection grid: [T, (K,) *tail]."""
+    order = [tok_axis] + [a for a in range(grid_nd) if a != tok_axis]
+    table = w.table
+    present = [a for a in order if a in w.axes]
+    perm = [w.axes.index(a) for a in present]
+    extra = len(_shape(table)) - len(w.axes)
+    if perm != list(range(len(perm))):
+        table = b.method("permute", table, *(perm + list(range(len(perm), len(perm) + extra))))
+    for pos, a in enumerate(order):
+        if a not in w.axes:
+            table = b.method("unsqueeze", table, pos)
+    for _ in range(w.nones):
+        table = b.method("unsqueeze", table, -1)
+    for p in w.post:
+        if callee_name(p) == "unsqueeze":
+            d = p.args[1] if len(p.args) > 1 else p.kwargs["dim"]
+            if d == 0:
+                raise _Skip("the router weight is unsqueezed in front of the rows")
+            table = b.method("unsqueeze", table, d if d < 0 else d + grid_nd - 1)
+        else:
+            table = b.copy(p, {p.args[0]: table})
+    return table
+
+
+def _combine_weights(b: _Builder, masks: torch.fx.Node, weight: Optional[torch.fx.Node], grid_nd: int,
+                     dtype: torch.dtype) -> tuple[Optional[torch.fx.Node], torch.fx.Node]:
+    """Per expert e and token t: the combine weight c[e, t, *tail] (the token's router weights
+    routed to e, summed over its slots; zero when none) and routed[e, t]. ``masks`` is boolean
+    [E, T] or [E, T, K]; ``weight`` the router weight over the token-major grid [T, (K,) *tail]."""
+    routed = b.method("any", masks, 2) if grid_nd == 2 else masks
+    if weight is None:
+        if grid_nd == 1:
+            return None, routed  # each routed token adds its row once
+        return b.method("unsqueeze", b.method("to", b.method("sum", masks, 2), dtype), -1), routed
+    m = masks
+    for _ in range(len(_shape(weight)) - grid_nd):
+        m = b.method("unsqueeze", m, -1)
+    picked = b.fn(torch.where, m, weight, 0)
+    return (b.method("sum", picked, 2) if grid_nd == 2 else picked), routed
+
+
+def _combine(b: _Builder, rows: torch.fx.Node, c: Optional[torch.fx.Node], routed: torch.fx.Node,
+             rows_first: bool, casts: list[torch.fx.Node], acc: torch.fx.Node, in_place: bool) -> torch.fx.Node:
+    """acc (+)= where(routed, rows, 0) * c, cast as the original value was.
+
+    An unrouted token adds exactly zero, also when its (never used) expert row is not finite. A
+    routed token adds the same product, rounded the same way, as the loop did: its combine weight
+    is its one router weight (plus exact zeros), so low-precision results match the loop bit for
+    bit and the next layer's routing does not flip. (A fused multiply-add would round once and
+    drift from the loop.)"""
+    for _ in range(len(_shape(rows)) - 1):
+        routed = b.method("unsqueeze", routed, -1)
+    val = b.fn(torch.where, routed, rows, 0)
+    if c is not None:
+        val = b.fn(operator.mul, val, c) if rows_first else b.fn(operator.mul, c, val)
+    for cast in casts:
+        val = b.copy(cast, {cast.args[0]: val})
+    return b.method("add_", acc, val) if in_place else b.fn(operator.add, acc, val)
+
+
+def _bool_mask(b: _Builder, mask: torch.fx.Node) -> torch.fx.Node:
+    if fake_value(mask).dtype == torch.bool:
+        return mask
+    return b.fn(operator.ne, mask, 0)
+
+
+# ----------------------------------------------------------------------------- matchers
+
+@dataclasses.dataclass
+class _Plan:
+    pattern: str
+    sink: torch.fx.Node
+    roots: list[torch.fx.Node]
+    experts: int
+    tokens: Any
+    build: Callable[[_Builder, dict], torch.fx.Node]
+
+
+def _sink_parts(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, bool]]:
+    """(acc, index, value, in_place) of ``acc.index_add_(0, index, value)``, ``acc.index_add(...)``
+    or ``acc[index] += value``."""
+    if _is(node, "index_add_", "index_add"):
+        if len(node.args) < 4 or node.args[1] != 0 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        return node.args[0], node.args[2], node.args[3], callee_name(node) == "index_add_"
+    if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3:
+        acc, index, value = node.args
+        if _is(value, "iadd", "add") and _is_getitem(value.args[0]) and value.args[0].args == (acc, index):
+            return acc, index, value.args[1], True
+    return None
+
+
+def _match_where(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
+    parts = _sink_parts(node)
+    if parts is None:
+        return None
+    acc, index, value, in_place = parts
+    setitem = node.target is operator.setitem
+    sel = _selection(index)
+    if sel is None:
+        return None
+    mask = sel.args[0]
+    grid = _shape(mask)
+    if len(grid) not in (1, 2):
+        raise _Skip(f"the routing mask has {len(grid)} dimensions (1 or 2 are rewritten)")
+    coords = {u: u.args[1] for u in sel.users if _is_getitem(u) and isinstance(u.args[1], int)}
+    tok_axis = coords[index]
+    T = grid[tok_axis]
+    if not _same(_shape(acc)[0], T):
+        raise _Skip("the accumulator's rows are not the mask's token dimension")
+    if setitem and len(grid) == 2 and not _one_per_token(mask, tok_axis):
+        raise _Skip("acc[idx] += v keeps one of repeated indices; the mask is not proven to pick each "
+                    "token at most once")
+    forbidden = _descendants([sel])
+    base, casts = _strip_casts(value)
+    rows_node, weight, rows_first = base, None, True
+    if _is(base, "mul") and len(base.args) == 2:
+        a, bb = base.args
+        for cand, other, first in ((bb, a, True), (a, bb, False)):
+            if isinstance(cand, torch.fx.Node):
+                w = _weight_of(cand, coords, forbidden)
+                if w is not None:
+                    rows_node, weight, rows_first = other, w, first
+                    break
+    gathers = {}
+    for n in _descendants([index]) & (_ancestors(rows_node) | {rows_node}):
+        g = _gather_of(n, index)
+        if g is not None:
+            src, d, make = g
+            if src in forbidden:
+                raise _Skip("the gathered tensor depends on the routing")
+            if not _same(_shape(src)[0], T):
+                raise _Skip(f"the gathered tensor {src.name} has other rows than the mask's tokens")
+            gathers[n] = (d, make)
+    if not gathers:
+        raise _Skip("no gather of rows by the selected token index feeds the accumulated value")
+    rows = _row_computation(rows_node, gathers, order, forbidden, "the expert computation")
+
+    # Sibling units (mask = base[e] for the experts e of one layer) share one computation of the
+    # combine weights of all experts: a few kernels per layer instead of a few per expert.
+    if _is_getitem(mask) and isinstance(mask.args[1], int) and len(_shape(mask.args[0])) == len(grid) + 1:
+        base, expert = mask.args[0], mask.args[1]
+    else:
+        base, expert = mask, None
+    key = ("where_loop", base, tok_axis, None if weight is None else
+           (weight.table, tuple(weight.axes), weight.nones, tuple(weight.post)), fake_value(rows_node).dtype)
+
+    def build(b: _Builder, cache: dict) -> torch.fx.Node:
+        if key not in cache:
+            masks = _bool_mask(b, base)
+            if expert is None:
+                masks = b.method("unsqueeze", masks, 0)
+            if len(grid) == 2 and tok_axis == 1:
+                masks = b.method("transpose", masks, 1, 2)
+            dense_w = _dense_weight(b, weight, len(grid), tok_axis) if weight is not None else None
+            cache[key] = _combine_weights(b, masks, dense_w, len(grid), fake_value(rows_node).dtype)
+        c_all, routed_all = cache[key]
+        e = 0 if expert is None else expert
+        c = b.fn(operator.getitem, c_all, e) if c_all is not None else None
+        routed = b.fn(operator.getitem, routed_all, e)
+        return _combine(b, rows.build(b), c, routed, rows_first, casts, acc, in_place)
+
+    return _Plan("where_loop", node, [sel], 1, T, build)
+
+
+def _topk_indices(node: Any) -> bool:
+    """``topk(...)[1]`` / ``.indices``, through views and integer casts."""
+    while _is(node, "view", "reshape", "long", "int", "to", "contiguous", "clone"):
+        node = node.args[0]
+    if _is_getitem(node) and node.args[1] == 1 and _is(node.args[0], "topk"):
+        return True
+    return (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is getattr
+            and node.args[1] == "indices" and _is(node.args[0], "topk"))
+
+
+def _one_per_token(mask: torch.fx.Node, tok_axis: int) -> bool:
+    """Each token (row of the mask along tok_axis) selected at most once: the mask compares
+    distinct top-k indices with one expert id, directly or through a one-hot."""
+    if _is(mask, "eq") and isinstance(mask.args[1], int) and _topk_indices(mask.args[0]):
+        return tok_axis == 0
+    if _is_getitem(mask) and isinstance(mask.args[1], int):
+        perm_node = mask.args[0]
+        if _is(perm_node, "permute") and _is(perm_node.args[0], "one_hot") and _topk_indices(perm_node.args[0].args[0]):
+            perm = list(perm_node.args[1:]) if not isinstance(perm_node.args[1], (list, tuple)) else list(perm_node.args[1])
+            # one_hot(idx [T, K]) -> [T, K, E]; permuted, indexed by expert: the remaining two axes
+            return perm[1:][tok_axis] == 0
+    return False
+
+
+def _index_source(node: Any) -> Optional[tuple[torch.fx.Node, int]]:
+    """(order, k) of ``order // k`` with order from argsort / sort indices."""
+    if _is(node, "floordiv", "floor_divide") and isinstance(node.args[1], int):
+        return node.args[0], node.args[1]
+    if _is(node, "div") and isinstance(node.args[1], int) and node.kwargs.get("rounding_mode") == "floor":
+        return node.args[0], node.args[1]
+    return None
+
+
+def _flat_source(node: Any) -> Optional[torch.fx.Node]:
+    if _is(node, "reshape", "view", "flatten") and isinstance(node.args[0], torch.fx.Node):
+        if len(_shape(node)) == 1 and len(_shape(node.args[0])) == 2:
+            return node.args[0]
+    return None
+
+
+def _match_sorted(node: torch.fx.Node, order_of: dict) -> Optional[_Plan]:
+    parts = _sink_parts(node)
+    if parts is None or node.target is operator.setitem:
+        return None
+    acc, index, value, in_place = parts
+    src = _index_source(index)
+    if src is None:
+        return None
+    order, k = src
+    if _is(order, "argsort"):
+        ids_flat = order.args[0]
+    elif _is_getitem(order) and order.args[1] == 1 and _is(order.args[0], "sort"):
+        ids_flat = order.args[0].args[0]
+    else:
+        return None
+    ids = _flat_source(ids_flat)
+    if ids is None:
+        return None
+    T, K = _shape(ids)
+    if not _same(K, k):
+        raise _Skip(f"tokens are recovered as order // {k} but each token has {K} routed slots")
+    if not _same(_shape(acc)[0], T):
+        raise _Skip("the accumulator's rows are not the routed tokens")
+    base, casts = _strip_casts(value)
+    if not (_is(base, "mul") and len(base.args) == 2):
+        raise _Skip("the accumulated value is not expert outputs times router weights")
+    cat, wnode = base.args
+    rows_first = True
+    if not _is(cat, "cat", "concat"):
+        cat, wnode, rows_first = wnode, cat, False
+    if not _is(cat, "cat", "concat") or (len(cat.args) > 1 and cat.args[1] != 0) or cat.kwargs.get("dim", 0) != 0:
+        raise _Skip("the expert outputs are not concatenated along the rows")
+    outs = list(cat.args[0])
+    # the weight: w.reshape(-1)[order] (+ unsqueeze / casts)
+    w = _weight_of(wnode, {order: 0}, set())
+    if w is None or w.axes != [0] or _flat_source(w.table) is None:
+        raise _Skip("the router weights are not gathered as w.flatten()[order]")
+    table2d = _flat_source(w.table)
+    # pieces: split(x[order // k], sizes)
+    splits = [u for g in index.users
+              if (_is_getitem(g) and g.args[1] is index) or (_is(g, "index_select") and g.args[1] == 0
+                                                            and g.args[2] is index)
+              for u in g.users if _is(u, "split", "split_with_sizes") and (len(u.args) < 3 or u.args[2] == 0)
+              and u.kwargs.get("dim", 0) == 0]
+    if len(splits) != 1:
+        raise _Skip("the tokens gathered by order // k are not split once into expert groups")
+    split = splits[0]
+    grouped, sizes = split.args[0], split.args[1]
+    pieces = {u.args[1]: u for u in split.users if _is_getitem(u) and isinstance(u.args[1], int)}
+    pieces_by_out = []
+    for i, out in enumerate(outs):
+        anc = _ancestors(out) | {out}
+        used = [j for j, p in pieces.items() if p in anc]
+        if used != [i]:
+            raise _Skip(f"expert output {i} does not come from split piece {i} alone")
+        pieces_by_out.append(pieces[i])
+    h = grouped.args[0]
+    if not _same(_shape(h)[0], T):
+        raise _Skip("the gathered tensor's rows are not the routed tokens")
+    E = len(outs)
+    counts = _counts_node(sizes, E)
+    if counts is None:
+        raise _Skip("the split sizes are not bincount(ids, minlength=E) read back per expert")
+    if _flat_source(counts.args[0]) is not ids and counts.args[0] is not ids_flat:
+        raise _Skip("the split sizes count other ids than the ones sorted")
+    if not _ids_below(ids, E):
+        raise _Skip(f"expert ids are not proven to lie in [0, {E}) (top-k over {E} scores)")
+    forbidden = _descendants([order, counts])
+    per_expert = []
+    for i, out in enumerate(outs):
+        piece = pieces_by_out[i]
+        per_expert.append(_row_computation(out, {piece: (0, lambda b, h=h: h)}, order_of, forbidden,
+                                           f"expert {i}"))
+    wpost = _Weight(table2d, [0, 1], 0, w.post)
+
+    def build(b: _Builder, cache: dict) -> torch.fx.Node:
+        dense_w = _dense_weight(b, wpost, 2, 0)
+        experts = b.fn(torch.arange, E, device=fake_value(ids).device)
+        masks = b.fn(operator.eq, b.method("unsqueeze", ids, 0), b.method("view", experts, E, 1, 1))
+        c_all, routed_all = _combine_weights(b, masks, dense_w, 2, fake_value(outs[0]).dtype)
+        result = acc
+        for e, rows in enumerate(per_expert):
+            c, routed = b.fn(operator.getitem, c_all, e), b.fn(operator.getitem, routed_all, e)
+            result = _combine(b, rows.build(b), c, routed, rows_first, casts, result, in_place or e > 0)
+        return result
+
+    return _Plan("sorted_split", node, [order, counts], E, T, build)
+
+
+def _counts_node(sizes: Any, E: int) -> Optional[torch.fx.Node]:
+    if not isinstance(sizes, (list, tuple)) or len(sizes) != E:
+        return None
+    counts = None
+    for e, s in enumerate(sizes):
+        if _is(s, "item") and _is_getitem(s.args[0]) and s.args[0].args[1] == e:
+            c = s.args[0].args[0]
+        elif _is_getitem(s) and s.args[1] == e and _is(s.args[0], "tolist"):
+            c = s.args[0].args[0]
+        else:
+            return None
+        if counts is None:
+            counts = c
+        elif c is not counts:
+            return None
+    if not _is(counts, "bincount") or counts.kwargs.get("minlength", counts.args[2] if len(counts.args) > 2 else 0) != E:
+        return None
+    if counts.kwargs.get("weights") is not None or (len(counts.args) > 1 and counts.args[1] is not None):
+        return None
+    return counts
+
+
+def _ids_below(ids: torch.fx.Node, E: int) -> bool:
+    if not _topk_indices(ids):
+        return False
+    topk = ids
+    while not _is(topk, "topk"):
+        topk = topk.args[0]
+    scores = topk.args[0]
+    dim = topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1)
+    shape = _shape(scores)
+    return dim in (-1, len(shape) - 1) and _same(shape[-1], E)
+
+
+def _match_grouped_mm_fallback(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
+    target = node.target
+    name = getattr(getattr(target, "overloadpacket", target), "_qualified_op_name", "")
+    if node.op != "call_function" or name != "transformers::grouped_mm_fallback":
+        return None
+    names = ("input", "weight", "offs")
+    if any(i >= len(node.args) and k not in node.kwargs for i, k in enumerate(names)):
+        raise _Skip("grouped_mm_fallback called without input, weight and offs")
+    inp, weight, offs = (node.args[i] if i < len(node.args) else node.kwargs[k] for i, k in enumerate(names))
+    S, E, O = _shape(inp)[0], _shape(weight)[0], _shape(weight)[2]
+
+    def build(b: _Builder, cache: dict) -> torch.fx.Node:
+        off_dtype = fake_value(offs).dtype
+        n = S if isinstance(S, int) else b.fn(torch.ops.aten.sym_size.int, inp, 0)
+        pos = b.fn(torch.arange, n, dtype=off_dtype, device=fake_value(inp).device)
+        group = b.fn(torch.searchsorted, offs, pos, right=True)
+        valid = b.method("unsqueeze", b.fn(operator.lt, group, E), -1)
+        clamped = b.method("clamp", group, max=E - 1)
+        every = b.fn(torch.matmul, b.method("unsqueeze", inp, 0), weight)      # [E, S, O]
+        index = b.method("expand", b.method("view", clamped, 1, -1, 1), 1, n, O)
+        picked = b.method("squeeze", b.fn(torch.gather, every, 0, index), 0)
+        return b.fn(torch.where, valid, picked, 0)
+
+    return _Plan("grouped_mm_fallback", node, [], E, S, build)
+
+
+_MATCHERS = (_match_where, _match_sorted, _match_grouped_mm_fallback)
+_PATTERN_OF = {_match_where: "where_loop", _match_sorted: "sorted_split",
+               _match_grouped_mm_fallback: "grouped_mm_fallback"}
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _check_removable(plan: _Plan) -> int:
+    """Everything that depends on the unit's selection must die with the sink; returns the op count."""
+    if not plan.roots:
+        return 1
+    closure = _descendants(plan.roots, stop=plan.sink)
+    closure.add(plan.sink)
+    for n in closure:
+        if n.op == "output":
+            raise _Skip(f"{n.name}: the routing result is an output of the graph")
+        for user in n.users:
+            if user not in closure and n is not plan.sink:
+                raise _Skip(f"{n.name} (depends on the routing) is also used by {user.name}")
+        for written in mutated_args(n):
+            if written not in closure and n is not plan.sink:
+                raise _Skip(f"{n.name} writes {written.name} in place")
+    return sum(1 for n in closure if n.op in ("call_function", "call_method"))
+
+
+def _erase(gm: torch.fx.GraphModule, plan: _Plan, order: dict) -> None:
+    dead = _descendants(plan.roots, stop=plan.sink) | {plan.sink}
+    for n in sorted(dead, key=order.__getitem__, reverse=True):
+        if not n.users:
+            gm.graph.erase_node(n)
+
+
+def _choose_form(plan: _Plan, mode: str) -> tuple[Optional[str], str]:
+    """The cost model: masked dense makes every expert compute on every token. "auto" takes it while
+    that stays small (launch-bound layers, where the loop's syncs and per-expert gathers cost more
+    than the extra FLOPs) and leaves the loop dynamic above the row limit. The limit is a rough
+    guess, not a measured crossover."""
+    tokens = plan.tokens
+    if mode in FORMS:
+        return mode, f"{mode} requested (static_dispatch={mode!r})"
+    if not isinstance(tokens, int):
+        return "masked_dense", "masked dense: token count symbolic, rewritten (no host sync, fixed shapes)"
+    if tokens > _AUTO_MAX_ROWS:
+        return None, (f"{tokens} rows per expert exceed the masked-dense limit of {_AUTO_MAX_ROWS} "
+                      "(every expert would compute on every row); left dynamic")
+    return "masked_dense", (f"masked dense: {tokens} rows per expert (limit {_AUTO_MAX_ROWS}); "
+                            "no host sync and fixed shapes")
+
+
+def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResult:
+    """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc."""
+    result = DispatchResult(mode=mode)
+    if mode == "off":
+        return result
+    if mode not in MODES:
+        raise ValueError(f"static_dispatch must be one of {', '.join(MODES)}, got {mode!r}")
+    changed = False
+    cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node not in order or node.op not in ("call_function", "call_method"):
+            continue  # erased with an earlier unit
+        for matcher in _MATCHERS:
+            try:
+                plan = matcher(node, order)
+                if plan is None:
+                    continue
+                removed = _check_removable(plan)
+                form, why = _choose_form(plan, mode)
+                if form is None:
+                    raise _Skip(why)
+                builder = _Builder(gm, node)
+                try:
+                    new = plan.build(builder, cache)
+                except Exception as exc:
+                    builder.undo(cache)
+                    if isinstance(exc, _Skip):
+                        raise
+                    raise _Skip(f"the static form does not trace ({type(exc).__name__}: {exc})") from exc
+            except _Skip as exc:
+                source, code = source_location(node)
+                result.skipped.append(DispatchSkipped(_PATTERN_OF[matcher], str(exc), source, code,
+                                                      module_path(node)))
+                break
+            source, code = source_location(node)
+            path = module_path(node)
+            node.replace_all_uses_with(new)
+            _erase(gm, plan, {n: i for i, n in enumerate(gm.graph.nodes)})
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            result.rewrites.append(DispatchRewrite(plan.pattern, form, why, plan.experts, source, code,
+                                                   path, removed))
+            changed = True
+            break
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return result
