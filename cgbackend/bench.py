@@ -113,7 +113,7 @@ STOCK_CONTENDERS = ("eager", "inductor", "reduce-overhead", "reduce-overhead-dyn
 
 
 def register_contender(contender: Contender) -> Contender:
-    """Add (or replace) a contender; e.g. a later ``cgbackend-static-dispatch``."""
+    """Add (or replace) a contender."""
     CONTENDERS[contender.name] = contender
     return contender
 
@@ -133,7 +133,10 @@ for _c in (
               description="cgbackend.compile(model) (inner compiler: eager)"),
     Contender("cgbackend-inductor", _cgbackend(inner="inductor"), stock=False,
               backend_stats=_cgbackend_stats, description='cgbackend.compile(model, inner="inductor")'),
-    # A later "cgbackend-static-dispatch" contender goes here (register_contender works too).
+    Contender("cgbackend-static-dispatch", _cgbackend(static_dispatch="auto"), stock=False,
+              backend_stats=_cgbackend_stats,
+              description='cgbackend.compile(model, static_dispatch="auto") (MoE dispatch rewritten '
+                          'into a static form, passes/dispatch.py)'),
 ):
     register_contender(_c)
 del _c
@@ -146,7 +149,8 @@ SIZE_FLAGS = {"d_model": "d_model", "layers": "n_layers", "heads": "n_heads", "e
               "top_k": "top_k", "vocab": "vocab"}
 
 SMOKE_DEFAULTS = dict(size="tiny", batch=2, seq=16, batches=4, warmup=2, iters=3, acc_batches=2,
-                      contenders="eager,cgbackend", device="cpu", floor_steps=2, threads=1)
+                      contenders="eager,cgbackend,cgbackend-static-dispatch", device="cpu", floor_steps=2,
+                      threads=1)
 RUN_DEFAULTS = dict(models="dense,moe", modes="infer,train", size="bench", batch=4, seq=128, batches=64,
                     warmup=10, iters=50, acc_batches=4, contenders=None, device=None, floor_steps=10,
                     threads=None)
@@ -250,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "on CUDA; on CPU only when given)")
     p.add_argument("--no-markdown", action="store_true", help="do not render markdown")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU smoke run: tiny sizes, eager and cgbackend only, few iterations")
+                   help="CPU smoke run: tiny sizes, eager and the cgbackend contenders with the eager "
+                        "inner compiler, few iterations")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks and cgbackend INFO logs")
     return p
 

@@ -12,7 +12,7 @@ from cgbackend import bench
 
 MODELS = ("dense", "moe")
 MODES = ("infer", "train")
-CONTENDERS = ("eager", "cgbackend")
+CONTENDERS = ("eager", "cgbackend", "cgbackend-static-dispatch")
 
 
 def _is_number(value) -> bool:
@@ -51,6 +51,10 @@ def test_smoke_run_writes_complete_results(tmp_path, capsys):
             cg = by_key[(model, mode, "cgbackend")]
             assert cg["graphs"] == 0  # nothing can be captured on CPU
             assert cg["backend_stats"]["nothing_captured_reason"] == "no_cuda"
+            sd = by_key[(model, mode, "cgbackend-static-dispatch")]["backend_stats"]
+            if model == "moe":  # the dispatch loop was rewritten: nothing dynamic is left
+                assert cg["backend_stats"]["dynamic_regions"] >= 1
+                assert sd["dynamic_regions"] == 0 and sd["static_regions"] >= 1
 
     printed = capsys.readouterr().out
     assert "dense / infer" in printed and "moe / train" in printed

@@ -34,3 +34,37 @@ def test_hugging_face_model_matches_eager(name, mode):
         assert dynamic >= 1 and 0 < row["static_op_fraction"] < 1  # the expert dispatch stays eager
     else:
         assert dynamic == 0 and row["static_op_fraction"] == 1.0
+
+
+def _zoo_args(device: str, dtype: str = "float32", **kw) -> argparse.Namespace:
+    base = dict(device=device, simulate=device == "cpu", batches=3, warmup=1, time=False, iters=0,
+                tol=None if device == "cuda" else 1e-5, dtype=dtype, static_dispatch="auto")
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_hugging_face_moe_with_static_dispatch_is_one_graph(name, mode):
+    """Their default experts implementation under torch.compile in fp32 runs transformers'
+    grouped_mm_fallback (a loop over offsets.tolist()); the rewrite makes it static."""
+    row = zoo.run_one(name, mode, _zoo_args("cpu"))
+    assert row["error"] is None, row["error"]
+    assert row["match"], row
+    assert row["regions"] == "1/0", row
+    assert row["dispatch_rewrites"] > 0 and row["dispatch_left_dynamic"] == 0
+    assert row["graphs"] == (2 if mode == "train" else 1)
+    assert row["eager_after_warmup"] == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["infer", "train"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_hugging_face_moe_with_static_dispatch_on_gpu(name, mode, dtype):
+    row = zoo.run_one(name, mode, _zoo_args("cuda", dtype, batches=4))
+    assert row["error"] is None, row["error"]
+    assert row["match"], row
+    assert row["regions"] == "1/0", row
+    assert row["graphs"] == (2 if mode == "train" else 1)
+    assert row["eager_after_warmup"] == {}
