@@ -170,6 +170,28 @@ def callee_name(node: torch.fx.Node) -> str:
     return ""
 
 
+def plain_name(node: torch.fx.Node) -> str:
+    """callee_name without dunder wrapping: Dynamo of torch 2.11 records ``a == b`` as the method
+    ``__eq__`` (and ``x * y`` as ``__mul__``), torch 2.13 as ``operator.eq``."""
+    name = callee_name(node)
+    return name[2:-2] if name.startswith("__") and name.endswith("__") and len(name) > 4 else name
+
+
+def arg_of(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """The call's argument at position ``index`` or keyword ``name``, else ``default``."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def sizes_equal(a: Any, b: Any) -> bool:
+    """Sizes (ints or SymInts) known to be equal; False when the comparison cannot be decided."""
+    try:
+        return bool(a == b)
+    except Exception:  # an unbacked comparison that cannot be decided
+        return False
+
+
 def shape_str(t: torch.Tensor) -> str:
     dims = ", ".join(str(d) for d in t.shape)
     dtype = str(t.dtype).replace("torch.", "")

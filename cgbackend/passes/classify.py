@@ -26,8 +26,8 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..config import Config
-from ..fx_utils import (callee_name, class_name, compute_nodes, fake_value, iter_tensors, module_stack,
-                        op_key, op_name, storage_ids)
+from ..fx_utils import (arg_of, callee_name, class_name, compute_nodes, fake_value, iter_tensors,
+                        module_stack, op_key, op_name, storage_ids)
 from ..marks import marked_module_reason, marked_op_reason
 from ..reasons import Reason, Rule, reason_for
 from .effects import mutated_args
@@ -162,8 +162,7 @@ def _syncing_op(node: torch.fx.Node) -> bool:
     if name == "histc":
         # histc reads the data's min and max on the host only when its range is empty (min == max,
         # the default); with a range given (tokens per expert: min=0, max=E-1) it stays on the device.
-        lo, hi = node.kwargs.get("min", node.args[2] if len(node.args) > 2 else 0), \
-            node.kwargs.get("max", node.args[3] if len(node.args) > 3 else 0)
+        lo, hi = arg_of(node, 2, "min", 0), arg_of(node, 3, "max", 0)
         return not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo != hi)
     if name == "repeat_interleave" and "output_size" not in node.kwargs:
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")

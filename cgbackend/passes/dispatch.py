@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import callee_name, fake_value, module_path, source_location
+from ..fx_utils import arg_of, fake_value, module_path, plain_name, sizes_equal, source_location
 from .effects import mutated_args
 from .rowdep import NotRowwise, propagate_rows
 
@@ -61,30 +61,28 @@ _AUTO_MAX_ROWS = 1 << 16
 
 
 @dataclasses.dataclass
-class DispatchRewrite:
+class _UnitRecord:
+    """Where a dispatch unit is: its pattern and the sink's source line and module path."""
     pattern: str
-    form: str
-    why: str
-    experts: int
     source: str
     code: str
     module_path: str
-    removed_ops: int
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass
-class DispatchSkipped:
-    pattern: str
-    reason: str
-    source: str
-    code: str
-    module_path: str
+class DispatchRewrite(_UnitRecord):
+    form: str = ""
+    why: str = ""
+    experts: int = 0
+    removed_ops: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+
+@dataclasses.dataclass
+class DispatchSkipped(_UnitRecord):
+    reason: str = ""
 
 
 @dataclasses.dataclass
@@ -104,16 +102,9 @@ class _Skip(Exception):
 
 # ----------------------------------------------------------------------------- small helpers
 
-def _name(node: torch.fx.Node) -> str:
-    """callee_name without dunder wrapping: Dynamo of some torch versions records ``a == b`` as
-    the method ``__eq__``, others as ``operator.eq``."""
-    name = callee_name(node)
-    return name[2:-2] if name.startswith("__") and name.endswith("__") and len(name) > 4 else name
-
-
 def _is(node: Any, *names: str) -> bool:
     return isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") \
-        and _name(node) in names
+        and plain_name(node) in names
 
 
 def _is_getitem(node: Any) -> bool:
@@ -125,23 +116,6 @@ def _shape(node: Any) -> tuple:
     if not isinstance(value, torch.Tensor):
         raise _Skip(f"{getattr(node, 'name', node)} has no tensor value")
     return tuple(value.shape)
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:
-        return False
-
-
-def _has_unbacked(node: torch.fx.Node) -> bool:
-    value = fake_value(node)
-    if not isinstance(value, torch.Tensor):
-        return False
-    for d in value.shape:
-        if isinstance(d, torch.SymInt) and any(str(s).startswith("u") for s in d.node.expr.free_symbols):
-            return True
-    return False
 
 
 def _selection(node: Any) -> Optional[torch.fx.Node]:
@@ -318,12 +292,9 @@ class _Weight:
 
 def _weight_of(node: torch.fx.Node, coords: dict[torch.fx.Node, int], forbidden: set) -> Optional[_Weight]:
     post: list[torch.fx.Node] = []
-    while _is(node, "unsqueeze", *_CASTS) or (_is_getitem(node) and isinstance(node.args[1], tuple)
-                                               and all(k is None or k is Ellipsis for k in node.args[1])):
-        if _is_getitem(node):
-            return None  # x[..., None] style: rare, keep the matcher small
-        if _is(node, *_CASTS) and any(isinstance(a, torch.fx.Node) for a in node.args[1:]):
-            return None
+    while _is(node, "unsqueeze", *_CASTS):
+        if any(isinstance(a, torch.fx.Node) for a in node.args[1:]):
+            return None  # a cast to another tensor's type
         post.insert(0, node)
         node = node.args[0]
     if not _is_getitem(node):
@@ -363,8 +334,8 @@ def _dense_weight(b: _Builder, w: _Weight, grid_nd: int, tok_axis: int) -> torch
     for _ in range(w.nones):
         table = b.method("unsqueeze", table, -1)
     for p in w.post:
-        if callee_name(p) == "unsqueeze":
-            d = p.args[1] if len(p.args) > 1 else p.kwargs["dim"]
+        if _is(p, "unsqueeze"):
+            d = arg_of(p, 1, "dim")
             if d == 0:
                 raise _Skip("the router weight is unsqueezed in front of the rows")
             table = b.method("unsqueeze", table, d if d < 0 else d + grid_nd - 1)
@@ -433,7 +404,7 @@ def _sink_parts(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.N
     if _is(node, "index_add_", "index_add"):
         if len(node.args) < 4 or node.args[1] != 0 or node.kwargs.get("alpha", 1) != 1:
             return None
-        return node.args[0], node.args[2], node.args[3], callee_name(node) == "index_add_"
+        return node.args[0], node.args[2], node.args[3], plain_name(node) == "index_add_"
     if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3:
         acc, index, value = node.args
         if _is(value, "iadd", "add") and _is_getitem(value.args[0]) and value.args[0].args == (acc, index):
@@ -457,7 +428,7 @@ def _match_where(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
     coords = {u: u.args[1] for u in sel.users if _is_getitem(u) and isinstance(u.args[1], int)}
     tok_axis = coords[index]
     T = grid[tok_axis]
-    if not _same(_shape(acc)[0], T):
+    if not sizes_equal(_shape(acc)[0], T):
         raise _Skip("the accumulator's rows are not the mask's token dimension")
     if setitem and len(grid) == 2 and not _one_per_token(mask, tok_axis):
         raise _Skip("acc[idx] += v keeps one of repeated indices; the mask is not proven to pick each "
@@ -480,7 +451,7 @@ def _match_where(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
             src, d, make = g
             if src in forbidden:
                 raise _Skip("the gathered tensor depends on the routing")
-            if not _same(_shape(src)[0], T):
+            if not sizes_equal(_shape(src)[0], T):
                 raise _Skip(f"the gathered tensor {src.name} has other rows than the mask's tokens")
             gathers[n] = (d, make)
     if not gathers:
@@ -530,11 +501,12 @@ def _one_per_token(mask: torch.fx.Node, tok_axis: int) -> bool:
     if _is(mask, "eq") and isinstance(mask.args[1], int) and _topk_indices(mask.args[0]):
         return tok_axis == 0
     if _is_getitem(mask) and isinstance(mask.args[1], int):
-        perm_node = mask.args[0]
-        if _is(perm_node, "permute") and _is(perm_node.args[0], "one_hot") and _topk_indices(perm_node.args[0].args[0]):
-            perm = list(perm_node.args[1:]) if not isinstance(perm_node.args[1], (list, tuple)) else list(perm_node.args[1])
+        permuted = mask.args[0]
+        one_hot = permuted.args[0] if _is(permuted, "permute") else None
+        if _is(one_hot, "one_hot") and _topk_indices(one_hot.args[0]):
+            perm = permuted.args[1] if isinstance(permuted.args[1], (list, tuple)) else permuted.args[1:]
             # one_hot(idx [T, K]) -> [T, K, E]; permuted, indexed by expert: the remaining two axes
-            return perm[1:][tok_axis] == 0
+            return list(perm)[1:][tok_axis] == 0
     return False
 
 
@@ -573,9 +545,9 @@ def _match_sorted(node: torch.fx.Node, order_of: dict) -> Optional[_Plan]:
     if ids is None:
         return None
     T, K = _shape(ids)
-    if not _same(K, k):
+    if not sizes_equal(K, k):
         raise _Skip(f"tokens are recovered as order // {k} but each token has {K} routed slots")
-    if not _same(_shape(acc)[0], T):
+    if not sizes_equal(_shape(acc)[0], T):
         raise _Skip("the accumulator's rows are not the routed tokens")
     base, casts = _strip_casts(value)
     if not (_is(base, "mul") and len(base.args) == 2):
@@ -611,7 +583,7 @@ def _match_sorted(node: torch.fx.Node, order_of: dict) -> Optional[_Plan]:
             raise _Skip(f"expert output {i} does not come from split piece {i} alone")
         pieces_by_out.append(pieces[i])
     h = grouped.args[0]
-    if not _same(_shape(h)[0], T):
+    if not sizes_equal(_shape(h)[0], T):
         raise _Skip("the gathered tensor's rows are not the routed tokens")
     E = len(outs)
     counts = _counts_node(sizes, E)
@@ -658,9 +630,9 @@ def _counts_node(sizes: Any, E: int) -> Optional[torch.fx.Node]:
             counts = c
         elif c is not counts:
             return None
-    if not _is(counts, "bincount") or counts.kwargs.get("minlength", counts.args[2] if len(counts.args) > 2 else 0) != E:
+    if not _is(counts, "bincount") or arg_of(counts, 2, "minlength", 0) != E:
         return None
-    if counts.kwargs.get("weights") is not None or (len(counts.args) > 1 and counts.args[1] is not None):
+    if arg_of(counts, 1, "weights") is not None:
         return None
     return counts
 
@@ -672,9 +644,9 @@ def _ids_below(ids: torch.fx.Node, E: int) -> bool:
     while not _is(topk, "topk"):
         topk = topk.args[0]
     scores = topk.args[0]
-    dim = topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1)
+    dim = arg_of(topk, 2, "dim", -1)
     shape = _shape(scores)
-    return dim in (-1, len(shape) - 1) and _same(shape[-1], E)
+    return dim in (-1, len(shape) - 1) and sizes_equal(shape[-1], E)
 
 
 def _match_grouped_mm_fallback(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
@@ -710,10 +682,9 @@ _PATTERN_OF = {_match_where: "where_loop", _match_sorted: "sorted_split",
 
 # ----------------------------------------------------------------------------- driver
 
-def _check_removable(plan: _Plan) -> int:
-    """Everything that depends on the unit's selection must die with the sink; returns the op count."""
-    if not plan.roots:
-        return 1
+def _removable(plan: _Plan) -> set[torch.fx.Node]:
+    """The nodes that die with the unit: the sink and everything that depends on its selection,
+    which must not be used (or written through) by anything else."""
     closure = _descendants(plan.roots, stop=plan.sink)
     closure.add(plan.sink)
     for n in closure:
@@ -725,13 +696,12 @@ def _check_removable(plan: _Plan) -> int:
         for written in mutated_args(n):
             if written not in closure and n is not plan.sink:
                 raise _Skip(f"{n.name} writes {written.name} in place")
-    return sum(1 for n in closure if n.op in ("call_function", "call_method"))
+    return closure
 
 
-def _erase(gm: torch.fx.GraphModule, plan: _Plan, order: dict) -> None:
-    dead = _descendants(plan.roots, stop=plan.sink) | {plan.sink}
-    for n in sorted(dead, key=order.__getitem__, reverse=True):
-        if not n.users:
+def _erase(gm: torch.fx.GraphModule, dead: set[torch.fx.Node]) -> None:
+    for n in reversed(list(gm.graph.nodes)):  # users before their inputs
+        if n in dead and not n.users:
             gm.graph.erase_node(n)
 
 
@@ -770,7 +740,7 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResu
                 plan = matcher(node, order)
                 if plan is None:
                     continue
-                removed = _check_removable(plan)
+                dead = _removable(plan)
                 form, why = _choose_form(plan, mode)
                 if form is None:
                     raise _Skip(why)
@@ -784,16 +754,16 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResu
                     raise _Skip(f"the static form does not trace ({type(exc).__name__}: {exc})") from exc
             except _Skip as exc:
                 source, code = source_location(node)
-                result.skipped.append(DispatchSkipped(_PATTERN_OF[matcher], str(exc), source, code,
-                                                      module_path(node)))
+                result.skipped.append(DispatchSkipped(_PATTERN_OF[matcher], source, code,
+                                                      module_path(node), reason=str(exc)))
                 break
             source, code = source_location(node)
-            path = module_path(node)
+            result.rewrites.append(DispatchRewrite(
+                plan.pattern, source, code, module_path(node), form=form, why=why, experts=plan.experts,
+                removed_ops=sum(1 for n in dead if n.op in ("call_function", "call_method"))))
             node.replace_all_uses_with(new)
-            _erase(gm, plan, {n: i for i, n in enumerate(gm.graph.nodes)})
+            _erase(gm, dead)
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            result.rewrites.append(DispatchRewrite(plan.pattern, form, why, plan.experts, source, code,
-                                                   path, removed))
             changed = True
             break
     if changed:

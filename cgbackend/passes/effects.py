@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx
 
-from ..fx_utils import callee_name, compute_nodes, fake_value, iter_tensors, storage_ids
+from ..fx_utils import arg_of, callee_name, compute_nodes, fake_value, iter_tensors, storage_ids
 
 __all__ = ["Effects", "analyze_effects", "mutated_args", "is_global_state_node", "is_random_node"]
 
@@ -93,8 +93,7 @@ def is_random_node(node: torch.fx.Node) -> bool:
     if name in _RANDOM_NAMES:
         if "dropout" in name:
             # F.dropout(x, p, training=False) draws nothing.
-            training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            training, p = arg_of(node, 2, "training", True), arg_of(node, 1, "p", 0.5)
             return not (training is False or p == 0 or p == 0.0)
         return True
     return False

@@ -25,7 +25,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import callee_name, fake_value, op_name
+from ..fx_utils import arg_of, fake_value, op_name, plain_name, sizes_equal
+from .effects import is_random_node
 
 __all__ = ["NotRowwise", "propagate_rows", "ROWS_IN_TUPLE"]
 
@@ -38,8 +39,8 @@ _UNARY = {
     "leaky_relu", "elu", "selu", "celu", "relu6", "hardtanh", "log1p", "expm1", "reciprocal", "sign",
     "float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "clone", "detach",
     "clamp", "clamp_min", "clamp_max", "nan_to_num", "logical_not", "bitwise_not", "softsign",
-    "logsigmoid", "glu_", "invert", "pos", "neg_", "abs_", "round", "floor", "ceil", "trunc",
-    "isnan", "isinf", "isfinite", "sigmoid_", "tanh_", "exp_", "mul_scalar",
+    "logsigmoid", "invert", "pos", "neg_", "abs_", "round", "floor", "ceil", "trunc",
+    "isnan", "isinf", "isfinite", "sigmoid_", "tanh_", "exp_",
 }
 # Element-wise with broadcasting over all tensor arguments.
 _BINARY = {
@@ -80,21 +81,8 @@ def _norm_dim(dim: Any, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # an unbacked comparison that cannot be decided
-        return False
-
-
 def _prod_is_one(dims: Iterable[Any]) -> bool:
-    return all(_same(d, 1) for d in dims)
-
-
-def _arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
+    return all(sizes_equal(d, 1) for d in dims)
 
 
 def _row_args(node: torch.fx.Node, dims: dict) -> list[tuple[Any, Any]]:
@@ -128,7 +116,7 @@ def _broadcast_dim(node: torch.fx.Node, dims: dict) -> int:
         if t in dims:
             continue
         shape = _shape(t)
-        if len(shape) >= from_right and not _same(shape[len(shape) - from_right], 1):
+        if len(shape) >= from_right and not sizes_equal(shape[len(shape) - from_right], 1):
             raise NotRowwise(node, f"operand {t.name} is not row-wise but spans the row dimension")
     return out_nd - from_right
 
@@ -140,9 +128,9 @@ def _reshape_dim(node: torch.fx.Node, src: torch.fx.Node, r: int) -> int:
     if not _prod_is_one(ins[:r]):
         raise NotRowwise(node, "reshape of a tensor with non-unit dimensions before the rows")
     for j, size in enumerate(outs):
-        if _same(size, ins[r]) and _prod_is_one(outs[:j]):
+        if sizes_equal(size, ins[r]) and _prod_is_one(outs[:j]):
             return j
-        if not _same(size, 1):
+        if not sizes_equal(size, 1):
             break
     raise NotRowwise(node, "reshape merges or splits the row dimension")
 
@@ -176,9 +164,7 @@ def _getitem_dim(node: torch.fx.Node, r: int) -> int:
 
 
 def _rule(node: torch.fx.Node, dims: dict) -> Any:
-    name = callee_name(node)
-    if name.startswith("__") and name.endswith("__") and len(name) > 4:
-        name = name[2:-2]  # ``x.__mul__(y)``: how some torch versions record ``x * y``
+    name = plain_name(node)
     rows = _row_args(node, dims)
     src, r = rows[0]
     first = node.args[0] if node.args else None
@@ -197,8 +183,7 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
     if name in _BINARY:
         return _broadcast_dim(node, dims)
     if name == "dropout":
-        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
-        if training is False or p == 0:
+        if not is_random_node(node):  # p == 0 or training=False
             return r
         raise NotRowwise(node, "dropout draws random numbers by position, not by row")
     if name in ("linear", "matmul", "mm", "bmm"):
@@ -210,32 +195,32 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
     if name in ("layer_norm", "rms_norm", "group_norm"):
         if name == "group_norm":
             raise NotRowwise(node, "group_norm normalizes over channels and positions")
-        shape = _arg(node, 1, "normalized_shape")
+        shape = arg_of(node, 1, "normalized_shape")
         n = len(shape) if isinstance(shape, (list, tuple)) else 1
         if r >= nd - n or len(rows) > 1:
             raise NotRowwise(node, "normalized over the row dimension")
         return r
     if name in _ALONG:
-        dim = _arg(node, 1, "dim", -1) if name not in ("topk",) else _arg(node, 2, "dim", -1)
+        dim = arg_of(node, 1, "dim", -1) if name not in ("topk",) else arg_of(node, 2, "dim", -1)
         if name == "normalize":
-            dim = _arg(node, 2, "dim", 1)
+            dim = arg_of(node, 2, "dim", 1)
         if name in ("argsort", "sort") and dim is None:
             dim = -1
         if _norm_dim(dim, nd) == r:
             raise NotRowwise(node, f"{name} runs along the row dimension")
         return ROWS_IN_TUPLE if isinstance(fake_value(node), (tuple, list)) else r
     if name in _REDUCE:
-        dim = _arg(node, 1, "dim")
+        dim = arg_of(node, 1, "dim")
         if dim is None:
             raise NotRowwise(node, f"{name} over all elements mixes rows")
         reduced = [_norm_dim(d, nd) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
         if r in reduced:
             raise NotRowwise(node, f"{name} reduces the row dimension")
-        keep = _arg(node, 2, "keepdim", False)
+        keep = arg_of(node, 2, "keepdim", False)
         out = r if keep else r - sum(1 for d in reduced if d < r)
         return ROWS_IN_TUPLE if isinstance(fake_value(node), (tuple, list)) else out
     if name in ("chunk", "split", "tensor_split", "split_with_sizes", "unbind"):
-        dim = _arg(node, 2, "dim", 0) if name != "unbind" else _arg(node, 1, "dim", 0)
+        dim = arg_of(node, 2, "dim", 0) if name != "unbind" else arg_of(node, 1, "dim", 0)
         if _norm_dim(dim, nd) == r:
             raise NotRowwise(node, f"{name} cuts the row dimension")
         if name == "unbind":
@@ -244,10 +229,10 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
     if name in ("reshape", "view", "flatten", "view_as", "reshape_as", "unflatten"):
         return _reshape_dim(node, src, r)
     if name == "unsqueeze":
-        d = _norm_dim(_arg(node, 1, "dim"), nd + 1)
+        d = _norm_dim(arg_of(node, 1, "dim"), nd + 1)
         return r + 1 if d <= r else r
     if name == "squeeze":
-        d = _arg(node, 1, "dim")
+        d = arg_of(node, 1, "dim")
         if d is None:
             raise NotRowwise(node, "squeeze without a dimension may drop the rows")
         d = _norm_dim(d, nd)
@@ -265,12 +250,12 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
     if name in ("expand", "expand_as"):
         out = _shape(node)
         k = nd - r
-        if not _same(out[len(out) - k], _shape(src)[r]):
+        if not sizes_equal(out[len(out) - k], _shape(src)[r]):
             raise NotRowwise(node, "expand of the row dimension")
         return len(out) - k
     if name in ("cat", "concat", "stack"):
         tensors = node.args[0]
-        dim = _norm_dim(_arg(node, 1, "dim", 0), _ndim(tensors[0]) + (name == "stack"))
+        dim = _norm_dim(arg_of(node, 1, "dim", 0), _ndim(tensors[0]) + (name == "stack"))
         rs = {dims.get(t) for t in tensors}
         if len(rs) != 1 or None in rs:
             raise NotRowwise(node, f"{name} of row-wise and other tensors")
@@ -297,11 +282,11 @@ def _tuple_elem(node: torch.fx.Node, src: torch.fx.Node, dims: dict) -> int:
     (values and indices of topk/sort/max keep the shape; chunk/split pieces too)."""
     producer_rows = _row_args(src, dims)
     r = producer_rows[0][1]
-    name = callee_name(src)
+    name = plain_name(src)
     if name in _REDUCE:
         nd = _ndim(producer_rows[0][0])
-        dim = _arg(src, 1, "dim")
-        keep = _arg(src, 2, "keepdim", False)
+        dim = arg_of(src, 1, "dim")
+        keep = arg_of(src, 2, "keepdim", False)
         d = _norm_dim(dim, nd)
         return r if keep or d > r else r - 1
     return r
