@@ -10,6 +10,7 @@ import torch.fx
 from .config import Config
 from .passes import (Classification, Effects, Labels, Partition, Schedule, Shapes, analyze_effects,
                      classify, label, partition, schedule, shapes)
+from .passes.bucket import Buckets, buckets
 from .passes.dispatch import DispatchResult, rewrite_static_dispatch
 from .reasons import Reason
 
@@ -27,6 +28,7 @@ class Analysis:
     shapes: Shapes
     schedule: Schedule
     dispatch: DispatchResult = dataclasses.field(default_factory=DispatchResult)
+    buckets: Buckets = dataclasses.field(default_factory=lambda: Buckets(regions={}))
 
     def reason_of(self, node: torch.fx.Node) -> Optional[Reason]:
         return self.partition.reason_of(node, self.classification)
@@ -38,6 +40,8 @@ def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool
     effects = analyze_effects(gm)
     classification = classify(gm, config, training=training, compute_device=compute_device)
     part = partition(gm, classification, effects, config)
+    region_shapes = shapes(gm, part)
     return Analysis(gm=gm, config=config, effects=effects, classification=classification,
-                    partition=part, labels=label(gm, part, effects), shapes=shapes(gm, part),
-                    schedule=schedule(part, classification, effects), dispatch=dispatch)
+                    partition=part, labels=label(gm, part, effects), shapes=region_shapes,
+                    schedule=schedule(part, classification, effects), dispatch=dispatch,
+                    buckets=buckets(part, region_shapes, effects, config))

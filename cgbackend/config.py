@@ -16,6 +16,12 @@ __all__ = ["Config", "ConfigError", "ENV_PREFIX", "parse_value"]
 ENV_PREFIX = "CGBACKEND_"
 
 _INNER_COMPILERS = ("eager", "inductor")
+_GRAPH_CACHES = ("lru", "keep")
+
+DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (
+    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+    6144, 8192)
+"""Powers of two and the midpoints between them: padding wastes at most a third of a bucket above 8."""
 
 
 class ConfigError(ValueError):
@@ -33,9 +39,22 @@ class Config:
     min_region_ops: int = 2
     """A static region with fewer estimated kernel launches than this runs eagerly (folded)."""
 
-    max_graphs_per_region: int = 8
-    """Bound on captured graphs per region (input signatures, replaced parameters, training slots).
-    Past it, new signatures run eagerly; each such call is counted with its reason."""
+    max_graphs_per_region: int = 16
+    """Bound on the graphs one region holds (input signatures or buckets, replaced parameters,
+    training slots; a training forward and its backward count as one). At the bound, a new signature
+    either evicts the least recently used graph (``graph_cache="lru"``) or runs eagerly
+    (``"keep"``, or when every held graph is in use); each eager call is counted with its reason."""
+
+    graph_cache: str = "lru"
+    """What a region at ``max_graphs_per_region`` does with a new signature: "lru" evicts the graph
+    used least recently (its memory goes back to the pool for the next capture), "keep" keeps the
+    graphs it has and runs the new signature eagerly."""
+
+    capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    """Bucketing: a static region proven row-independent along a symbolic size (passes/bucket.py)
+    pads that size up to the next of these in inference calls and slices its outputs, so N sizes
+    need only as many graphs as buckets. Sizes above the largest are captured exactly; () turns
+    bucketing off."""
 
     max_pending_forwards: int = 4
     """Training: how many forwards of one region may wait for their backward at once, each with its
@@ -75,6 +94,10 @@ class Config:
         if self.inner == "inductor" and self.warmup < 1 and self.capture:
             raise ConfigError("cgbackend option inner='inductor' needs warmup >= 1: Inductor compiles "
                               "its backward at the first backward, which must not happen during a capture")
+        if self.graph_cache not in _GRAPH_CACHES:
+            raise ConfigError(f"cgbackend option graph_cache={self.graph_cache!r} is not one of "
+                              f"{', '.join(_GRAPH_CACHES)}")
+        object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
         from .passes.dispatch import MODES
         if self.static_dispatch not in MODES:
             raise ConfigError(f"cgbackend option static_dispatch={self.static_dispatch!r} is not one of "
@@ -121,6 +144,22 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def _capture_sizes(value: Any) -> tuple[int, ...]:
+    """Sorted distinct positive ints; accepts the strings an environment variable gives."""
+    if isinstance(value, (str, int)):
+        raise ConfigError(f"cgbackend option capture_sizes takes a sequence of sizes, got {value!r}")
+    sizes = []
+    for v in value:
+        try:
+            size = int(v)
+        except (TypeError, ValueError):
+            size = 0
+        if isinstance(v, bool) or size < 1 or (not isinstance(v, str) and size != v):
+            raise ConfigError(f"cgbackend option capture_sizes: {v!r} is not a positive integer")
+        sizes.append(size)
+    return tuple(sorted(set(sizes)))
 
 
 def _check_int(cfg: Config, name: str, minimum: int) -> None:

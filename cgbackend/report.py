@@ -60,6 +60,10 @@ class RegionReport:
     nodes: list[dict[str, Any]]
     hoisted_syncs: int = 0
     """Dynamic regions: host synchronizations issued earlier than in program order (passes/schedule)."""
+    buckets: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Static regions with backed symbols: per symbol ``{"bucketable", "padded", "why", "op",
+    "source", "code"}`` (passes/bucket.py). A padded symbol's graphs are keyed on its capture size,
+    the others on their exact values."""
 
 
 @dataclasses.dataclass
@@ -158,6 +162,7 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
             reasons=_aggregate_reasons(reasons),
             nodes=nodes,
             hoisted_syncs=analysis.schedule.moved.get(region.index, 0),
+            buckets=_buckets_of(analysis, region.index),
         ))
     ops = sum(r.ops for r in regions)
     static_ops = sum(r.ops for r in regions if r.kind == "static")
@@ -193,6 +198,8 @@ def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> 
         "static_op_fraction": round(static_ops / ops, 4) if ops else 0.0,
         "static_regions": len(static_regions),
         "dynamic_regions": len(dynamic_regions),
+        "symbolic_regions": sum(1 for r in static_regions if r.buckets),
+        "bucketed_regions": sum(1 for r in static_regions if any(b["padded"] for b in r.buckets.values())),
         "est_kernels_eager": kernels_static + kernels_dynamic,
         "est_launches_graphed": len(static_regions) + kernels_dynamic,
         "static_kernel_fraction": round(kernels_static / (kernels_static + kernels_dynamic), 4)
@@ -233,14 +240,49 @@ def _paths_text(paths: list[str], limit: int = 3) -> str:
     return text
 
 
+def _buckets_of(analysis: Analysis, index: int) -> dict[str, dict[str, Any]]:
+    entry = analysis.buckets.regions.get(index)
+    if entry is None:
+        return {}
+    out = {}
+    for name, b in entry.symbols.items():
+        d = b.to_dict()
+        del d["symbol"]
+        out[name] = d
+    return out
+
+
+def _buckets_text(buckets: dict[str, dict[str, Any]]) -> list[str]:
+    """"keyed on" line of a static region: what each symbol does to its graph cache."""
+    parts, why = [], []
+    for name, b in buckets.items():
+        if b["padded"]:
+            parts.append(f"{name} padded to capture_sizes (row-independent)")
+            continue
+        parts.append(f"{name} exact")
+        if b["bucketable"]:
+            why.append(f"{name}: {b['why']}")
+        else:
+            where = f" ({b['op']} at {b['source']})" if b["source"] else ""
+            why.append(f"{name} not bucketable: {b['why']}{where}")
+    lines = [f"{'':<10}graphs keyed on: {', '.join(parts)}"]
+    lines.extend(f"{'':<12}{w}" for w in why)
+    return lines
+
+
 def _runtime_text(runtime: dict[str, Any]) -> list[str]:
     from .runtime.stats import EagerReason  # the runtime is optional for an ahead-of-time report
     lines = ["  runtime:"]
     seen: set[str] = set()
     for name, r in runtime.get("regions", {}).items():
         eager = ", ".join(f"{k} {v}" for k, v in r["eager_calls"].items()) or "none"
-        lines.append(f"{'':<4}{name.split('.')[-1]}: {r['graphs']} graph(s), {r['replays']} replays, "
-                     f"eager calls: {eager}")
+        held = ""
+        if r.get("evicted") or r.get("held", r["graphs"]) != r["graphs"]:
+            held = f" ({r['held']} held, {r['evicted']} evicted)"
+        pad = f", padded along {r['bucketed']}" if r.get("bucketed") else ""
+        mib = f", pool {r['pool_bytes'] / 2**20:.1f} MiB" if r.get("pool_bytes") else ""
+        lines.append(f"{'':<4}{name.split('.')[-1]}: {r['graphs']} graph(s){held}{pad}{mib}, "
+                     f"{r['replays']} replays, eager calls: {eager}")
         if r.get("disabled"):
             lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")
         seen.update(r["eager_calls"])
@@ -314,6 +356,8 @@ def render_text(report: Report) -> str:
             if r.symbols:
                 syms = ", ".join(f"{k}({v})" for k, v in r.symbols.items())
                 lines.append(f"{'':<10}symbols: {syms}")
+            if r.buckets:
+                lines.extend(_buckets_text(r.buckets))
             roots = [x for x in r.reasons if Rule(x["rule"]).is_root_cause]
             derived = [x for x in r.reasons if not Rule(x["rule"]).is_root_cause]
             for reason in roots[:6]:

@@ -14,8 +14,9 @@ from cgbackend import Config, ConfigError
 FIELDS = ("warmup", "capture", "min_region_ops", "max_graphs_per_region", "max_pending_forwards", "strict",
           "inner", "dynamic_ops", "dynamic_modules", "simulate_graphs")
 
-DEFAULTS = dict(warmup=3, capture=True, min_region_ops=2, max_graphs_per_region=8, max_pending_forwards=4,
-                strict=False, inner="eager", dynamic_ops=(), dynamic_modules=(), simulate_graphs=False)
+DEFAULTS = dict(warmup=3, capture=True, min_region_ops=2, max_graphs_per_region=16, graph_cache="lru",
+                max_pending_forwards=4, strict=False, inner="eager", dynamic_ops=(), dynamic_modules=(),
+                simulate_graphs=False)
 
 
 def test_field_names_include_the_documented_options():
@@ -249,3 +250,20 @@ def test_backend_takes_config_or_options_not_both():
         cgbackend.CGBackend(config=Config(), warmup=1)
     cfg = Config(warmup=0)
     assert cgbackend.CGBackend(config=cfg).config is cfg
+
+
+def test_capture_sizes_default_ladder_and_parsing():
+    sizes = Config().capture_sizes
+    assert sizes[0] == 1 and list(sizes) == sorted(set(sizes)) and 64 in sizes
+    assert Config(capture_sizes=[8, 2, 2, 4]).capture_sizes == (2, 4, 8)
+    assert Config.from_options(environ={"CGBACKEND_CAPTURE_SIZES": "16, 4,8"}).capture_sizes == (4, 8, 16)
+    assert Config.from_options(environ={"CGBACKEND_CAPTURE_SIZES": ""}).capture_sizes == ()
+    for bad in ([0, 4], [2.5], ["x"], 8, [True]):
+        with pytest.raises(ConfigError, match="capture_sizes"):
+            Config(capture_sizes=bad)
+
+
+def test_graph_cache_choices():
+    assert Config(graph_cache="keep").graph_cache == "keep"
+    with pytest.raises(ConfigError, match="graph_cache"):
+        Config(graph_cache="fifo")

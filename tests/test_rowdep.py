@@ -41,6 +41,13 @@ def test_row_independent_along_dim0(fn):
     assert _out_dim(fn, X) == 0
 
 
+def test_rows_merged_with_later_dims_stay_blocks():
+    """Flattening [5, 8] to [40] keeps row i as the block 8i..8i+7; splitting it back restores it."""
+    assert _out_dim(lambda x: x.reshape(-1), X) == 0
+    assert _out_dim(lambda x: (x.reshape(-1) * 2).reshape(5, 2, 4).sum(-1), X) == 0
+    assert _out_dim(lambda x: F.one_hot(x.argmax(-1), 8).permute(1, 0), X) == 1
+
+
 def test_rows_move_with_transpose():
     assert _out_dim(lambda x: x.unsqueeze(0).transpose(0, 1).reshape(5, 8), X) == 0
     assert _out_dim(lambda x: x.t(), X) == 1
@@ -52,12 +59,13 @@ def test_rows_move_with_transpose():
     (lambda x: x.sum(), "over all elements"),
     (lambda x: torch.cumsum(x, dim=0), "cumsum runs along the row dimension"),
     (lambda x: x.t() @ x, "contracted"),
-    (lambda x: x.reshape(-1), "merges or splits the row dimension"),
+    (lambda x: x.reshape(8, 5), "splits the rows or moves them inside"),
+    (lambda x: x.t().reshape(-1), "non-unit dimensions before the rows"),
     (lambda x: x[1:], "slices or picks rows"),
     (lambda x: x + torch.randn(5, 8), "spans the row dimension"),
     (lambda x: torch.sort(x, dim=0).values, "sort runs along the row dimension"),
     (lambda x: F.dropout(x, 0.5, training=True), "random numbers"),
-], ids=["softmax_dim0", "sum_dim0", "sum_all", "cumsum_dim0", "contract", "flatten", "slice",
+], ids=["softmax_dim0", "sum_dim0", "sum_all", "cumsum_dim0", "contract", "reshape_across_rows", "flatten_transposed", "slice",
         "other_rows", "sort_dim0", "dropout"])
 def test_not_row_independent(fn, why):
     with pytest.raises(NotRowwise, match=why):

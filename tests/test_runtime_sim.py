@@ -78,7 +78,9 @@ def test_parameter_replaced_recaptures_and_load_state_dict_does_not():
 def test_graph_limit_falls_back_with_reason():
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
     # dynamic=True: one Dynamo graph for every batch size, so one region sees several signatures.
-    compiled = cgbackend.compile(model, dynamic=True, max_graphs_per_region=1, **SIM)
+    # No bucketing and no eviction: every new size is its own signature.
+    compiled = cgbackend.compile(model, dynamic=True, max_graphs_per_region=1, graph_cache="keep",
+                                 capture_sizes=(), **SIM)
     with torch.no_grad():
         for n in (4, 4, 5, 5, 5, 6, 6):
             x = torch.randn(n, 8)

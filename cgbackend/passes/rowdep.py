@@ -22,13 +22,14 @@ from __future__ import annotations
 import operator
 from typing import Any, Iterable, Optional
 
+import sympy
 import torch
 import torch.fx
 
 from ..fx_utils import arg_of, fake_value, op_name, plain_name, sizes_equal
 from .effects import is_random_node
 
-__all__ = ["NotRowwise", "propagate_rows", "ROWS_IN_TUPLE"]
+__all__ = ["NotRowwise", "propagate_rows", "rows_divide", "ROWS_IN_TUPLE"]
 
 ROWS_IN_TUPLE = "tuple"
 
@@ -121,18 +122,43 @@ def _broadcast_dim(node: torch.fx.Node, dims: dict) -> int:
     return out_nd - from_right
 
 
-def _reshape_dim(node: torch.fx.Node, src: torch.fx.Node, r: int) -> int:
-    """A reshape keeps rows apart when everything before the row dimension has size one in both
-    shapes and the row size reappears as a whole dimension (row-major: each row stays one block)."""
+def _as_expr(size: Any) -> Any:
+    """A size as a sympy expression (ints stay ints)."""
+    node = getattr(size, "node", None)
+    return node.expr if node is not None and hasattr(node, "expr") else size
+
+
+def rows_divide(size: Any, rows: Any) -> bool:
+    """Is ``size`` a whole multiple of ``rows`` (ints, SymInts or sympy expressions), with ``rows`` its
+    outermost factor: ``32*s0`` for ``rows=s0``, ``1024`` for ``rows=512``?"""
+    size, rows = _as_expr(size), _as_expr(rows)
+    if isinstance(size, int) and isinstance(rows, int):
+        return rows > 0 and size % rows == 0
+    try:
+        quotient = sympy.simplify(sympy.sympify(size) / sympy.sympify(rows))
+    except (TypeError, sympy.SympifyError):
+        return False
+    if quotient.free_symbols & sympy.sympify(rows).free_symbols:
+        return False
+    return not (quotient.is_number and not quotient.is_integer)
+
+
+def _reshape_dim(node: torch.fx.Node, src: torch.fx.Node, r: int, rows: Any) -> int:
+    """A reshape keeps rows apart when the rows are the outermost factor of both shapes: everything
+    before the row dimension has size one, and the first larger dimension of the result is a whole
+    multiple of the row count. Row-major order then keeps each row one contiguous block, whether
+    the reshape merges the rows with the dimensions after them ([b, t, c] -> [b*t, c]) or splits
+    them back ([b*t, c] -> [b, t, c])."""
     ins, outs = _shape(src), _shape(node)
     if not _prod_is_one(ins[:r]):
         raise NotRowwise(node, "reshape of a tensor with non-unit dimensions before the rows")
     for j, size in enumerate(outs):
-        if sizes_equal(size, ins[r]) and _prod_is_one(outs[:j]):
+        if sizes_equal(size, 1):
+            continue
+        if rows_divide(size, rows):
             return j
-        if not sizes_equal(size, 1):
-            break
-    raise NotRowwise(node, "reshape merges or splits the row dimension")
+        break
+    raise NotRowwise(node, "reshape splits the rows or moves them inside another dimension")
 
 
 def _getitem_dim(node: torch.fx.Node, r: int) -> int:
@@ -163,10 +189,10 @@ def _getitem_dim(node: torch.fx.Node, r: int) -> int:
     return out_dim + (r - in_dim)
 
 
-def _rule(node: torch.fx.Node, dims: dict) -> Any:
+def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
     name = plain_name(node)
-    rows = _row_args(node, dims)
-    src, r = rows[0]
+    row_args = _row_args(node, dims)
+    src, r = row_args[0]
     first = node.args[0] if node.args else None
     nd = _ndim(src)
 
@@ -177,7 +203,7 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
     if not isinstance(r, int) and name not in ("cat", "stack"):
         raise NotRowwise(node, "a tuple of row-wise values passed whole")
     if name in _UNARY:
-        if src is not first or len(rows) > 1:
+        if src is not first or len(row_args) > 1:
             raise NotRowwise(node, "a row-wise value in a non-element-wise argument")
         return r
     if name in _BINARY:
@@ -187,7 +213,7 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
             return r
         raise NotRowwise(node, "dropout draws random numbers by position, not by row")
     if name in ("linear", "matmul", "mm", "bmm"):
-        if src is not first or len(rows) > 1:
+        if src is not first or len(row_args) > 1:
             raise NotRowwise(node, "the rows are contracted (row-wise value as the right operand)")
         if r >= nd - 1 or (name == "bmm" and r != 0):
             raise NotRowwise(node, "the row dimension is contracted")
@@ -197,7 +223,7 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
             raise NotRowwise(node, "group_norm normalizes over channels and positions")
         shape = arg_of(node, 1, "normalized_shape")
         n = len(shape) if isinstance(shape, (list, tuple)) else 1
-        if r >= nd - n or len(rows) > 1:
+        if r >= nd - n or len(row_args) > 1:
             raise NotRowwise(node, "normalized over the row dimension")
         return r
     if name in _ALONG:
@@ -227,7 +253,7 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
             raise NotRowwise(node, "unbind")  # elements lose a dimension; not needed so far
         return ROWS_IN_TUPLE
     if name in ("reshape", "view", "flatten", "view_as", "reshape_as", "unflatten"):
-        return _reshape_dim(node, src, r)
+        return _reshape_dim(node, src, r, rows)
     if name == "unsqueeze":
         d = _norm_dim(arg_of(node, 1, "dim"), nd + 1)
         return r + 1 if d <= r else r
@@ -265,6 +291,10 @@ def _rule(node: torch.fx.Node, dims: dict) -> Any:
         if dim == r:
             raise NotRowwise(node, f"{name} along the row dimension")
         return r
+    if name == "one_hot":  # a new last dimension: each row's classes
+        if src is not first:
+            raise NotRowwise(node, "a row-wise value as the class count")
+        return r
     if name == "embedding":
         if src is not first:
             raise NotRowwise(node, "row-wise embedding table")
@@ -292,18 +322,24 @@ def _tuple_elem(node: torch.fx.Node, src: torch.fx.Node, dims: dict) -> int:
     return r
 
 
-def propagate_rows(nodes: Iterable[torch.fx.Node], sources: dict[torch.fx.Node, int]) -> dict[torch.fx.Node, Any]:
+def propagate_rows(nodes: Iterable[torch.fx.Node], sources: dict[torch.fx.Node, int],
+                   rows: Any = None) -> dict[torch.fx.Node, Any]:
     """Row dimension of every node (in ``nodes``, topological order) that depends on ``sources``.
 
+    ``rows`` is the number of rows (an int, SymInt or sympy expression): the size of each source's
+    row dimension is a whole multiple of it, rows outermost. Default: the first source's size.
     Raises NotRowwise at the first node that cannot be shown to keep rows apart."""
     dims: dict[torch.fx.Node, Any] = dict(sources)
+    if rows is None and sources:
+        first, dim = next(iter(sources.items()))
+        rows = _shape(first)[dim]
     for node in nodes:
         if node in dims or node.op not in ("call_function", "call_method"):
             continue
         if not _row_args(node, dims):
             continue
         try:
-            dims[node] = _rule(node, dims)
+            dims[node] = _rule(node, dims, rows)
         except (TypeError, ValueError, IndexError) as exc:
             raise NotRowwise(node, f"arguments not understood ({type(exc).__name__})") from None
     return dims

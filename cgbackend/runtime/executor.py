@@ -23,9 +23,10 @@ import torch
 import torch.fx
 
 from ..analysis import Analysis
-from ..fx_utils import fake_value, storage_ids
+from ..fx_utils import fake_value
 from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionRunner, RuntimeShared,
                      is_static_address)
+from ..passes.bucket import mutated_input_positions
 from ..passes.gather import rewrite_gathers
 from .split import build_region_module
 from .stats import EagerReason
@@ -184,8 +185,11 @@ class CompiledGraph:
                         kinds.append(EAGER)
                         producers.append(None)
                 fn = module if inner is None else inner(module, region)
+                bucketing = analysis.buckets.regions.get(region.index)
                 runner = RegionRunner(f"graph{index}.{region.name}", fn, kinds, producers,
-                                      _mutated_positions(analysis, region), shared)
+                                      mutated_input_positions(analysis.effects, region), shared,
+                                      bucket=bucketing.plan if bucketing is not None else None,
+                                      device=_region_device(region))
                 if blocked is not None:
                     runner.disable(blocked, _BLOCKED_DETAIL.get(blocked, blocked))
                 runner_of[region.index] = runner
@@ -318,7 +322,10 @@ class CompiledGraph:
         return {
             "blocked": self.blocked,
             "regions": {
-                r.name: {"graphs": r.n_graphs, "replays": r.replays, "eager_calls": dict(r.eager_calls),
+                r.name: {"graphs": r.n_graphs, "held": len(r.entries), "evicted": r.evicted,
+                         "pool_bytes": sum(e.nbytes for e in r.entries.values()),
+                         "bucketed": r.bucket.symbol if r.bucket is not None else None,
+                         "replays": r.replays, "eager_calls": dict(r.eager_calls),
                          "disabled": r.disabled, "disabled_detail": r.disabled_detail,
                          "capture_time_s": round(r.capture_time_s, 4)}
                 for r in self.runners
@@ -347,10 +354,10 @@ _BLOCKED_DETAIL = {
 }
 
 
-def _mutated_positions(analysis: Analysis, region) -> set[int]:
-    written: set[int] = set()
-    for node in region.nodes:
-        written |= analysis.effects.writes.get(node, set())
-    if not written:
-        return set()
-    return {pos for pos, inp in enumerate(region.inputs) if storage_ids(fake_value(inp)) & written}
+def _region_device(region) -> Optional[torch.device]:
+    """Where a region computes, from the fake values of its nodes (for regions fed only numbers)."""
+    for node in region.outputs + region.nodes:
+        value = fake_value(node)
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None

@@ -23,12 +23,14 @@ until the backward pass is over (see executor.CallState).
 
 from __future__ import annotations
 
+import bisect
+import collections
 import gc
 import logging
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -37,6 +39,9 @@ from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
 from .pool import PoolSet, PoolState
 from .stats import Counters, EagerReason
+
+if TYPE_CHECKING:
+    from ..passes.bucket import BucketPlan
 
 __all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "QUEUE_CALLBACK", "RuntimeShared", "RegionRunner", "is_static_address"]
 
@@ -64,6 +69,9 @@ class RuntimeShared:
         self.persistent_storages: set[int] = set()
         """Storage base pointers of static outputs and static input buffers: outputs aliasing
         them are cloned before they reach the caller."""
+        self.padded_full: dict[tuple, torch.Tensor] = {}
+        """Static outputs of padded (bucketed) graphs by (data_ptr, full shape, stride, dtype): a
+        bucketed consumer given the sliced view reads the full padded tensor in place."""
         self.handed: dict[int, tuple["RegionRunner", "_TrainEntry"]] = {}
         """Training entries whose static gradients were handed to autograd and may still be held
         (as .grad or elsewhere): live data of their backward graph until reclaimed."""
@@ -87,17 +95,41 @@ class _Entry:
     """Common part of inference and training entries."""
 
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
-                 "outputs", "index", "graph", "slot")
+                 "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes")
 
     def __init__(self) -> None:
         self.graph = None
         self.index = -1
+        self.pad_dims: dict[int, int] = {}
+        """Bucketed entries: copied input position -> the padded dimension (copied as a prefix)."""
+        self.views: Optional[dict] = None
+        """Bucketed entries: actual sizes -> the static outputs sliced to them."""
+        self.nbytes = 0
+        """Growth of reserved memory while capturing this entry's graphs (the pool's share)."""
+
+    def in_use(self) -> bool:
+        return bool(self.pool.live.get(self.index))
+
+
+class _Pad:
+    """One padded call: the actual sizes of the region's symbols and the sizes it runs at."""
+
+    __slots__ = ("actual", "padded")
+
+    def __init__(self, actual: dict[str, int], padded: dict[str, int]) -> None:
+        self.actual = actual
+        self.padded = padded
 
 
 class _TrainEntry(_Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "grad_ptrs",
                  "leaves")
+
+    def in_use(self) -> bool:
+        live = self.pool.live
+        return bool(live.get(self.index) or (self.bwd_graph is not None and live.get(self.bwd_index))
+                    or self.handed)
 
     def autograd_outputs(self) -> list:
         """Outputs carrying the forward's autograd graph: capture-time ones for CUDA graphs (their
@@ -112,7 +144,8 @@ class RegionRunner:
 
     def __init__(self, name: str, fn: Callable[..., Any], kinds: list[str],
                  producers: list[Optional["RegionRunner"]], mutated: set[int],
-                 shared: RuntimeShared) -> None:
+                 shared: RuntimeShared, bucket: Optional["BucketPlan"] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.name = name
         self.fn = fn
         self.kinds = kinds
@@ -120,12 +153,19 @@ class RegionRunner:
         self.mutated = mutated
         self.shared = shared
         self.config = shared.config
-        self.entries: dict[tuple, _Entry] = {}
+        self.bucket = bucket if shared.config.capture_sizes else None
+        """How inference calls pad a symbolic size up to a capture size (passes/bucket.py)."""
+        self.device = device
+        """Where the region computes (for regions whose inputs are all numbers)."""
+        self.entries: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
+        """Held graphs by key, least recently used first."""
         self.warm: dict[tuple, int] = {}
         self.disabled: Optional[str] = None
         """Set when the region runs eagerly for good (capture failed, no CUDA, capture off)."""
         self.disabled_detail: str = ""
         self.n_graphs = 0
+        """Graphs captured so far (a training entry's backward counts too), evicted ones included."""
+        self.evicted = 0
         self.replays = 0
         self.eager_calls: dict[str, int] = {}
         self.capture_time_s = 0.0
@@ -180,37 +220,153 @@ class RegionRunner:
         requires_grad (a change recompiles the graph), but not their address."""
         shape_parts: list = [grad_path, torch.is_inference_mode_enabled()]
         addr_parts: list = []
-        persistent = self.shared.persistent_ptrs
         missing_handoff = False
         kinds = self.kinds
         for pos, value in enumerate(ins):
             kind = kinds[pos]
             if kind is PARAM:
                 addr_parts.append(value.data_ptr())
-                continue
-            if kind is VALUE:
+            elif kind is VALUE:
                 shape_parts.append(_freeze(value))
-                continue
-            shape_parts.append((value.shape, value.stride(), value.dtype,
-                                value.requires_grad if grad_path else None))
-            if value.numel() == 0:
-                continue  # nothing to read: any empty tensor of that shape will do
-            if kind is HANDOFF:
-                producer = self.producers[pos]
-                if producer is not None and producer.disabled is not None:
-                    addr_parts.append(None)  # producer is eager for good: copy like any eager value
-                else:
-                    ptr = value.data_ptr()
-                    if ptr not in persistent:
-                        missing_handoff = True
-                    addr_parts.append(ptr)
-            elif kind is EAGER:
-                ptr = value.data_ptr()
-                addr_parts.append(ptr if ptr in persistent else None)
+            elif self._tensor_key(pos, value, grad_path, shape_parts, addr_parts):
+                missing_handoff = True
         shape_key = tuple(shape_parts)
         if missing_handoff:
             return None, shape_key
         return (slot,) + shape_key + tuple(addr_parts), shape_key
+
+    def _tensor_key(self, pos: int, value: torch.Tensor, grad_path: bool, shape_parts: list,
+                    addr_parts: list) -> bool:
+        """Key parts of one tensor input read as it is; True if it should have been handed over by
+        a graph but came from eager code."""
+        shape_parts.append((value.shape, value.stride(), value.dtype,
+                            value.requires_grad if grad_path else None))
+        if value.numel() == 0:
+            return False  # nothing to read: any empty tensor of that shape will do
+        kind = self.kinds[pos]
+        if kind is HANDOFF:
+            producer = self.producers[pos]
+            if producer is not None and producer.disabled is not None:
+                addr_parts.append(None)  # producer is eager for good: copy like any eager value
+                return False
+            ptr = value.data_ptr()
+            addr_parts.append(ptr)
+            return ptr not in self.shared.persistent_ptrs
+        if kind is EAGER:
+            ptr = value.data_ptr()
+            addr_parts.append(ptr if ptr in self.shared.persistent_ptrs else None)
+        return False
+
+    # ------------------------------------------------------------------ bucketing
+
+    def _padding(self, ins: list) -> Optional[_Pad]:
+        """The sizes this inference call runs at, or None above the largest capture size."""
+        plan = self.bucket
+        actual = plan.bindings(ins)
+        sizes = self.config.capture_sizes
+        i = bisect.bisect_left(sizes, actual[plan.symbol])
+        if i == len(sizes):
+            return None
+        padded = dict(actual)
+        padded[plan.symbol] = sizes[i]
+        return _Pad(actual, padded)
+
+    def _padded_full(self, value: torch.Tensor, dim: int, size: int) -> tuple[tuple, Optional[torch.Tensor]]:
+        """The padded shape of an input, and the full static tensor it is a slice of (if any)."""
+        shape = list(value.shape)
+        shape[dim] = size
+        shape = tuple(shape)
+        return shape, self.shared.padded_full.get((value.data_ptr(), shape, value.stride(), value.dtype))
+
+    def _padded_keys(self, ins: list, pad: _Pad, slot: int) -> tuple[Optional[tuple], tuple]:
+        """Like _keys for a padded call: the padded sizes stand for every input sized by them; an
+        input that is the slice of another padded graph's output is read in place (its address)."""
+        plan = self.bucket
+        shape_parts: list = ["pad", tuple(pad.padded.items()), torch.is_inference_mode_enabled()]
+        addr_parts: list = []
+        missing_handoff = False
+        for pos, value in enumerate(ins):
+            kind = self.kinds[pos]
+            if kind is PARAM:
+                addr_parts.append(value.data_ptr())
+                continue
+            if kind is VALUE:
+                if pos not in plan.value_inputs:
+                    shape_parts.append(_freeze(value))
+                continue
+            spec = plan.pad_inputs.get(pos)
+            if spec is None:
+                missing_handoff |= self._tensor_key(pos, value, False, shape_parts, addr_parts)
+                continue
+            dim, size = spec
+            shape_parts.append(value.dtype)
+            _, full = self._padded_full(value, dim, size(pad.padded))
+            if full is not None:
+                addr_parts.append(full.data_ptr())
+                continue
+            producer = self.producers[pos]
+            if kind is HANDOFF and producer is not None and producer.bucket is not None \
+                    and producer.disabled is None:
+                missing_handoff = True  # the producer ran eagerly this call (warming up)
+            addr_parts.append(None)
+        shape_key = tuple(shape_parts)
+        if missing_handoff:
+            return None, shape_key
+        return (slot,) + shape_key + tuple(addr_parts), shape_key
+
+    def _views(self, entry: _Entry, pad: _Pad) -> tuple:
+        """The entry's static outputs sliced to this call's actual sizes (cached per size)."""
+        key = tuple(pad.actual.values())
+        views = entry.views.get(key)
+        if views is None:
+            outs = list(entry.outputs)
+            for i, (dim, size) in self.bucket.outputs.items():
+                outs[i] = outs[i].narrow(dim, 0, size(pad.actual))
+            views = entry.views[key] = tuple(outs)
+        return views
+
+    # ------------------------------------------------------------------ graph cache
+
+    def _make_room(self) -> bool:
+        """Room for one more graph: below the bound, or after evicting the least recently used
+        graph that no call still needs (graph_cache="lru")."""
+        if len(self.entries) < self.config.max_graphs_per_region:
+            return True
+        if self.config.graph_cache != "lru":
+            return False
+        for key, entry in self.entries.items():
+            if not entry.in_use():
+                self._evict(key, entry)
+                return True
+        return False
+
+    def _evict(self, key: tuple, entry: _Entry) -> None:
+        """Drop a graph and its static buffers: their memory goes back to the pool, where the next
+        capture finds it. Capture indices only grow, so the replay-order rule still holds."""
+        if torch.cuda.is_available() and not self.shared.capturer.simulate:
+            torch.cuda.synchronize()  # no replay of it may still be running
+        del self.entries[key]
+        for graph in (entry.graph, getattr(entry, "bwd_graph", None)):
+            if isinstance(graph, SimulatedGraph) and graph in entry.pool.graphs:
+                entry.pool.graphs.remove(graph)
+        if entry.views is not None:
+            for t in iter_tensors(entry.outputs):
+                self.shared.padded_full.pop((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), None)
+        entry.graph = entry.outputs = entry.static_ins = entry.views = None
+        if isinstance(entry, _TrainEntry):
+            entry.bwd_graph = entry.capture_outs = entry.static_grad_outs = entry.static_grad_ins = None
+        self.evicted += 1
+        counters = self.shared.counters
+        counters.graphs_evicted += 1
+        counters.pool_bytes_held -= entry.nbytes
+        log.info("cgbackend: %s evicted its least recently used graph (%d held, bound %d)", self.name,
+                 len(self.entries), self.config.max_graphs_per_region)
+
+    def _note_warm(self, shape_key: tuple, count: int) -> None:
+        warm = self.warm
+        warm[shape_key] = count
+        if len(warm) > 4 * self.config.max_graphs_per_region:
+            del warm[next(iter(warm))]  # oldest signature seen: forget its warm-up count
 
     # ------------------------------------------------------------------ entry point
 
@@ -219,30 +375,36 @@ class RegionRunner:
             return self._eager(ins, self.disabled)
         grad_path = call.training and any(
             v.requires_grad for v, k in zip(ins, self.kinds) if k != VALUE)
-        key, shape_key = self._keys(ins, grad_path, call.slot)
+        pad = self._padding(ins) if self.bucket is not None and not grad_path else None
+        if pad is None:
+            key, shape_key = self._keys(ins, grad_path, call.slot)
+        else:
+            key, shape_key = self._padded_keys(ins, pad, call.slot)
+        entry = self.entries.get(key) if key is not None else None
+        if entry is not None:
+            self.entries.move_to_end(key)
+            return self._run_entry(entry, ins, call, False, pad)
         warm = self.warm.get(shape_key, 0)
         if warm < self.config.warmup:
-            self.warm[shape_key] = warm + 1
+            self._note_warm(shape_key, warm + 1)
             self._count_eager(EagerReason.WARMUP)
             return self._warmup_call(ins)
         if key is None:
             return self._eager(ins, EagerReason.PRODUCER_EAGER)
-        entry = self.entries.get(key)
+        if not self._make_room():
+            if self.config.strict:
+                raise RuntimeError(
+                    f"cgbackend: region {self.name} needs a new graph but holds {len(self.entries)} in "
+                    "use (max_graphs_per_region); strict=True forbids eager fallback")
+            return self._eager(ins, EagerReason.GRAPH_LIMIT)
+        entry = self._capture(ins, grad_path, call, pad)
         if entry is None:
-            if self.n_graphs >= self.config.max_graphs_per_region:
-                if self.config.strict:
-                    raise RuntimeError(
-                        f"cgbackend: region {self.name} needs a new graph but already holds "
-                        f"{self.n_graphs} (max_graphs_per_region); strict=True forbids eager fallback")
-                return self._eager(ins, EagerReason.GRAPH_LIMIT)
-            entry = self._capture(ins, grad_path, call)
-            if entry is None:
-                return self._eager(ins, EagerReason.CAPTURE_FAILED)
-            self.entries[key] = entry
-            return self._run_entry(entry, ins, call, fresh=True)
-        return self._run_entry(entry, ins, call, fresh=False)
+            return self._eager(ins, self.disabled or EagerReason.CAPTURE_FAILED)
+        self.entries[key] = entry
+        return self._run_entry(entry, ins, call, True, pad)
 
-    def _run_entry(self, entry: _Entry, ins: list, call: Any, fresh: bool) -> Any:
+    def _run_entry(self, entry: _Entry, ins: list, call: Any, fresh: bool,
+                   pad: Optional[_Pad] = None) -> Any:
         pool = entry.pool
         if pool.hazard(entry.index):
             if self.config.strict:
@@ -253,7 +415,7 @@ class RegionRunner:
         if isinstance(entry, _TrainEntry):
             tensors = [ins[p] for p in entry.tensor_pos]
             return _RegionFunction.apply((self, entry, call, fresh), *tensors)
-        return self._replay(entry, ins, call, fresh)
+        return self._replay(entry, ins, call, fresh, pad)
 
     # ------------------------------------------------------------------ inference
 
@@ -261,8 +423,14 @@ class RegionRunner:
         counters = self.shared.counters
         if not fresh:
             static_ins = entry.static_ins
+            pad_dims = entry.pad_dims
             for pos in entry.copy_pos:
-                static_ins[pos].copy_(ins[pos])
+                value = ins[pos]
+                dim = pad_dims.get(pos)
+                if dim is None:
+                    static_ins[pos].copy_(value)
+                else:  # the actual rows, as the prefix of the padded buffer
+                    static_ins[pos].narrow(dim, 0, value.shape[dim]).copy_(value)
             counters.copies_made += len(entry.copy_pos)
             for pos in entry.copy_pos:
                 counters.copied_by_kind[self._copy_kind(ins[pos], pos)] += 1
@@ -273,11 +441,11 @@ class RegionRunner:
             return "param"
         return "user_input" if self.kinds[pos] == COPY else "eager_value"
 
-    def _replay(self, entry: _Entry, ins: list, call: Any, fresh: bool) -> Any:
+    def _replay(self, entry: _Entry, ins: list, call: Any, fresh: bool, pad: Optional[_Pad]) -> Any:
         self._stage_inputs(entry, ins, fresh)
         entry.graph.replay()
         self._after_replay(entry, ins, call)
-        return entry.outputs
+        return entry.outputs if pad is None else self._views(entry, pad)
 
     def _after_replay(self, entry: _Entry, ins: list, call: Any) -> None:
         for pos in entry.copy_back_pos:
@@ -291,12 +459,32 @@ class RegionRunner:
 
     # ------------------------------------------------------------------ capture
 
-    def _prepare_static_inputs(self, ins: list, grad_path: bool, entry: _Entry) -> None:
+    def _prepare_static_inputs(self, ins: list, grad_path: bool, entry: _Entry,
+                               pad: Optional[_Pad] = None) -> None:
         static_ins: list = []
         copy_pos, handoff_pos = [], []
         persistent = self.shared.persistent_ptrs
+        plan = self.bucket if pad is not None else None
         for pos, value in enumerate(ins):
             kind = self.kinds[pos]
+            if plan is not None and pos in plan.value_inputs:
+                static_ins.append(plan.value_inputs[pos](pad.padded))
+                continue
+            if plan is not None and pos in plan.pad_inputs:
+                dim, size = plan.pad_inputs[pos]
+                shape, full = self._padded_full(value, dim, size(pad.padded))
+                if full is not None:
+                    static_ins.append(full)
+                    handoff_pos.append(pos)
+                    continue
+                # Zeros, not garbage, in the padding rows of the first capture: an index input
+                # (token ids) must stay in range. Later calls leave older rows there, as valid.
+                buf = torch.zeros(shape, dtype=value.dtype, device=value.device)
+                buf.narrow(dim, 0, value.shape[dim]).copy_(value)
+                static_ins.append(buf)
+                copy_pos.append(pos)
+                entry.pad_dims[pos] = dim
+                continue
             if kind == VALUE or (kind == PARAM and not (grad_path and value.requires_grad)):
                 static_ins.append(value)
                 continue
@@ -332,8 +520,8 @@ class RegionRunner:
         entry.handoff_pos = tuple(handoff_pos)
         entry.copy_back_pos = tuple(p for p in copy_pos if p in self.mutated)
 
-    def _capture(self, ins: list, grad_path: bool, call: Any) -> Optional[_Entry]:
-        device = next((v.device for v, k in zip(ins, self.kinds) if k != VALUE), None)
+    def _capture(self, ins: list, grad_path: bool, call: Any, pad: Optional[_Pad] = None) -> Optional[_Entry]:
+        device = next((v.device for v, k in zip(ins, self.kinds) if k != VALUE), self.device)
         if device is None or (device.type != "cuda" and not self.shared.capturer.simulate):
             self.disable(EagerReason.NO_CUDA, f"inputs on {device}")
             return None
@@ -341,7 +529,7 @@ class RegionRunner:
         entry: _Entry = _TrainEntry() if grad_path else _Entry()
         entry.pool = pool
         try:
-            self._prepare_static_inputs(ins, grad_path, entry)
+            self._prepare_static_inputs(ins, grad_path, entry, pad)
         except torch.OutOfMemoryError as exc:  # the static buffers are part of what capturing costs
             self._capture_failed(first_line(exc))
             return None
@@ -368,12 +556,18 @@ class RegionRunner:
         entry.slot = call.slot
         if isinstance(graph, SimulatedGraph):
             graph.attach(pool, entry.index)
-        self._count_capture(elapsed, _reserved(device) - reserved_before, forward=grad_path)
+        self._count_capture(entry, elapsed, _reserved(device) - reserved_before, forward=grad_path)
         if grad_path:
             self._finish_train_entry(entry, outputs)
         else:
             entry.outputs = outputs
             self.shared.register_persistent(outputs)
+        if pad is not None:
+            entry.views = {}
+            full = self.shared.padded_full
+            for i in self.bucket.outputs:
+                t = entry.outputs[i]
+                full[(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)] = t
         log.debug("cgbackend: captured %s (%s, slot %d) in %.3f s", self.name,
                   "forward" if grad_path else "inference", call.slot, elapsed)
         return entry
@@ -398,13 +592,16 @@ class RegionRunner:
         entry.leaves = []
         self.shared.register_persistent(entry.outputs)
 
-    def _count_capture(self, elapsed: float, pool_growth: int, forward: bool) -> None:
+    def _count_capture(self, entry: _Entry, elapsed: float, pool_growth: int, forward: bool) -> None:
         counters = self.shared.counters
         counters.graphs_captured += 1
         if forward:
             counters.fwd_graphs += 1
         counters.capture_time_s += elapsed
-        counters.pool_bytes += max(pool_growth, 0)
+        growth = max(pool_growth, 0)
+        counters.pool_bytes += growth
+        counters.pool_bytes_held += growth
+        entry.nbytes += growth
         self.capture_time_s += elapsed
         self.n_graphs += 1
         if elapsed > 1.0:
@@ -464,7 +661,7 @@ class RegionRunner:
         self.shared.register_persistent([g for g in static_grad_ins if g is not None], handoff=False)
         counters = self.shared.counters
         counters.bwd_graphs += 1
-        self._count_capture(elapsed, _reserved(device) - reserved_before, forward=False)
+        self._count_capture(entry, elapsed, _reserved(device) - reserved_before, forward=False)
 
     def reclaim_grads(self, entry: _TrainEntry, leaves: list[torch.Tensor]) -> bool:
         """Before a backward replay rewrites the static gradients: may it?

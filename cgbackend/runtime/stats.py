@@ -31,7 +31,8 @@ class EagerReason:
         CAPTURE_FAILED: "capturing this region failed; it runs eagerly from now on",
         HOST_SYNC_SEEN: "the region synchronized with the host during an eager warm-up call "
                         "(an op the classifier did not know); it runs eagerly from now on",
-        GRAPH_LIMIT: "the region already holds max_graphs_per_region graphs",
+        GRAPH_LIMIT: "the region already holds max_graphs_per_region graphs (all in use, or "
+                 "graph_cache=\"keep\")",
         PENDING_FORWARDS: "max_pending_forwards forwards are waiting for their backward",
         PRODUCER_EAGER: "an input usually handed over by the previous graph came from eager code",
         REPLAY_ORDER: "replaying this older graph could overwrite memory a newer graph still needs",
@@ -70,6 +71,11 @@ class Counters:
     capture_time_s: float = 0.0
     pool_bytes: int = 0
     """Growth of the CUDA caching allocator's reserved memory across captures."""
+    pool_bytes_held: int = 0
+    """The part of pool_bytes whose graphs are still held (evicted graphs' growth subtracted; their
+    memory stays reserved in the pool, where later captures reuse it)."""
+    graphs_evicted: int = 0
+    """Graphs dropped by a region's least-recently-used cache (option graph_cache)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -1,0 +1,287 @@
+"""Which static regions may pad a symbolic size up to a capture size, and how (bucketing).
+
+Reads: each static region's nodes and boundary (fake values with Dynamo's symbolic sizes), the
+effects pass (in-place writes), the config (``capture_sizes``, ``inner``).
+Writes: nothing on the graph; returns :class:`Buckets`.
+
+A region is *bucketable along a backed symbol s* when padding every s-sized dimension of its
+inputs at the end (s -> B >= s) leaves the first s rows of every output unchanged, so the outputs
+can be sliced back. The proof (passes/rowdep.py, rows = s) must show that the region is
+row-independent along s: each input that depends on s has it in exactly one dimension, as the
+outermost factor of that dimension's size (``s``, ``32*s``); every op keeps rows apart; each output
+sized by s holds its rows in that dimension. On top of the row proof:
+
+* s may flow into the region as a number only to be used as a size: reshapes, views, expands,
+  and constant factories (``zeros``, ``ones``, ``full``, ``empty``) whose result is then a row
+  source itself. Any other use (``arange(s)``, ``x / s``, a comparison) would see B, not s.
+* the region writes none of its inputs in place (a write would land on the padded copy);
+* every symbol in the sizes that are padded or sliced can be read from the region's inputs.
+
+Only inference calls are padded (training regions save activations of the exact size for their
+backward); at most one symbol per region is padded, the others key the graph exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.fx
+
+from ..config import Config
+from ..fx_utils import fake_value, plain_name, source_location
+from .effects import Effects
+from .partition import Partition, Region
+from .rowdep import NotRowwise, propagate_rows, rows_divide
+from .shapes import Shapes
+
+__all__ = ["Buckets", "BucketPlan", "Monomial", "RegionBuckets", "SymbolBucketing", "buckets",
+           "mutated_input_positions"]
+
+_SIZE_ARGS = {"view", "reshape", "expand", "unflatten", "_unsafe_view", "new_empty", "broadcast_to"}
+_FACTORIES = {"zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"}
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Monomial:
+    """A size ``coef * prod(symbols)``: how padded and sliced sizes are evaluated at run time."""
+
+    coef: int
+    symbols: tuple[str, ...]
+
+    def __call__(self, bindings: dict[str, int]) -> int:
+        out = self.coef
+        for name in self.symbols:
+            out *= bindings[name]
+        return out
+
+    def __str__(self) -> str:
+        parts = ([str(self.coef)] if self.coef != 1 or not self.symbols else []) + list(self.symbols)
+        return "*".join(parts)
+
+
+@dataclasses.dataclass
+class BucketPlan:
+    """How the runtime pads one region along ``symbol`` (positions are region input/output indices)."""
+
+    symbol: str
+    probes: dict[str, tuple[int, int]]
+    """Symbol -> (input position, dimension) where its value is read; dimension -1: the input is
+    the number itself."""
+    pad_inputs: dict[int, tuple[int, Monomial]]
+    """Tensor inputs sized by the symbol: position -> (dimension, its size)."""
+    value_inputs: dict[int, Monomial]
+    """Numbers (SymInt inputs) that involve the symbol: position -> value."""
+    outputs: dict[int, tuple[int, Monomial]]
+    """Outputs sized by the symbol: index -> (dimension, size); sliced back after each replay."""
+
+    def bindings(self, ins: list) -> dict[str, int]:
+        out = {}
+        for name, (pos, dim) in self.probes.items():
+            value = ins[pos]
+            out[name] = int(value) if dim < 0 else value.shape[dim]
+        return out
+
+
+@dataclasses.dataclass
+class SymbolBucketing:
+    symbol: str
+    bucketable: bool
+    why: str
+    """Why not (empty when bucketable)."""
+    op: str = ""
+    source: str = ""
+    code: str = ""
+    padded: bool = False
+    """The symbol this region pads (one per region)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class RegionBuckets:
+    symbols: dict[str, SymbolBucketing]
+    plan: Optional[BucketPlan] = None
+
+
+@dataclasses.dataclass
+class Buckets:
+    regions: dict[int, RegionBuckets]
+
+
+class _NoBucket(Exception):
+    def __init__(self, why: str, node: Optional[torch.fx.Node] = None) -> None:
+        super().__init__(why)
+        self.why = why
+        self.node = node
+
+
+def _expr(size: Any) -> Any:
+    node = getattr(size, "node", None)
+    return node.expr if node is not None and hasattr(node, "expr") else sympy.Integer(int(size))
+
+
+def _monomial(expr: Any) -> Optional[Monomial]:
+    """``expr`` as coef * product of distinct symbols, or None (sums, powers, divisions)."""
+    coef, rest = sympy.sympify(expr).as_coeff_Mul()
+    if not coef.is_Integer or int(coef) <= 0:
+        return None
+    factors = [] if rest == 1 else list(sympy.Mul.make_args(rest))
+    if not all(isinstance(f, sympy.Symbol) for f in factors) or len(set(factors)) != len(factors):
+        return None
+    return Monomial(int(coef), tuple(sorted(str(f) for f in factors)))
+
+
+def _has(value: Any, sym: sympy.Symbol) -> bool:
+    if isinstance(value, torch.Tensor):
+        return any(sym in _expr(d).free_symbols for d in value.shape)
+    if isinstance(value, _SYM_TYPES):
+        return sym in value.node.expr.free_symbols
+    return False
+
+
+def _sized_dim(value: torch.Tensor, sym: sympy.Symbol, what: str) -> tuple[int, Monomial]:
+    """The one dimension of ``value`` sized by ``sym``, with ``sym`` its outermost factor."""
+    dims = [d for d, size in enumerate(value.shape) if sym in _expr(size).free_symbols]
+    if len(dims) != 1:
+        raise _NoBucket(f"{what} has {sym} in {len(dims)} dimensions")
+    size = _expr(value.shape[dims[0]])
+    mono = _monomial(size)
+    if mono is None or not rows_divide(size, sym):
+        raise _NoBucket(f"{what} has size {size} along dimension {dims[0]}, not a multiple of {sym}")
+    return dims[0], mono
+
+
+def mutated_input_positions(effects: Effects, region: Region) -> set[int]:
+    """Region inputs (by position) whose data some node of the region writes in place."""
+    from ..fx_utils import storage_ids
+    written: set[int] = set()
+    for node in region.nodes:
+        written |= effects.writes.get(node, set())
+    if not written:
+        return set()
+    return {pos for pos, inp in enumerate(region.inputs) if storage_ids(fake_value(inp)) & written}
+
+
+def _plan(region: Region, sym: sympy.Symbol, effects: Effects) -> BucketPlan:
+    if mutated_input_positions(effects, region):
+        raise _NoBucket("the region writes one of its inputs in place")
+    sources: dict[torch.fx.Node, int] = {}
+    pad_inputs: dict[int, tuple[int, Monomial]] = {}
+    value_inputs: dict[int, Monomial] = {}
+    sym_nodes: set[torch.fx.Node] = set()
+    for pos, inp in enumerate(region.inputs):
+        value = fake_value(inp)
+        if not _has(value, sym):
+            continue
+        if isinstance(value, torch.Tensor):
+            dim, mono = _sized_dim(value, sym, f"input {inp.name}")
+            sources[inp] = dim
+            pad_inputs[pos] = (dim, mono)
+        elif isinstance(value, torch.SymInt) and (mono := _monomial(value.node.expr)) is not None:
+            value_inputs[pos] = mono
+            sym_nodes.add(inp)
+        else:
+            raise _NoBucket(f"input {inp.name} is the number {value}, not a product of sizes")
+    # The symbol as a number: only as a size.
+    for node in region.nodes:
+        value = fake_value(node)
+        uses = [a for a in node.all_input_nodes if a in sym_nodes]
+        if isinstance(value, _SYM_TYPES):
+            if _has(value, sym):
+                sym_nodes.add(node)
+            continue
+        if not uses:
+            continue
+        name = plain_name(node)
+        if name in _SIZE_ARGS:
+            continue
+        if name in _FACTORIES and isinstance(value, torch.Tensor):
+            sources[node] = _sized_dim(value, sym, f"{name} ({node.name})")[0]
+            continue
+        raise _NoBucket(f"uses {sym} as a number, not a size", node)
+    try:
+        dims = propagate_rows(list(region.nodes), sources, rows=sym)
+    except NotRowwise as exc:
+        raise _NoBucket(exc.why, exc.node) from None
+    outputs: dict[int, tuple[int, Monomial]] = {}
+    for i, out in enumerate(region.outputs):
+        value = fake_value(out)
+        if not _has(value, sym):
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise _NoBucket(f"returns {out.name} = {value}, a number computed from {sym}", out)
+        dim, mono = _sized_dim(value, sym, f"output {out.name}")
+        if dims.get(out) != dim:
+            raise _NoBucket(f"output {out.name} is sized by {sym} but not computed row by row", out)
+        outputs[i] = (dim, mono)
+    needed = {s for _, m in list(pad_inputs.values()) + list(outputs.values()) for s in m.symbols}
+    needed |= {s for m in value_inputs.values() for s in m.symbols}
+    probes: dict[str, tuple[int, int]] = {}
+    for pos, inp in enumerate(region.inputs):
+        value = fake_value(inp)
+        if isinstance(value, torch.SymInt):
+            name = str(value.node.expr)
+            if name in needed and name not in probes:
+                probes[name] = (pos, -1)
+        elif isinstance(value, torch.Tensor):
+            for d, size in enumerate(value.shape):
+                name = str(_expr(size))
+                if name in needed and name not in probes:
+                    probes[name] = (pos, d)
+    missing = sorted(needed - set(probes))
+    if missing:
+        raise _NoBucket(f"the size {', '.join(missing)} cannot be read from the region's inputs")
+    return BucketPlan(symbol=str(sym), probes=probes, pad_inputs=pad_inputs, value_inputs=value_inputs,
+                      outputs=outputs)
+
+
+def buckets(partition: Partition, shapes: Shapes, effects: Effects, config: Config) -> Buckets:
+    out: dict[int, RegionBuckets] = {}
+    for region in partition.static_regions():
+        rs = shapes.regions.get(region.index)
+        backed = {n for n, kind in (rs.input_symbols.items() if rs else ()) if kind == "backed"}
+        # Sizes only: the shape environment's own symbol objects (with their assumptions).
+        syms = sorted((s for s in _size_symbols(region) if str(s) in backed), key=str)
+        if not syms:
+            continue
+        entry = RegionBuckets(symbols={})
+        for sym in syms:
+            name = str(sym)
+            if not config.capture_sizes:
+                entry.symbols[name] = SymbolBucketing(name, False, "bucketing is off (capture_sizes=())")
+                continue
+            if config.inner != "eager":
+                entry.symbols[name] = SymbolBucketing(
+                    name, False, f"inner={config.inner!r}: its compiled code is keyed on exact sizes")
+                continue
+            try:
+                plan = _plan(region, sym, effects)
+            except _NoBucket as exc:
+                where, code = source_location(exc.node) if exc.node is not None else ("", "")
+                op = plain_name(exc.node) if exc.node is not None else ""
+                entry.symbols[name] = SymbolBucketing(name, False, exc.why, op=op, source=where, code=code)
+                continue
+            padded = entry.plan is None
+            if padded:
+                entry.plan = plan
+            entry.symbols[name] = SymbolBucketing(
+                name, True, "" if padded else f"row-independent, but {entry.plan.symbol} is the one padded",
+                padded=padded)
+        out[region.index] = entry
+    return Buckets(regions=out)
+
+
+def _size_symbols(region: Region) -> set:
+    """Symbols in the tensor shapes at the region's boundary."""
+    syms: set = set()
+    for node in region.inputs + region.outputs:
+        value = fake_value(node)
+        if isinstance(value, torch.Tensor):
+            for d in value.shape:
+                syms |= _expr(d).free_symbols
+    return syms
