@@ -1,4 +1,5 @@
-"""Command line: ``explain`` (partition report) and ``bench`` (benchmark harness)."""
+"""Command line: ``explain`` (partition report), ``bench`` (benchmark harness) and ``serve-bench``
+(serving loop with random batch sizes)."""
 
 from __future__ import annotations
 
@@ -93,6 +94,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         except Exception as exc:
             raise CLIError(f"the factory {args.target} raised {type(exc).__name__}: {_one_line(exc)}") from None
         model, call_args, call_kwargs = _split_inputs(made)
+    for dim in args.dynamic or ():
+        tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
+        if not tensors or dim >= tensors[0].dim():
+            raise CLIError(f"--dynamic {dim}: the first input has no dimension {dim}")
+        torch._dynamo.mark_dynamic(tensors[0], dim)
     options = _parse_options(args.option or [])
     grad = torch.enable_grad() if args.train else torch.no_grad()
     if hasattr(model, "train") and hasattr(model, "eval"):
@@ -116,14 +122,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ex.add_argument("--train", action="store_true", help="trace in training mode (grad on)")
     ex.add_argument("--device", default="cpu", help="device for --demo models (default cpu)")
     ex.add_argument("--option", action="append", metavar="KEY=VALUE", help="a cgbackend option")
+    ex.add_argument("--dynamic", type=int, action="append", metavar="DIM",
+                    help="mark this dimension of the first input dynamic (a symbolic size), repeatable")
     ex.add_argument("-v", "--verbose", action="store_true", help="log cgbackend's INFO lines")
     ex.set_defaults(func=_cmd_explain)
     bench = sub.add_parser("bench", help="side-by-side benchmark (see benchmarks/README.md)", add_help=False)
     bench.set_defaults(func=None)
+    serve = sub.add_parser("serve-bench", help="serving loop, random batch sizes (benchmarks/README.md)",
+                           add_help=False)
+    serve.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main
         return bench_main(rest)
+    if args.command == "serve-bench":
+        from .serving import main as serving_main
+        return serving_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if getattr(args, "verbose", False):

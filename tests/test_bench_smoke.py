@@ -103,3 +103,20 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert bench.main(["--smoke", "--models", "nope", "--out", str(tmp_path / "x.json")]) == 2
     assert "unknown model" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_serving_loop_smoke_on_cpu(tmp_path):
+    """The serving-loop harness end to end at tiny sizes (eager and cgbackend; no GPU: graphs are
+    blocked, so only the plumbing and the accuracy check run)."""
+    from cgbackend.serving import run
+    out = tmp_path / "serving.json"
+    md = tmp_path / "serving.md"
+    results = run(["--size", "tiny", "--calls", "6", "--max-batch", "5", "--seq", "8", "--dtype", "fp32",
+                   "--models", "dense,moe", "--device", "cpu", "--out", str(out), "--markdown", str(md)])
+    rows = results["rows"]
+    assert [(r["model"], r["contender"]) for r in rows] == [
+        ("dense", "eager"), ("dense", "cgbackend"), ("moe", "eager"), ("moe", "cgbackend")]
+    assert all("error" not in r for r in rows)
+    assert all(r["accuracy_ok"] for r in rows if r["contender"] == "cgbackend")
+    assert all(r["graph_bound"] >= r["graphs_captured"] for r in rows if r["contender"] == "cgbackend")
+    assert out.exists() and "| dense | cgbackend |" in md.read_text()

@@ -191,9 +191,10 @@ def _plan(region: Region, sym: sympy.Symbol, effects: Effects) -> BucketPlan:
     for node in region.nodes:
         value = fake_value(node)
         uses = [a for a in node.all_input_nodes if a in sym_nodes]
-        if isinstance(value, _SYM_TYPES):
-            if _has(value, sym):
-                sym_nodes.add(node)
+        if isinstance(value, _SYM_TYPES) or (isinstance(value, (tuple, list)) and value
+                                               and all(isinstance(v, (int, *_SYM_TYPES)) for v in value)):
+            if any(_has(v, sym) for v in (value if isinstance(value, (tuple, list)) else [value])):
+                sym_nodes.add(node)  # a size, or a shape tuple (x.size())
             continue
         if not uses:
             continue

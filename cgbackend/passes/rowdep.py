@@ -57,6 +57,9 @@ _ALONG = {"softmax", "log_softmax", "cumsum", "cumprod", "cummax", "cummin", "lo
           "argsort", "sort", "topk", "glu", "normalize"}
 
 
+_METADATA = {"size", "sym_size", "stride", "dim", "numel", "sym_numel", "sym_stride", "ndimension"}
+
+
 class NotRowwise(Exception):
     """An op that (as far as the rules can tell) mixes rows; ``node`` and ``why`` say which and how."""
 
@@ -336,8 +339,8 @@ def propagate_rows(nodes: Iterable[torch.fx.Node], sources: dict[torch.fx.Node, 
     for node in nodes:
         if node in dims or node.op not in ("call_function", "call_method"):
             continue
-        if not _row_args(node, dims):
-            continue
+        if not _row_args(node, dims) or plain_name(node) in _METADATA:
+            continue  # size queries give numbers, not row data (passes/bucket.py checks their use)
         try:
             dims[node] = _rule(node, dims, rows)
         except (TypeError, ValueError, IndexError) as exc:

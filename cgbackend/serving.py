@@ -1,0 +1,214 @@
+"""Serving-loop benchmark: inference calls with batch sizes drawn at random, as a server sees them.
+
+``python benchmarks/serving.py [FLAGS]`` (or ``python -m cgbackend serve-bench``). For each model
+and contender, in one process:
+
+1. a *warm* loop of ``--calls`` calls (batch sizes drawn from 1..``--max-batch``, fresh tokens each
+   call, so MoE routing changes): every output is checked against eager on the same input, and
+   the first outputs are checked again at the end (no later replay overwrote them);
+2. a *timed* loop of ``--calls`` new draws, synchronized before and after: its total time is the
+   figure, and its ratio to eager's time over the same draws.
+
+Counters after both loops: graphs captured, graphs per static region, eager calls by reason,
+evictions, and the bound the issue sets: (capture sizes hit) x (static regions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .bench import DTYPES, TOLERANCE, _command_line, _device_name
+from .config import Config
+from .models import build_model
+
+__all__ = ["main", "run"]
+
+CONTENDERS = ("eager", "cgbackend", "cgbackend-exact", "reduce-overhead")
+
+
+def _make(name: str, model: torch.nn.Module) -> Callable[..., Any]:
+    import cgbackend
+    if name == "eager":
+        return model
+    if name == "cgbackend":
+        return torch.compile(model, backend="cgbackend")
+    if name == "cgbackend-exact":  # no bucketing: one graph per batch size, LRU-bounded
+        return torch.compile(model, backend=cgbackend.backend(capture_sizes=()))
+    if name == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead")
+    raise ValueError(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")
+
+
+def _draws(n: int, max_batch: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(1, max_batch) for _ in range(n)]
+
+
+def _inputs(sizes: list[int], seq: int, vocab: int, device: torch.device, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randint(0, vocab, (n, seq), generator=g).to(device) for n in sizes]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    scale = b.float().abs().max().item()
+    diff = (a.float() - b.float()).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def _loop(fn: Callable[..., Any], xs: list[torch.Tensor], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for x in xs:
+            fn(x)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    import cgbackend
+    dtype = DTYPES[args.dtype]
+    tol = args.tol if args.tol is not None else TOLERANCE[dtype]
+    model = build_model(model_name, size=args.size, device=device, dtype=dtype).eval()
+    vocab = model.tok_emb.num_embeddings
+    warm_sizes = _draws(args.calls, args.max_batch, args.seed)
+    timed_sizes = _draws(args.calls, args.max_batch, args.seed + 1)
+    warm_xs = _inputs(warm_sizes, args.seq, vocab, device, args.seed)
+    timed_xs = _inputs(timed_sizes, args.seq, vocab, device, args.seed + 1)
+    ladder = Config().capture_sizes
+    buckets_hit = len({next((b for b in ladder if b >= n), n) for n in warm_sizes + timed_sizes})
+    rows = []
+    eager_s = None
+    for name in args.contenders:
+        torch._dynamo.reset()
+        cgbackend.reset()
+        row: dict[str, Any] = {"model": model_name, "contender": name, "calls": args.calls,
+                               "max_batch": args.max_batch, "seq": args.seq, "distinct_sizes":
+                               len(set(warm_sizes + timed_sizes)), "capture_sizes_hit": buckets_hit}
+        try:
+            fn = _make(name, model)
+            worst, kept = 0.0, []
+            start = time.perf_counter()
+            with torch.no_grad():
+                for i, x in enumerate(warm_xs):
+                    out = fn(x)
+                    if name != "eager":
+                        ref = model(x)
+                        worst = max(worst, _rel_err(out, ref))
+                        if i < 8:
+                            kept.append((out, ref))
+            _sync(device)
+            row["warm_loop_s"] = round(time.perf_counter() - start, 3)
+            worst = max([worst] + [_rel_err(o, r) for o, r in kept])
+            row["accuracy_err"] = worst
+            row["accuracy_ok"] = bool(worst <= tol)
+            seconds = _loop(fn, timed_xs, device)
+            row["loop_s"] = round(seconds, 4)
+            row["ms_per_call"] = round(1e3 * seconds / len(timed_xs), 4)
+            if name == "eager":
+                eager_s = seconds
+            if eager_s:
+                row["vs_eager"] = round(seconds / eager_s, 3)
+            if name.startswith("cgbackend"):
+                st = cgbackend.stats(fn)
+                row.update({k: st[k] for k in ("static_regions", "graphs_captured", "graphs_evicted",
+                                                "replays", "compiled_graphs", "pool_bytes")})
+                row["eager_calls"] = st["eager_calls"]
+                row["graph_bound"] = buckets_hit * st["static_regions"]
+                row["within_bound"] = st["graphs_captured"] <= row["graph_bound"]
+                rep = cgbackend.report(fn)
+                row["bucketed_regions"] = rep.summary["bucketed_regions"]
+                row["symbolic_regions"] = rep.summary["symbolic_regions"]
+        except Exception as exc:  # a contender that fails is recorded, not fatal
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    lines = [f"# Serving loop: random batch sizes 1..{meta['max_batch']}", "",
+             f"- device: {meta['device']}; torch {meta['torch']}; date {meta['date']}",
+             f"- command: `{meta['command']}`",
+             f"- {meta['calls']} warm calls (each checked against eager), then {meta['calls']} timed calls "
+             f"with new draws; seq {meta['seq']}, dtype {meta['dtype']}, size {meta['size']}", "",
+             "| model | contender | timed loop s | ms/call | vs eager | accuracy | graphs (bound) | "
+             "static regions | bucketed | eager calls | evicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['contender']} | failed: {r['error']} |" + " |" * 8)
+            continue
+        graphs = f"{r['graphs_captured']} ({r['graph_bound']})" if "graphs_captured" in r else "-"
+        acc = "-" if r["contender"] == "eager" else f"{'ok' if r['accuracy_ok'] else 'FAIL'} {r['accuracy_err']:.1e}"
+        eager_calls = ", ".join(f"{k} {v}" for k, v in r.get("eager_calls", {}).items()) or "-"
+        lines.append(f"| {r['model']} | {r['contender']} | {r['loop_s']:.3f} | {r['ms_per_call']:.3f} | "
+                     f"{r.get('vs_eager', '-')} | {acc} | {graphs} | {r.get('static_regions', '-')} | "
+                     f"{r.get('bucketed_regions', '-')} | {eager_calls} | {r.get('graphs_evicted', '-')} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python benchmarks/serving.py", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="dense,moe")
+    p.add_argument("--contenders", default="eager,cgbackend")
+    p.add_argument("--size", default="bench")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tol", type=float, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="JSON results path")
+    p.add_argument("--markdown", default=None, help="Markdown table path")
+    return p
+
+
+def run(argv: Sequence[str]) -> dict[str, Any]:
+    args = build_parser().parse_args(list(argv))
+    args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    for c in args.contenders:
+        if c not in CONTENDERS:
+            raise SystemExit(f"unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
+    if args.contenders[0] != "eager":
+        raise SystemExit("the first contender must be eager (the ratios are to it)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = []
+    for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        rows.extend(run_model(model_name, args, device))
+    meta = {"device": _device_name(device), "torch": torch.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+            "command": _command_line(argv).replace("cgbackend bench", "cgbackend serve-bench"),
+            "calls": args.calls, "max_batch": args.max_batch, "seq": args.seq, "dtype": args.dtype,
+            "size": args.size, "seed": args.seed}
+    results = {"meta": meta, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(render_markdown(results))
+    print(render_markdown(results))
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    results = run(sys.argv[1:] if argv is None else argv)
+    return 0 if all("error" not in r and r.get("accuracy_ok", True) for r in results["rows"]) else 1

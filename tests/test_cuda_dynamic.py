@@ -1,0 +1,107 @@
+"""Dynamic shapes on the GPU: padded (bucketed) captures, symbol-keyed captures, the LRU graph
+cache with real CUDA graphs and one shared pool, and training with a dynamic batch (exact keys)."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgbackend
+from cgbackend.config import Config
+from cgbackend.models import build_model
+from cuda_utils import assert_matches, lm_loss
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tokens(model, n, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.tok_emb.num_embeddings, (n, seq), generator=g).cuda()
+
+
+def _bucket(n, ladder=Config().capture_sizes):
+    return next(b for b in ladder if b >= n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_serving_loop_on_gpu(name, dtype):
+    """60 calls, batch 1..40 drawn at random: every output matches eager (and still does after all
+    later replays); graphs stay within (capture sizes hit) x (static regions); nothing but warm-up
+    runs eagerly."""
+    model = build_model(name, size="small", device="cuda", dtype=dtype).eval()
+    compiled = torch.compile(model, backend=cgbackend.backend(warmup=1))
+    rng = random.Random(3)
+    sizes = [rng.randint(1, 40) for _ in range(60)]
+    kept = []
+    with torch.no_grad():
+        for i, n in enumerate(sizes):
+            x = _tokens(model, n, 32, seed=i)
+            out, ref = compiled(x), model(x)
+            assert_matches(out, ref, dtype, f"call {i} (batch {n})")
+            kept.append((out, ref))
+    for i, (out, ref) in enumerate(kept):
+        assert_matches(out, ref, dtype, f"call {i} re-checked")
+    st = cgbackend.stats(compiled)
+    hit = {_bucket(n) for n in sizes}
+    assert st["graphs_captured"] <= len(hit) * st["static_regions"]
+    assert set(st["eager_calls"]) == {"warmup"}, st["eager_calls"]
+    assert st["graphs_evicted"] == 0 and not st["capture_failures"]
+    report = cgbackend.report(compiled)
+    assert report.summary["bucketed_regions"] >= 1
+    padded = [r for g in report.graphs for r in g.runtime["regions"].values() if r["bucketed"]]
+    assert padded and all(r["graphs"] <= len(hit) for r in padded)
+
+
+def test_lru_eviction_with_real_graphs_keeps_results_right():
+    model = build_model("moe", size="small", device="cuda").eval()
+    compiled = torch.compile(model, backend=cgbackend.backend(warmup=1, capture_sizes=(),
+                                                              max_graphs_per_region=2))
+    sizes = [3, 5, 7, 3, 5, 7, 9, 3, 9, 5, 7, 3]
+    kept = []
+    with torch.no_grad():
+        for i, n in enumerate(sizes):
+            x = _tokens(model, n, 16, seed=100 + i)
+            out, ref = compiled(x), model(x)
+            assert_matches(out, ref, torch.float32, f"call {i} (batch {n})")
+            kept.append((out, ref))
+    for i, (out, ref) in enumerate(kept):
+        assert_matches(out, ref, torch.float32, f"call {i} re-checked")
+    st = cgbackend.stats(compiled)
+    assert st["graphs_evicted"] > 0
+    runtime = [r for g in cgbackend.report(compiled).graphs for r in g.runtime["regions"].values()]
+    assert all(r["held"] <= 2 for r in runtime)
+    assert "graph_limit" not in st["eager_calls"] and not st["capture_failures"]
+
+
+def test_training_with_a_dynamic_batch_matches_eager():
+    """Training calls are never padded (their saved activations have the exact size): graphs keyed
+    on the exact batch; loss and every gradient match eager."""
+    torch.manual_seed(0)
+    model = build_model("dense", size="tiny", device="cuda").train()
+    ref_model = build_model("dense", size="tiny", device="cuda").train()
+    ref_model.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend=cgbackend.backend(warmup=1))
+    for i, n in enumerate([3, 5, 3, 5, 6, 3, 5, 6]):
+        x = _tokens(model, n, 16, seed=200 + i)
+        torch._dynamo.mark_dynamic(x, 0)
+        loss = lm_loss(compiled(x), x)
+        ref = lm_loss(ref_model(x), x)
+        loss.backward()
+        ref.backward()
+        assert_matches(loss.detach(), ref.detach(), torch.float32, f"loss {i}")
+        for (pn, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert_matches(p.grad, q.grad, torch.float32, f"grad {pn} step {i}")
+        for m in (model, ref_model):
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 1e-2 * p.grad
+            m.zero_grad(set_to_none=True)
+    st = cgbackend.stats(compiled)
+    assert st["bwd_graphs"] >= 3 and st["replays"] > 0
