@@ -285,6 +285,8 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
                      f"{r['replays']} replays, eager calls: {eager}")
         if r.get("disabled"):
             lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")
+        if r.get("thrashing"):
+            lines.append(f"{'':<8}graph cache stopped evicting: {r['thrashing']}")
         seen.update(r["eager_calls"])
     for key in ("gather_rewrites",):
         if runtime.get(key):

@@ -40,10 +40,12 @@ def _make(name: str, model: torch.nn.Module) -> Callable[..., Any]:
     import cgbackend
     if name == "eager":
         return model
+    # cgbackend.compile: Dynamo traces the data-dependent dispatch into the graph (one graph per
+    # forward; the same API as the `bench` contender cgbackend).
     if name == "cgbackend":
-        return torch.compile(model, backend="cgbackend")
+        return cgbackend.compile(model)
     if name == "cgbackend-exact":  # no bucketing: one graph per batch size, LRU-bounded
-        return torch.compile(model, backend=cgbackend.backend(capture_sizes=()))
+        return cgbackend.compile(model, capture_sizes=())
     if name == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
     raise ValueError(f"unknown contender {name!r}; choose from {', '.join(CONTENDERS)}")

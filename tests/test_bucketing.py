@@ -212,3 +212,16 @@ def test_report_shows_keyed_symbols_and_why_not_bucketable():
     assert any(b["padded"] for b in buckets) and any(not b["bucketable"] and b["source"] for b in buckets)
     assert report.summary["bucketed_regions"] >= 1
     assert '"buckets"' in report.to_json()
+
+
+def test_a_cache_its_signatures_churn_through_stops_evicting():
+    """Sizes cycling through more signatures than the bound: after 2 x bound evictions the region
+    keeps its graphs and runs new signatures eagerly (reason graph_cache_thrashing), reported."""
+    sizes = [3, 5, 7, 9, 11] * 4
+    compiled = _serve("dense", sizes, capture_sizes=(), max_graphs_per_region=2)
+    st = cgbackend.stats(compiled)
+    assert st["graphs_evicted"] == 4
+    assert st["eager_calls"]["graph_cache_thrashing"] > 0
+    runtime = next(iter(cgbackend.report(compiled).graphs[0].runtime["regions"].values()))
+    assert runtime["thrashing"] and runtime["held"] == 2
+    assert "stopped evicting" in str(cgbackend.report(compiled))

@@ -36,7 +36,7 @@ def test_serving_loop_on_gpu(name, dtype):
     later replays); graphs stay within (capture sizes hit) x (static regions); nothing but warm-up
     runs eagerly."""
     model = build_model(name, size="small", device="cuda", dtype=dtype).eval()
-    compiled = torch.compile(model, backend=cgbackend.backend(warmup=1))
+    compiled = cgbackend.compile(model, warmup=1)
     rng = random.Random(3)
     sizes = [rng.randint(1, 40) for _ in range(60)]
     kept = []
@@ -61,8 +61,7 @@ def test_serving_loop_on_gpu(name, dtype):
 
 def test_lru_eviction_with_real_graphs_keeps_results_right():
     model = build_model("moe", size="small", device="cuda").eval()
-    compiled = torch.compile(model, backend=cgbackend.backend(warmup=1, capture_sizes=(),
-                                                              max_graphs_per_region=2))
+    compiled = cgbackend.compile(model, warmup=1, capture_sizes=(), max_graphs_per_region=2)
     sizes = [3, 5, 7, 3, 5, 7, 9, 3, 9, 5, 7, 3]
     kept = []
     with torch.no_grad():
@@ -105,3 +104,20 @@ def test_training_with_a_dynamic_batch_matches_eager():
             m.zero_grad(set_to_none=True)
     st = cgbackend.stats(compiled)
     assert st["bwd_graphs"] >= 3 and st["replays"] > 0
+
+
+def test_expert_graphs_after_graph_breaks_stay_bounded():
+    """torch.compile(backend="cgbackend") without dynamic-output capture: Dynamo breaks at each
+    expert's where(), and the expert graph sees a new row count every call. Its graph cache must
+    not churn without bound: at most max_graphs_per_region graphs held, evictions capped, the rest
+    eager with a counted reason; results stay right."""
+    model = build_model("moe", size="small", device="cuda").eval()
+    compiled = torch.compile(model, backend=cgbackend.backend(warmup=1, max_graphs_per_region=4))
+    with torch.no_grad():
+        for i in range(12):
+            x = _tokens(model, 2 + i % 5, 16, seed=300 + i)
+            assert_matches(compiled(x), model(x), torch.float32, f"call {i}")
+    st = cgbackend.stats(compiled)
+    runtime = [r for g in cgbackend.report(compiled).graphs for r in g.runtime["regions"].values()]
+    assert all(r["held"] <= 4 and r["evicted"] <= 2 * 4 for r in runtime)
+    assert st["graphs_evicted"] <= 2 * 4 * len(runtime)

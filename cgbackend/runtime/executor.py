@@ -325,6 +325,7 @@ class CompiledGraph:
                 r.name: {"graphs": r.n_graphs, "held": len(r.entries), "evicted": r.evicted,
                          "pool_bytes": sum(e.nbytes for e in r.entries.values()),
                          "bucketed": r.bucket.symbol if r.bucket is not None else None,
+                         "thrashing": r.thrashing,
                          "replays": r.replays, "eager_calls": dict(r.eager_calls),
                          "disabled": r.disabled, "disabled_detail": r.disabled_detail,
                          "capture_time_s": round(r.capture_time_s, 4)}

@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 
 PARAM, HANDOFF, EAGER, COPY, VALUE = "param", "handoff", "eager", "copy", "value"
 
+_THRASH_EVICTIONS = 2
+"""A region that has evicted this many times its bound of graphs stops evicting: capturing a graph
+costs far more than an eager call, so a cache its signatures churn through only slows it down."""
+
 
 def is_static_address(t: Any) -> bool:
     """Parameters and module buffers: Dynamo marks them with _dynamo_static_input_type."""
@@ -166,6 +170,8 @@ class RegionRunner:
         self.n_graphs = 0
         """Graphs captured so far (a training entry's backward counts too), evicted ones included."""
         self.evicted = 0
+        self.thrashing: Optional[str] = None
+        """Set when the region stopped evicting (its signatures churn through the cache)."""
         self.replays = 0
         self.eager_calls: dict[str, int] = {}
         self.capture_time_s = 0.0
@@ -330,9 +336,17 @@ class RegionRunner:
     def _make_room(self) -> bool:
         """Room for one more graph: below the bound, or after evicting the least recently used
         graph that no call still needs (graph_cache="lru")."""
-        if len(self.entries) < self.config.max_graphs_per_region:
+        bound = self.config.max_graphs_per_region
+        if len(self.entries) < bound:
             return True
         if self.config.graph_cache != "lru":
+            return False
+        if self.evicted >= _THRASH_EVICTIONS * bound:
+            if self.thrashing is None:
+                self.thrashing = (f"evicted {self.evicted} graphs (more than {_THRASH_EVICTIONS} x "
+                                  f"max_graphs_per_region={bound}): its signatures churn; it keeps the "
+                                  "graphs it holds and runs new signatures eagerly")
+                log.warning("cgbackend: region %s %s", self.name, self.thrashing)
             return False
         for key, entry in self.entries.items():
             if not entry.in_use():
@@ -396,7 +410,7 @@ class RegionRunner:
                 raise RuntimeError(
                     f"cgbackend: region {self.name} needs a new graph but holds {len(self.entries)} in "
                     "use (max_graphs_per_region); strict=True forbids eager fallback")
-            return self._eager(ins, EagerReason.GRAPH_LIMIT)
+            return self._eager(ins, EagerReason.CACHE_THRASH if self.thrashing else EagerReason.GRAPH_LIMIT)
         entry = self._capture(ins, grad_path, call, pad)
         if entry is None:
             return self._eager(ins, self.disabled or EagerReason.CAPTURE_FAILED)

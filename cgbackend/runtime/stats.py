@@ -18,6 +18,7 @@ class EagerReason:
     CAPTURE_FAILED = "capture_failed"
     HOST_SYNC_SEEN = "host_sync_in_warmup"
     GRAPH_LIMIT = "graph_limit"
+    CACHE_THRASH = "graph_cache_thrashing"
     PENDING_FORWARDS = "pending_forwards_limit"
     PRODUCER_EAGER = "producer_ran_eagerly"
     REPLAY_ORDER = "replay_order_hazard"
@@ -33,7 +34,9 @@ class EagerReason:
                         "(an op the classifier did not know); it runs eagerly from now on",
         GRAPH_LIMIT: "the region already holds max_graphs_per_region graphs (all in use, or "
                  "graph_cache=\"keep\")",
-        PENDING_FORWARDS: "max_pending_forwards forwards are waiting for their backward",
+        CACHE_THRASH: "the region's signatures churned through its graph cache (it evicted twice "
+                  "max_graphs_per_region graphs), so it stopped evicting and runs new signatures eagerly",
+    PENDING_FORWARDS: "max_pending_forwards forwards are waiting for their backward",
         PRODUCER_EAGER: "an input usually handed over by the previous graph came from eager code",
         REPLAY_ORDER: "replaying this older graph could overwrite memory a newer graph still needs",
         MODE_CHANGE: "grad mode differs from the one the graph was traced with",
