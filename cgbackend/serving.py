@@ -33,7 +33,7 @@ from .models import build_model
 
 __all__ = ["main", "run"]
 
-CONTENDERS = ("eager", "cgbackend", "cgbackend-exact", "reduce-overhead")
+CONTENDERS = ("eager", "cgbackend", "cgbackend-inductor", "cgbackend-exact", "reduce-overhead")
 
 
 def _make(name: str, model: torch.nn.Module) -> Callable[..., Any]:
@@ -44,6 +44,8 @@ def _make(name: str, model: torch.nn.Module) -> Callable[..., Any]:
     # forward; the same API as the `bench` contender cgbackend).
     if name == "cgbackend":
         return cgbackend.compile(model)
+    if name == "cgbackend-inductor":
+        return cgbackend.compile(model, inner="inductor")
     if name == "cgbackend-exact":  # no bucketing: one graph per batch size, LRU-bounded
         return cgbackend.compile(model, capture_sizes=())
     if name == "reduce-overhead":

@@ -121,3 +121,24 @@ def test_expert_graphs_after_graph_breaks_stay_bounded():
     runtime = [r for g in cgbackend.report(compiled).graphs for r in g.runtime["regions"].values()]
     assert all(r["held"] <= 4 and r["evicted"] <= 2 * 4 for r in runtime)
     assert st["graphs_evicted"] <= 2 * 4 * len(runtime)
+
+
+def test_inductor_inner_pads_too():
+    """inner="inductor": the region's code is compiled once for the symbolic batch and replayed at
+    the padded sizes; outputs match eager, one graph per capture size hit."""
+    model = build_model("dense", size="small", device="cuda", dtype=torch.bfloat16).eval()
+    compiled = cgbackend.compile(model, warmup=1, inner="inductor")
+    sizes = [3, 7, 12, 30, 5, 9, 17, 3, 30, 12, 7, 17, 9, 5]
+    kept = []
+    with torch.no_grad():
+        for i, n in enumerate(sizes):
+            x = _tokens(model, n, 32, seed=400 + i)
+            out, ref = compiled(x), model(x)
+            assert_matches(out, ref, torch.bfloat16, f"call {i} (batch {n})")
+            kept.append((out, ref))
+    for i, (out, ref) in enumerate(kept):
+        assert_matches(out, ref, torch.bfloat16, f"call {i} re-checked")
+    st = cgbackend.stats(compiled)
+    assert st["graphs_captured"] <= len({_bucket(n) for n in sizes}) * st["static_regions"]
+    assert set(st["eager_calls"]) == {"warmup"} and not st["capture_failures"]
+    assert cgbackend.report(compiled).summary["bucketed_regions"] >= 1

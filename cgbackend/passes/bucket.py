@@ -1,7 +1,8 @@
 """Which static regions may pad a symbolic size up to a capture size, and how (bucketing).
 
 Reads: each static region's nodes and boundary (fake values with Dynamo's symbolic sizes), the
-effects pass (in-place writes), the config (``capture_sizes``, ``inner``).
+effects pass (in-place writes), the config (``capture_sizes``). With ``inner="inductor"`` the
+region's Inductor code is compiled once for the symbolic sizes, so it runs at the padded ones too.
 Writes: nothing on the graph; returns :class:`Buckets`.
 
 A region is *bucketable along a backed symbol s* when padding every s-sized dimension of its
@@ -255,10 +256,6 @@ def buckets(partition: Partition, shapes: Shapes, effects: Effects, config: Conf
             name = str(sym)
             if not config.capture_sizes:
                 entry.symbols[name] = SymbolBucketing(name, False, "bucketing is off (capture_sizes=())")
-                continue
-            if config.inner != "eager":
-                entry.symbols[name] = SymbolBucketing(
-                    name, False, f"inner={config.inner!r}: its compiled code is keyed on exact sizes")
                 continue
             try:
                 plan = _plan(region, sym, effects)
