@@ -117,7 +117,9 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
                         ref = model(x)
                         worst = max(worst, _rel_err(out, ref))
                         if i < 8:
-                            kept.append((out, ref))
+                            # cgbackend's outputs are the caller's to keep; PyTorch's CUDA graph
+                            # trees overwrite theirs at a later replay unless the caller clones.
+                            kept.append((out.clone() if name == "reduce-overhead" else out, ref))
             _sync(device)
             row["warm_loop_s"] = round(time.perf_counter() - start, 3)
             worst = max([worst] + [_rel_err(o, r) for o, r in kept])
