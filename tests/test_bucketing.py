@@ -222,3 +222,35 @@ def test_a_cache_its_signatures_churn_through_stops_evicting():
     runtime = next(iter(cgbackend.report(compiled).graphs[0].runtime["regions"].values()))
     assert runtime["thrashing"] and runtime["held"] == 2
     assert "stopped evicting" in str(cgbackend.report(compiled))
+
+
+def test_batch_padded_while_the_sequence_changes_exactly():
+    """Both dimensions symbolic: the batch is padded, the sequence (attention over it) is keyed
+    exactly; a new sequence length never reuses a buffer made for another."""
+    model = build_model("dense").eval()
+    compiled = cgbackend.compile(model, **SIM)
+    calls = [(3, 16), (5, 16), (3, 24), (6, 24), (5, 16), (7, 24), (3, 20), (4, 20), (6, 16)]
+    with torch.no_grad():
+        for i, (n, t) in enumerate(calls):
+            x = torch.randint(0, 128, (n, t), generator=torch.Generator().manual_seed(i))
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    st = cgbackend.stats(compiled)
+    assert st["replays"] > 0 and set(st["eager_calls"]) == {"warmup"}
+
+
+def test_a_padded_input_is_keyed_on_its_other_sizes_too():
+    """x [s0, s1, 8] through a row-wise MLP: s0 is padded, s1 exact. s1 reaches the region only as
+    a size of x (no number input carries it), and a new s1 must still get its own graph."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).eval()
+    compiled = cgbackend.compile(model, **SIM)
+    with torch.no_grad():
+        for n, t in [(3, 4), (3, 4), (3, 5), (3, 5), (2, 5), (3, 4)]:
+            x = torch.randn(n, t, 8)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(compiled(x), model(x))
+    entry = next(iter(cgbackend.report(compiled).graphs[0].regions))
+    assert sum(b["padded"] for b in entry.buckets.values()) == 1
+    assert cgbackend.stats(compiled)["graphs_captured"] == 2  # (bucket 4, t=4) and (bucket 4, t=5)

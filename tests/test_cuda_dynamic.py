@@ -3,12 +3,10 @@ cache with real CUDA graphs and one shared pool, and training with a dynamic bat
 
 from __future__ import annotations
 
-import collections
 import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import cgbackend
 from cgbackend.config import Config
@@ -29,6 +27,20 @@ def _bucket(n, ladder=Config().capture_sizes):
     return next(b for b in ladder if b >= n)
 
 
+def _check_calls(compiled, model, sizes, seq, dtype, seed):
+    """Call ``compiled`` with a batch of each size (fresh tokens); every output matches eager, and
+    still does after all later calls (no replay overwrote one handed out earlier)."""
+    kept = []
+    with torch.no_grad():
+        for i, n in enumerate(sizes):
+            x = _tokens(model, n, seq, seed=seed + i)
+            out, ref = compiled(x), model(x)
+            assert_matches(out, ref, dtype, f"call {i} (batch {n})")
+            kept.append((out, ref))
+    for i, (out, ref) in enumerate(kept):
+        assert_matches(out, ref, dtype, f"call {i} re-checked")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_serving_loop_on_gpu(name, dtype):
@@ -39,15 +51,7 @@ def test_serving_loop_on_gpu(name, dtype):
     compiled = cgbackend.compile(model, warmup=1)
     rng = random.Random(3)
     sizes = [rng.randint(1, 40) for _ in range(60)]
-    kept = []
-    with torch.no_grad():
-        for i, n in enumerate(sizes):
-            x = _tokens(model, n, 32, seed=i)
-            out, ref = compiled(x), model(x)
-            assert_matches(out, ref, dtype, f"call {i} (batch {n})")
-            kept.append((out, ref))
-    for i, (out, ref) in enumerate(kept):
-        assert_matches(out, ref, dtype, f"call {i} re-checked")
+    _check_calls(compiled, model, sizes, 32, dtype, seed=0)
     st = cgbackend.stats(compiled)
     hit = {_bucket(n) for n in sizes}
     assert st["graphs_captured"] <= len(hit) * st["static_regions"]
@@ -62,16 +66,7 @@ def test_serving_loop_on_gpu(name, dtype):
 def test_lru_eviction_with_real_graphs_keeps_results_right():
     model = build_model("moe", size="small", device="cuda").eval()
     compiled = cgbackend.compile(model, warmup=1, capture_sizes=(), max_graphs_per_region=2)
-    sizes = [3, 5, 7, 3, 5, 7, 9, 3, 9, 5, 7, 3]
-    kept = []
-    with torch.no_grad():
-        for i, n in enumerate(sizes):
-            x = _tokens(model, n, 16, seed=100 + i)
-            out, ref = compiled(x), model(x)
-            assert_matches(out, ref, torch.float32, f"call {i} (batch {n})")
-            kept.append((out, ref))
-    for i, (out, ref) in enumerate(kept):
-        assert_matches(out, ref, torch.float32, f"call {i} re-checked")
+    _check_calls(compiled, model, [3, 5, 7, 3, 5, 7, 9, 3, 9, 5, 7, 3], 16, torch.float32, seed=100)
     st = cgbackend.stats(compiled)
     assert st["graphs_evicted"] > 0
     runtime = [r for g in cgbackend.report(compiled).graphs for r in g.runtime["regions"].values()]
@@ -129,15 +124,7 @@ def test_inductor_inner_pads_too():
     model = build_model("dense", size="small", device="cuda", dtype=torch.bfloat16).eval()
     compiled = cgbackend.compile(model, warmup=1, inner="inductor")
     sizes = [3, 7, 12, 30, 5, 9, 17, 3, 30, 12, 7, 17, 9, 5]
-    kept = []
-    with torch.no_grad():
-        for i, n in enumerate(sizes):
-            x = _tokens(model, n, 32, seed=400 + i)
-            out, ref = compiled(x), model(x)
-            assert_matches(out, ref, torch.bfloat16, f"call {i} (batch {n})")
-            kept.append((out, ref))
-    for i, (out, ref) in enumerate(kept):
-        assert_matches(out, ref, torch.bfloat16, f"call {i} re-checked")
+    _check_calls(compiled, model, sizes, 32, torch.bfloat16, seed=400)
     st = cgbackend.stats(compiled)
     assert st["graphs_captured"] <= len({_bucket(n) for n in sizes}) * st["static_regions"]
     assert set(st["eager_calls"]) == {"warmup"} and not st["capture_failures"]

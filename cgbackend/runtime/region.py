@@ -305,8 +305,8 @@ class RegionRunner:
                 missing_handoff |= self._tensor_key(pos, value, False, shape_parts, addr_parts)
                 continue
             dim, size = spec
-            shape_parts.append(value.dtype)
-            _, full = self._padded_full(value, dim, size(pad.padded))
+            shape, full = self._padded_full(value, dim, size(pad.padded))
+            shape_parts.append((shape, value.dtype))  # its other sizes may be exact symbols
             if full is not None:
                 addr_parts.append(full.data_ptr())
                 continue
