@@ -20,10 +20,17 @@ kernel launches per call if nothing is graphed), ``est_launches_graphed``
 "unbacked"}), ``reasons[]`` (``{"rule", "op", "source", "code", "module_path",
 "detail", "count"}``; empty for static regions), ``nodes[]`` (``{"name", "op",
 "role", "rule"}``; ``rule`` is null for nodes that are graphed), ``hoisted_syncs``
-(dynamic regions: host syncs the scheduler moved earlier).
+(dynamic regions: host syncs the scheduler moved earlier), ``buckets`` (static regions with
+size symbols: ``{symbol: {"bucketable", "padded", "why", "op", "source", "code"}}``; the padded
+symbol keys graphs on capture sizes, the others on exact values).
 
-``runtime`` is null in an ahead-of-time report; for a compiled model it holds
-the counters of :func:`cgbackend.stats`.
+``summary`` also has ``symbolic_regions`` (static regions with size symbols) and
+``bucketed_regions`` (those that pad one), ``dispatch_rewrites`` and ``dispatch_left_dynamic``.
+
+``runtime`` is null in an ahead-of-time report; for a compiled model it holds, per static
+region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``pool_bytes`` (growth
+of reserved memory while its held graphs were captured), ``bucketed`` (the padded symbol),
+``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``.
 """
 
 from __future__ import annotations
