@@ -90,3 +90,47 @@ def test_attention_over_the_sequence_is_not_row_independent_but_over_the_batch_i
 def test_unknown_op_is_not_assumed_row_independent():
     with pytest.raises(NotRowwise, match="not known"):
         _out_dim(lambda x: torch.fft.fft(x).real, X)
+
+
+def test_addmm_rows_of_the_first_matrix():
+    def rows_of(fn):
+        gm = trace(fn, X)
+        nodes = list(gm.graph.nodes)
+        x = next(n for n in nodes if n.op == "placeholder" and n.name == "l_x_")
+        out = next(n for n in nodes if n.op == "output").args[0][0]
+        return propagate_rows(nodes, {x: 0})[out]
+
+    b = torch.randn(8)
+    assert rows_of(lambda x: torch.addmm(b, x, W)) == 0
+    with pytest.raises(NotRowwise, match="contracted"):
+        rows_of(lambda x: torch.addmm(b, W[:5].t(), x))
+
+
+def test_cat_skips_an_empty_cache():
+    assert _out_dim(lambda x: torch.cat([torch.tensor([]), x], dim=-1), X) == 0
+
+
+def test_attention_mask_must_line_up_with_the_rows():
+    q = torch.randn(2, 4, 6, 8)
+
+    def with_mask(x, mask):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+    gm = trace(with_mask, q, torch.zeros(1, 1, 6, 6, dtype=torch.bool))  # shared by every row
+    nodes = list(gm.graph.nodes)
+    out = next(n for n in nodes if n.op == "output").args[0][0]
+    assert propagate_rows(nodes, {nodes[0]: 0})[out] == 0
+    gm = trace(with_mask, q, torch.zeros(2, 1, 6, 6, dtype=torch.bool))  # per row, not a row source
+    nodes = list(gm.graph.nodes)
+    with pytest.raises(NotRowwise, match="mask spans the row dimension"):
+        propagate_rows(nodes, {nodes[0]: 0})
+    assert propagate_rows(nodes, {nodes[0]: 0, nodes[1]: 0})[  # per row and a row source: fine
+        next(n for n in nodes if n.op == "output").args[0][0]] == 0
+
+
+def test_reshape_after_the_rows_keeps_them():
+    """[2, 5, 8] with rows in dim 1 (a sequence): splitting the last dimension keeps them."""
+    gm = trace(lambda x: x.view(2, 5, 2, 4).relu(), torch.randn(2, 5, 8))
+    nodes = list(gm.graph.nodes)
+    out = next(n for n in nodes if n.op == "output").args[0][0]
+    assert propagate_rows(nodes, {nodes[0]: 1})[out] == 1

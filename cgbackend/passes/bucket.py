@@ -24,6 +24,7 @@ backward); at most one symbol per region is padded, the others key the graph exa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, Optional
 
@@ -41,7 +42,8 @@ from .shapes import Shapes
 __all__ = ["Buckets", "BucketPlan", "Monomial", "RegionBuckets", "SymbolBucketing", "buckets",
            "mutated_input_positions"]
 
-_SIZE_ARGS = {"view", "reshape", "expand", "unflatten", "_unsafe_view", "new_empty", "broadcast_to"}
+_SIZE_ARGS = {"view", "reshape", "unflatten", "_unsafe_view"}
+_EXPANDS = {"expand", "broadcast_to"}
 _FACTORIES = {"zeros", "ones", "empty", "full", "new_zeros", "new_ones", "new_empty", "new_full"}
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -69,9 +71,10 @@ class BucketPlan:
     """How the runtime pads one region along ``symbol`` (positions are region input/output indices)."""
 
     symbol: str
-    probes: dict[str, tuple[int, int]]
-    """Symbol -> (input position, dimension) where its value is read; dimension -1: the input is
-    the number itself."""
+    probes: dict[str, tuple[int, int, Optional[Monomial]]]
+    """Symbol -> (input position, dimension, divisor) where its value is read, in an order where
+    each divisor's symbols come first: the size there is the symbol times the divisor (``32*s``);
+    dimension -1: the input is the number itself."""
     pad_inputs: dict[int, tuple[int, Monomial]]
     """Tensor inputs sized by the symbol: position -> (dimension, its size)."""
     value_inputs: dict[int, Monomial]
@@ -80,10 +83,11 @@ class BucketPlan:
     """Outputs sized by the symbol: index -> (dimension, size); sliced back after each replay."""
 
     def bindings(self, ins: list) -> dict[str, int]:
-        out = {}
-        for name, (pos, dim) in self.probes.items():
+        out: dict[str, int] = {}
+        for name, (pos, dim, divisor) in self.probes.items():
             value = ins[pos]
-            out[name] = int(value) if dim < 0 else value.shape[dim]
+            size = int(value) if dim < 0 else value.shape[dim]
+            out[name] = size if divisor is None else size // divisor(out)
         return out
 
 
@@ -202,7 +206,17 @@ def _plan(region: Region, sym: sympy.Symbol, effects: Effects) -> BucketPlan:
         name = plain_name(node)
         if name in _SIZE_ARGS:
             continue
-        if name in _FACTORIES and isinstance(value, torch.Tensor):
+        if name in _EXPANDS:
+            base = fake_value(node.args[0]) if node.args else None
+            if isinstance(base, torch.Tensor) and not _has(base, sym) and isinstance(value, torch.Tensor):
+                # The same values in every row (an attention mask broadcast over the batch).
+                sources[node] = _sized_dim(value, sym, f"{name} ({node.name})")[0]
+            continue  # else: expanding rows the proof tracks, which it checks
+        if isinstance(value, torch.Tensor) and (
+                name in _FACTORIES or (name == "arange" and len(node.args) == 1 and not node.kwargs.keys()
+                                       & {"start", "end", "step"})):
+            # Constants, or arange(s): row i holds i whatever the padding, so the first s rows of
+            # arange(B) are arange(s).
             sources[node] = _sized_dim(value, sym, f"{name} ({node.name})")[0]
             continue
         raise _NoBucket(f"uses {sym} as a number, not a size", node)
@@ -223,18 +237,7 @@ def _plan(region: Region, sym: sympy.Symbol, effects: Effects) -> BucketPlan:
         outputs[i] = (dim, mono)
     needed = {s for _, m in list(pad_inputs.values()) + list(outputs.values()) for s in m.symbols}
     needed |= {s for m in value_inputs.values() for s in m.symbols}
-    probes: dict[str, tuple[int, int]] = {}
-    for pos, inp in enumerate(region.inputs):
-        value = fake_value(inp)
-        if isinstance(value, torch.SymInt):
-            name = str(value.node.expr)
-            if name in needed and name not in probes:
-                probes[name] = (pos, -1)
-        elif isinstance(value, torch.Tensor):
-            for d, size in enumerate(value.shape):
-                name = str(_expr(size))
-                if name in needed and name not in probes:
-                    probes[name] = (pos, d)
+    probes = _probes(region, needed)
     missing = sorted(needed - set(probes))
     if missing:
         raise _NoBucket(f"the size {', '.join(missing)} cannot be read from the region's inputs")
@@ -242,8 +245,39 @@ def _plan(region: Region, sym: sympy.Symbol, effects: Effects) -> BucketPlan:
                       outputs=outputs)
 
 
+def _probes(region: Region, needed: set[str]) -> dict[str, tuple[int, int, Optional[Monomial]]]:
+    """Where each needed symbol is read: a number input or a dimension equal to it first, then a
+    dimension ``c * s * (symbols already read)`` (divided back at run time)."""
+    sized: list[tuple[int, int, Optional[Monomial]]] = []
+    for pos, inp in enumerate(region.inputs):
+        value = fake_value(inp)
+        if isinstance(value, torch.SymInt):
+            sized.append((pos, -1, _monomial(value.node.expr)))
+        elif isinstance(value, torch.Tensor):
+            sized.extend((pos, d, _monomial(_expr(size))) for d, size in enumerate(value.shape))
+    probes: dict[str, tuple[int, int, Optional[Monomial]]] = {}
+    for pos, dim, mono in sized:
+        if mono is not None and mono.coef == 1 and len(mono.symbols) == 1:
+            name = mono.symbols[0]
+            if name in needed and name not in probes:
+                probes[name] = (pos, dim, None)
+    progress = True
+    while progress:
+        progress = False
+        for pos, dim, mono in sized:
+            if mono is None or dim < 0:
+                continue
+            unknown = [n for n in mono.symbols if n not in probes]
+            if len(unknown) == 1 and unknown[0] in needed:
+                rest = tuple(n for n in mono.symbols if n != unknown[0])
+                probes[unknown[0]] = (pos, dim, Monomial(mono.coef, rest))
+                progress = True
+    return probes
+
+
 def buckets(partition: Partition, shapes: Shapes, effects: Effects, config: Config) -> Buckets:
     out: dict[int, RegionBuckets] = {}
+    plans: dict[int, dict[str, BucketPlan]] = {}
     for region in partition.static_regions():
         rs = shapes.regions.get(region.index)
         backed = {n for n, kind in (rs.input_symbols.items() if rs else ()) if kind == "backed"}
@@ -251,26 +285,33 @@ def buckets(partition: Partition, shapes: Shapes, effects: Effects, config: Conf
         syms = sorted((s for s in _size_symbols(region) if str(s) in backed), key=str)
         if not syms:
             continue
-        entry = RegionBuckets(symbols={})
+        entry = out[region.index] = RegionBuckets(symbols={})
+        plans[region.index] = {}
         for sym in syms:
             name = str(sym)
             if not config.capture_sizes:
                 entry.symbols[name] = SymbolBucketing(name, False, "bucketing is off (capture_sizes=())")
                 continue
             try:
-                plan = _plan(region, sym, effects)
+                plans[region.index][name] = _plan(region, sym, effects)
             except _NoBucket as exc:
                 where, code = source_location(exc.node) if exc.node is not None else ("", "")
                 op = plain_name(exc.node) if exc.node is not None else ""
                 entry.symbols[name] = SymbolBucketing(name, False, exc.why, op=op, source=where, code=code)
-                continue
-            padded = entry.plan is None
-            if padded:
-                entry.plan = plan
+    # One symbol padded per region: the one most regions can pad, so that a chain of regions pads
+    # the same size and hands its padded outputs on in place.
+    votes = collections.Counter(name for by_name in plans.values() for name in by_name)
+    for index, by_name in plans.items():
+        entry = out[index]
+        if by_name:
+            chosen = max(sorted(by_name), key=lambda n: votes[n])
+            entry.plan = by_name[chosen]
+        for name in by_name:
+            padded = name == entry.plan.symbol
             entry.symbols[name] = SymbolBucketing(
                 name, True, "" if padded else f"row-independent, but {entry.plan.symbol} is the one padded",
                 padded=padded)
-        out[region.index] = entry
+        entry.symbols = dict(sorted(entry.symbols.items()))
     return Buckets(regions=out)
 
 

@@ -153,6 +153,8 @@ def _reshape_dim(node: torch.fx.Node, src: torch.fx.Node, r: int, rows: Any) -> 
     the reshape merges the rows with the dimensions after them ([b, t, c] -> [b*t, c]) or splits
     them back ([b*t, c] -> [b, t, c])."""
     ins, outs = _shape(src), _shape(node)
+    if len(outs) > r and all(sizes_equal(a, b) for a, b in zip(ins[:r + 1], outs[:r + 1])):
+        return r  # the dimensions up to the rows are kept; only later ones are split or merged
     if not _prod_is_one(ins[:r]):
         raise NotRowwise(node, "reshape of a tensor with non-unit dimensions before the rows")
     for j, size in enumerate(outs):
@@ -282,8 +284,19 @@ def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
         if not sizes_equal(out[len(out) - k], _shape(src)[r]):
             raise NotRowwise(node, "expand of the row dimension")
         return len(out) - k
+    if name == "addmm":  # input + mat1 @ mat2 (GPT-2's Conv1D)
+        bias, mat1 = arg_of(node, 0, "input"), arg_of(node, 1, "mat1")
+        if mat1 not in dims or dims[mat1] != 0 or arg_of(node, 2, "mat2") in dims:
+            raise NotRowwise(node, "the rows are contracted (not the rows of the first matrix)")
+        if bias in dims:
+            if dims[bias] != 0 or _ndim(bias) != 2:
+                raise NotRowwise(node, "a row-wise bias with rows in another dimension")
+        elif _ndim(bias) == 2 and not sizes_equal(_shape(bias)[0], 1):
+            raise NotRowwise(node, f"operand {bias.name} is not row-wise but spans the row dimension")
+        return 0
     if name in ("cat", "concat", "stack"):
-        tensors = node.args[0]
+        # torch.cat skips 1-d empty tensors (a cache before its first update).
+        tensors = [t for t in node.args[0] if not (name != "stack" and _shape(t) == (0,))]
         dim = _norm_dim(arg_of(node, 1, "dim", 0), _ndim(tensors[0]) + (name == "stack"))
         rs = {dims.get(t) for t in tensors}
         if len(rs) != 1 or None in rs:
@@ -306,6 +319,14 @@ def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
         qkv = [a for a in node.args[:3]]
         if any(dims.get(a) != r for a in qkv) or r >= nd - 2:
             raise NotRowwise(node, "attention mixes positions along the row dimension")
+        mask = arg_of(node, 3, "attn_mask")
+        if isinstance(mask, torch.fx.Node):
+            mshape, k = _shape(mask), nd - r  # the rows' position counted from the right
+            if mask in dims:
+                if not isinstance(dims[mask], int) or len(mshape) - dims[mask] != k:
+                    raise NotRowwise(node, "the attention mask holds rows in another dimension")
+            elif mshape is not None and len(mshape) >= k and not sizes_equal(mshape[len(mshape) - k], 1):
+                raise NotRowwise(node, "the attention mask spans the row dimension but is not row-wise")
         return r
     raise NotRowwise(node, "not known to be row-wise")
 

@@ -34,9 +34,11 @@ class SimulatedGraph:
     huge integers). Code that respects the replay-order rule (runtime/pool.py) never reads them;
     code that breaks it fails tests on a CPU."""
 
-    def __init__(self, fn: Callable[[], Any], outputs: Any) -> None:
+    def __init__(self, fn: Callable[[], Any], outputs: Any, inputs: Sequence[torch.Tensor] = ()) -> None:
         self._fn = fn
         self.outputs = outputs
+        self._input_storages = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+        """Outputs that alias an input (a parameter's view) live outside the pool: never scribbled."""
         self.last = outputs
         """What the latest replay computed (with its autograd graph, for a training forward)."""
         self.pool: Optional[PoolState] = None
@@ -50,6 +52,8 @@ class SimulatedGraph:
         with torch.no_grad():
             for t in iter_tensors(self.outputs):
                 if not non_overlapping(t):  # an expanded view: its elements share memory
+                    continue
+                if t.numel() and t.untyped_storage().data_ptr() in self._input_storages:
                     continue
                 if t.is_floating_point() or t.is_complex():
                     t.fill_(float("nan"))
@@ -150,7 +154,7 @@ class Capturer:
                         # that eager autograd graphs saved.
                         if not torch.equal(t, value):
                             t.copy_(value)
-            return SimulatedGraph(fn, outputs), outputs
+            return SimulatedGraph(fn, outputs, inputs=restore), outputs
 
         try:
             stream = capture_stream(pool.device)

@@ -312,7 +312,7 @@ class RegionRunner:
                 continue
             producer = self.producers[pos]
             if kind is HANDOFF and producer is not None and producer.bucket is not None \
-                    and producer.disabled is None:
+                    and producer.bucket.symbol == plan.symbol and producer.disabled is None:
                 missing_handoff = True  # the producer ran eagerly this call (warming up)
             addr_parts.append(None)
         shape_key = tuple(shape_parts)
