@@ -14,6 +14,13 @@ Inputs of a region, by kind (decided once from the partition):
   before each replay (written back afterwards if the region writes it in place).
 * ``VALUE``: not a tensor (sizes, flags): part of the key.
 
+Graphs are keyed on the inputs' shapes (so on the sizes a region depends on, and no other), or, for
+an inference call of a region with a bucket plan (passes/bucket.py), on the capture size its
+symbolic size pads up to: inputs sized by it are copied as the prefix of a padded buffer (or read
+in place when they are a slice of another padded graph's output), outputs are handed on as views
+sliced to the actual size. A region holds at most ``max_graphs_per_region`` entries, least
+recently used first out (``graph_cache``).
+
 Inference entries hold one graph. Training entries (a call with grad enabled
 where some input requires grad) hold a forward graph replayed inside an
 autograd.Function and a backward graph captured at the first backward; the
