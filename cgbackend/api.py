@@ -70,7 +70,9 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
                 return traced_forward(*args, **kwargs)
 
         compiled.forward = forward
-        compiled._cgbackend = instance
+        # On the wrapper itself: torch's OptimizedModule forwards other attribute writes to the
+        # user's module, where a later torch.compile of it would find this instance.
+        object.__setattr__(compiled, "_cgbackend", instance)
         return compiled
 
     @functools.wraps(model)
@@ -88,7 +90,8 @@ def find_backend(obj: Any = None) -> CGBackend:
         return default_backend()
     if isinstance(obj, CGBackend):
         return obj
-    found = getattr(obj, "_cgbackend", None)
+    # Only the object's own attribute: an OptimizedModule's getattr falls through to the module.
+    found = getattr(obj, "__dict__", {}).get("_cgbackend")
     if isinstance(found, CGBackend):
         return found
     # torch.compile(model, backend=...): the backend sits behind the OptimizeContext's callback; a

@@ -190,3 +190,20 @@ def test_dropout_training_is_bitwise_equal_with_the_same_seed(how):
     b = compiled(x)
     assert not torch.equal(a, b)
     assert set(cgbackend.stats(compiled)["eager_calls"]) == {"no_cuda"}
+
+
+def test_compile_leaves_the_users_module_alone_and_backends_stay_apart():
+    """cgbackend.compile keeps its backend on the wrapper: the user's module gets no attribute, and
+    a later torch.compile of the same module reports its own backend, not the earlier one."""
+    import torch
+
+    import cgbackend
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 4))
+    first = cgbackend.compile(model, simulate_graphs=True, warmup=0)
+    with torch.no_grad():
+        first(torch.randn(2, 4))
+    assert "_cgbackend" not in vars(model) and "forward" not in vars(model)
+    second_backend = cgbackend.backend(simulate_graphs=True, warmup=0)
+    second = torch.compile(model, backend=second_backend)
+    assert cgbackend.find_backend(second) is second_backend
+    assert cgbackend.find_backend(first) is not second_backend
