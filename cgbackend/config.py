@@ -19,10 +19,12 @@ _INNER_COMPILERS = ("eager", "inductor")
 _GRAPH_CACHES = ("lru", "keep")
 
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (
-    1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
-    640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192)
-"""Steps of 8 up to 64, then four steps per doubling: padding adds at most 25% above 64 (at most
-7 rows up to 64). Batch sizes 1..64 hit 11 of them, 1..128 hit 15."""
+    1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 80, 96, 112, 128, 160, 192,
+    224, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584,
+    4096, 5120, 6144, 7168, 8192)
+"""Steps of 4 up to 64, then four steps per doubling: padding adds at most 3 rows up to 64 (4% of
+the rows for sizes drawn from 1..64) and at most 25% above. Sizes 1..64 hit 18 of them, 1..128
+hit 22. Coarser steps measured 10-18% more GPU time at mid sizes (benchmarks/SERVING.md)."""
 
 
 class ConfigError(ValueError):
@@ -40,7 +42,7 @@ class Config:
     min_region_ops: int = 2
     """A static region with fewer estimated kernel launches than this runs eagerly (folded)."""
 
-    max_graphs_per_region: int = 24
+    max_graphs_per_region: int = 32
     """Bound on the graphs one region holds (input signatures or buckets, replaced parameters,
     training slots; a training forward and its backward count as one). At the bound, a new signature
     either evicts the least recently used graph (``graph_cache="lru"``) or runs eagerly

@@ -14,7 +14,7 @@ from cgbackend import Config, ConfigError
 FIELDS = ("warmup", "capture", "min_region_ops", "max_graphs_per_region", "max_pending_forwards", "strict",
           "inner", "dynamic_ops", "dynamic_modules", "simulate_graphs")
 
-DEFAULTS = dict(warmup=3, capture=True, min_region_ops=2, max_graphs_per_region=24, graph_cache="lru",
+DEFAULTS = dict(warmup=3, capture=True, min_region_ops=2, max_graphs_per_region=32, graph_cache="lru",
                 max_pending_forwards=4, strict=False, inner="eager", dynamic_ops=(), dynamic_modules=(),
                 simulate_graphs=False)
 
