@@ -28,7 +28,8 @@ symbol keys graphs on capture sizes, the others on exact values).
 ``bucketed_regions`` (those that pad one), ``dispatch_rewrites`` and ``dispatch_left_dynamic``.
 
 ``runtime`` is null in an ahead-of-time report; for a compiled model it holds, per static
-region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``pool_bytes`` (growth
+region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``recaptured``
+(captured again to replay after newer graphs), ``pool_bytes`` (growth
 of reserved memory while its held graphs were captured), ``bucketed`` (the padded symbol),
 ``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``.
 """
@@ -284,8 +285,9 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
     for name, r in runtime.get("regions", {}).items():
         eager = ", ".join(f"{k} {v}" for k, v in r["eager_calls"].items()) or "none"
         held = ""
-        if r.get("evicted") or r.get("held", r["graphs"]) != r["graphs"]:
-            held = f" ({r['held']} held, {r['evicted']} evicted)"
+        if r.get("evicted") or r.get("recaptured") or r.get("held", r["graphs"]) != r["graphs"]:
+            held = f" ({r['held']} held, {r['evicted']} evicted"
+            held += f", {r['recaptured']} recaptured after newer graphs)" if r.get("recaptured") else ")"
         pad = f", padded along {r['bucketed']}" if r.get("bucketed") else ""
         mib = f", pool {r['pool_bytes'] / 2**20:.1f} MiB" if r.get("pool_bytes") else ""
         lines.append(f"{'':<4}{name.split('.')[-1]}: {r['graphs']} graph(s){held}{pad}{mib}, "

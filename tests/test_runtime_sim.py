@@ -230,9 +230,10 @@ def test_backward_after_slot_reuse_raises():
         loss.backward()
 
 
-def test_inference_graph_older_than_pending_training_forward_runs_eagerly():
+def test_inference_graph_older_than_pending_training_forward_is_captured_again():
     """Eval graphs captured first share the pool with training graphs captured later: replaying an
-    eval graph while a training forward waits for its backward could clobber saved activations."""
+    eval graph while a training forward waits for its backward could clobber saved activations, so
+    it is captured again after them (then the pending backward still gets its gradients right)."""
     model = build_model("dense")
     ref = copy.deepcopy(model)
     compiled = cgbackend.compile(model, **SIM)
@@ -250,7 +251,8 @@ def test_inference_graph_older_than_pending_training_forward_runs_eagerly():
     ref.eval()
     with torch.no_grad():
         assert torch.equal(compiled(y), ref(y))
-    assert cgbackend.stats(compiled)["eager_calls"]["replay_order_hazard"] == 1
+    st = cgbackend.stats(compiled)
+    assert st["graphs_recaptured"] == 1 and "replay_order_hazard" not in st["eager_calls"]
     model.train()
     ref.train()
     model.zero_grad()

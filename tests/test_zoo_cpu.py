@@ -104,8 +104,10 @@ def test_hugging_face_dynamic_batch_is_padded(name):
     assert report.summary["bucketed_regions"] >= (1 if name != "mixtral" else 2)
     st = cgbackend.stats(compiled)
     assert st["replays"] > 0 and not st["capture_failures"]
-    if name != "mixtral":
-        assert set(st["eager_calls"]) == {"warmup"}
+    # Mixtral's padded regions sit between exact-keyed ones: when a newer exact graph's outputs
+    # are live, the padded graph is captured again after it instead of running eagerly.
+    assert set(st["eager_calls"]) == {"warmup"}
+    assert (st["graphs_recaptured"] > 0) == (name == "mixtral")
 
 
 @pytest.mark.cuda

@@ -323,6 +323,7 @@ class CompiledGraph:
             "blocked": self.blocked,
             "regions": {
                 r.name: {"graphs": r.n_graphs, "held": len(r.entries), "evicted": r.evicted,
+                         "recaptured": r.recaptured,
                          "pool_bytes": sum(e.nbytes for e in r.entries.values()),
                          "bucketed": r.bucket.symbol if r.bucket is not None else None,
                          "thrashing": r.thrashing,

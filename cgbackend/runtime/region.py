@@ -177,6 +177,8 @@ class RegionRunner:
         self.n_graphs = 0
         """Graphs captured so far (a training entry's backward counts too), evicted ones included."""
         self.evicted = 0
+        self.recaptured = 0
+        """Graphs captured again because a newer graph's live outputs blocked their replay."""
         self.thrashing: Optional[str] = None
         """Set when the region stopped evicting (its signatures churn through the cache)."""
         self.replays = 0
@@ -364,9 +366,16 @@ class RegionRunner:
     def _evict(self, key: tuple, entry: _Entry) -> None:
         """Drop a graph and its static buffers: their memory goes back to the pool, where the next
         capture finds it. Capture indices only grow, so the replay-order rule still holds."""
+        del self.entries[key]
+        self._release(entry)
+        self.evicted += 1
+        self.shared.counters.graphs_evicted += 1
+        log.info("cgbackend: %s evicted its least recently used graph (%d held, bound %d)", self.name,
+                 len(self.entries), self.config.max_graphs_per_region)
+
+    def _release(self, entry: _Entry) -> None:
         if torch.cuda.is_available() and not self.shared.capturer.simulate:
             torch.cuda.synchronize()  # no replay of it may still be running
-        del self.entries[key]
         for graph in (entry.graph, getattr(entry, "bwd_graph", None)):
             if isinstance(graph, SimulatedGraph) and graph in entry.pool.graphs:
                 entry.pool.graphs.remove(graph)
@@ -376,12 +385,26 @@ class RegionRunner:
         entry.graph = entry.outputs = entry.static_ins = entry.views = None
         if isinstance(entry, _TrainEntry):
             entry.bwd_graph = entry.capture_outs = entry.static_grad_outs = entry.static_grad_ins = None
-        self.evicted += 1
-        counters = self.shared.counters
-        counters.graphs_evicted += 1
-        counters.pool_bytes_held -= entry.nbytes
-        log.info("cgbackend: %s evicted its least recently used graph (%d held, bound %d)", self.name,
-                 len(self.entries), self.config.max_graphs_per_region)
+        self.shared.counters.pool_bytes_held -= entry.nbytes
+
+    def _recapture(self, key: tuple, old: _Entry, ins: list, call: Any, pad: Optional[_Pad]) -> Optional[_Entry]:
+        """An inference graph that may not replay now: a graph captured after it (another region's,
+        for a size this region pads to the same bucket) holds live outputs in memory it may use.
+        Capture it again, after them, in place of the old one; bounded like evictions. None: not
+        now (the old graph is in use, the bound is reached, or the capture failed)."""
+        if isinstance(old, _TrainEntry) or old.in_use():
+            return None
+        if self.recaptured >= _THRASH_EVICTIONS * self.config.max_graphs_per_region:
+            return None
+        fresh = self._capture(ins, False, call, pad)
+        if fresh is None:
+            return None
+        self._release(old)
+        self.entries[key] = fresh
+        self.recaptured += 1
+        self.shared.counters.graphs_recaptured += 1
+        log.debug("cgbackend: %s recaptured a graph to replay after newer ones", self.name)
+        return fresh
 
     def _note_warm(self, shape_key: tuple, count: int) -> None:
         warm = self.warm
@@ -404,6 +427,12 @@ class RegionRunner:
         entry = self.entries.get(key) if key is not None else None
         if entry is not None:
             self.entries.move_to_end(key)
+            if entry.pool.hazard(entry.index) and not grad_path:
+                fresh_entry = self._recapture(key, entry, ins, call, pad)
+                if fresh_entry is not None:
+                    return self._run_entry(fresh_entry, ins, call, True, pad)
+                if self.disabled is not None:
+                    return self._eager(ins, self.disabled)
             return self._run_entry(entry, ins, call, False, pad)
         warm = self.warm.get(shape_key, 0)
         if warm < self.config.warmup:

@@ -38,7 +38,8 @@ class EagerReason:
                   "max_graphs_per_region graphs), so it stopped evicting and runs new signatures eagerly",
     PENDING_FORWARDS: "max_pending_forwards forwards are waiting for their backward",
         PRODUCER_EAGER: "an input usually handed over by the previous graph came from eager code",
-        REPLAY_ORDER: "replaying this older graph could overwrite memory a newer graph still needs",
+        REPLAY_ORDER: "replaying this older graph could overwrite memory a newer graph still needs "
+                  "(training, or past the bound on recaptures)",
         MODE_CHANGE: "grad mode differs from the one the graph was traced with",
         GRAD_HELD: "a gradient the previous backward handed out is still referenced (a saved .grad, "
                    "torch.autograd.grad results); this backward runs through the captured forward "
@@ -79,6 +80,9 @@ class Counters:
     memory stays reserved in the pool, where later captures reuse it)."""
     graphs_evicted: int = 0
     """Graphs dropped by a region's least-recently-used cache (option graph_cache)."""
+    graphs_recaptured: int = 0
+    """Inference graphs captured again (replacing the old one) because a graph captured after them
+    held live outputs: next to exact-keyed regions, a padded region's graph can be older than them."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
