@@ -11,6 +11,7 @@ import operator
 import re
 from typing import Any, Iterator
 
+import sympy
 import torch
 import torch.fx
 
@@ -182,6 +183,14 @@ def arg_of(node: torch.fx.Node, index: int, name: str, default: Any = None) -> A
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def size_expr(size: Any) -> sympy.Expr:
+    """A size (int, SymInt or sympy expression) as a sympy expression."""
+    node = getattr(size, "node", None)
+    if node is not None and hasattr(node, "expr"):
+        return node.expr
+    return size if isinstance(size, sympy.Basic) else sympy.Integer(int(size))
 
 
 def sizes_equal(a: Any, b: Any) -> bool:

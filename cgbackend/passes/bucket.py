@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from ..config import Config
-from ..fx_utils import fake_value, plain_name, source_location
+from ..fx_utils import fake_value, plain_name, size_expr, source_location, storage_ids
 from .effects import Effects
 from .partition import Partition, Region
 from .rowdep import NotRowwise, propagate_rows, rows_divide
@@ -125,11 +125,6 @@ class _NoBucket(Exception):
         self.node = node
 
 
-def _expr(size: Any) -> Any:
-    node = getattr(size, "node", None)
-    return node.expr if node is not None and hasattr(node, "expr") else sympy.Integer(int(size))
-
-
 def _monomial(expr: Any) -> Optional[Monomial]:
     """``expr`` as coef * product of distinct symbols, or None (sums, powers, divisions)."""
     coef, rest = sympy.sympify(expr).as_coeff_Mul()
@@ -143,7 +138,7 @@ def _monomial(expr: Any) -> Optional[Monomial]:
 
 def _has(value: Any, sym: sympy.Symbol) -> bool:
     if isinstance(value, torch.Tensor):
-        return any(sym in _expr(d).free_symbols for d in value.shape)
+        return any(sym in size_expr(d).free_symbols for d in value.shape)
     if isinstance(value, _SYM_TYPES):
         return sym in value.node.expr.free_symbols
     return False
@@ -151,10 +146,10 @@ def _has(value: Any, sym: sympy.Symbol) -> bool:
 
 def _sized_dim(value: torch.Tensor, sym: sympy.Symbol, what: str) -> tuple[int, Monomial]:
     """The one dimension of ``value`` sized by ``sym``, with ``sym`` its outermost factor."""
-    dims = [d for d, size in enumerate(value.shape) if sym in _expr(size).free_symbols]
+    dims = [d for d, size in enumerate(value.shape) if sym in size_expr(size).free_symbols]
     if len(dims) != 1:
         raise _NoBucket(f"{what} has {sym} in {len(dims)} dimensions")
-    size = _expr(value.shape[dims[0]])
+    size = size_expr(value.shape[dims[0]])
     mono = _monomial(size)
     if mono is None or not rows_divide(size, sym):
         raise _NoBucket(f"{what} has size {size} along dimension {dims[0]}, not a multiple of {sym}")
@@ -163,7 +158,6 @@ def _sized_dim(value: torch.Tensor, sym: sympy.Symbol, what: str) -> tuple[int, 
 
 def mutated_input_positions(effects: Effects, region: Region) -> set[int]:
     """Region inputs (by position) whose data some node of the region writes in place."""
-    from ..fx_utils import storage_ids
     written: set[int] = set()
     for node in region.nodes:
         written |= effects.writes.get(node, set())
@@ -254,7 +248,7 @@ def _probes(region: Region, needed: set[str]) -> dict[str, tuple[int, int, Optio
         if isinstance(value, torch.SymInt):
             sized.append((pos, -1, _monomial(value.node.expr)))
         elif isinstance(value, torch.Tensor):
-            sized.extend((pos, d, _monomial(_expr(size))) for d, size in enumerate(value.shape))
+            sized.extend((pos, d, _monomial(size_expr(size))) for d, size in enumerate(value.shape))
     probes: dict[str, tuple[int, int, Optional[Monomial]]] = {}
     for pos, dim, mono in sized:
         if mono is not None and mono.coef == 1 and len(mono.symbols) == 1:
@@ -322,5 +316,5 @@ def _size_symbols(region: Region) -> set:
         value = fake_value(node)
         if isinstance(value, torch.Tensor):
             for d in value.shape:
-                syms |= _expr(d).free_symbols
+                syms |= size_expr(d).free_symbols
     return syms

@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx
 
-from ..fx_utils import arg_of, fake_value, op_name, plain_name, sizes_equal
+from ..fx_utils import arg_of, fake_value, op_name, plain_name, size_expr, sizes_equal
 from .effects import is_random_node
 
 __all__ = ["NotRowwise", "propagate_rows", "rows_divide", "ROWS_IN_TUPLE"]
@@ -125,23 +125,17 @@ def _broadcast_dim(node: torch.fx.Node, dims: dict) -> int:
     return out_nd - from_right
 
 
-def _as_expr(size: Any) -> Any:
-    """A size as a sympy expression (ints stay ints)."""
-    node = getattr(size, "node", None)
-    return node.expr if node is not None and hasattr(node, "expr") else size
-
-
 def rows_divide(size: Any, rows: Any) -> bool:
     """Is ``size`` a whole multiple of ``rows`` (ints, SymInts or sympy expressions), with ``rows`` its
     outermost factor: ``32*s0`` for ``rows=s0``, ``1024`` for ``rows=512``?"""
-    size, rows = _as_expr(size), _as_expr(rows)
-    if isinstance(size, int) and isinstance(rows, int):
-        return rows > 0 and size % rows == 0
     try:
-        quotient = sympy.simplify(sympy.sympify(size) / sympy.sympify(rows))
-    except (TypeError, sympy.SympifyError):
+        size, rows = size_expr(size), size_expr(rows)
+    except (TypeError, ValueError):
         return False
-    if quotient.free_symbols & sympy.sympify(rows).free_symbols:
+    if size.is_Integer and rows.is_Integer:
+        return int(rows) > 0 and int(size) % int(rows) == 0
+    quotient = sympy.simplify(size / rows)
+    if quotient.free_symbols & rows.free_symbols:
         return False
     return not (quotient.is_number and not quotient.is_integer)
 
