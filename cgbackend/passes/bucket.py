@@ -166,9 +166,7 @@ def mutated_input_positions(effects: Effects, region: Region) -> set[int]:
     return {pos for pos, inp in enumerate(region.inputs) if storage_ids(fake_value(inp)) & written}
 
 
-def _plan(region: Region, sym: sympy.Symbol, effects: Effects) -> BucketPlan:
-    if mutated_input_positions(effects, region):
-        raise _NoBucket("the region writes one of its inputs in place")
+def _plan(region: Region, sym: sympy.Symbol) -> BucketPlan:
     sources: dict[torch.fx.Node, int] = {}
     pad_inputs: dict[int, tuple[int, Monomial]] = {}
     value_inputs: dict[int, Monomial] = {}
@@ -281,13 +279,16 @@ def buckets(partition: Partition, shapes: Shapes, effects: Effects, config: Conf
             continue
         entry = out[region.index] = RegionBuckets(symbols={})
         plans[region.index] = {}
+        off = ("bucketing is off (capture_sizes=())" if not config.capture_sizes
+               else "the region writes one of its inputs in place" if mutated_input_positions(effects, region)
+               else None)
         for sym in syms:
             name = str(sym)
-            if not config.capture_sizes:
-                entry.symbols[name] = SymbolBucketing(name, False, "bucketing is off (capture_sizes=())")
+            if off is not None:
+                entry.symbols[name] = SymbolBucketing(name, False, off)
                 continue
             try:
-                plans[region.index][name] = _plan(region, sym, effects)
+                plans[region.index][name] = _plan(region, sym)
             except _NoBucket as exc:
                 where, code = source_location(exc.node) if exc.node is not None else ("", "")
                 op = plain_name(exc.node) if exc.node is not None else ""
