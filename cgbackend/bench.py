@@ -549,6 +549,16 @@ class Runner:
         return {"loss": loss.detach().float().cpu().clone(), "grads": grads}
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b| (absolute when b is all zeros); inf for a shape mismatch or a NaN."""
+    if a.shape != b.shape:
+        return math.inf
+    diff = (a - b).abs().max().item() if a.numel() else 0.0
+    scale = b.abs().max().item() if b.numel() else 0.0
+    err = diff / scale if scale > 0 else diff
+    return math.inf if math.isnan(err) else err
+
+
 def _compare(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, str]:
     """max over compared tensors of max|got - ref| / max|ref| (absolute when ref is all zeros)."""
     worst, where = 0.0, ""
@@ -562,12 +572,7 @@ def _compare(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, str]:
         elif a.shape != b.shape:
             err, note = math.inf, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
         else:
-            diff = (a - b).abs().max().item() if a.numel() else 0.0
-            scale = b.abs().max().item() if b.numel() else 0.0
-            err = diff / scale if scale > 0 else diff
-            if math.isnan(err):
-                err = math.inf
-            note = name
+            err, note = rel_err(a, b), name
         if not where or err > worst:
             worst, where = err, note
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import random
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .bench import DTYPES, TOLERANCE, _command_line, _cudagraph_tree_counts, _device_name
+from .bench import DTYPES, TOLERANCE, _command_line, _cudagraph_tree_counts, _device_name, _sync, rel_err
 from .config import Config
 from .models import build_model
 
@@ -64,19 +63,6 @@ def _draws(n: int, max_batch: int, seed: int) -> list[int]:
 def _inputs(sizes: list[int], seq: int, vocab: int, device: torch.device, seed: int) -> list[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randint(0, vocab, (n, seq), generator=g).to(device) for n in sizes]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return math.inf
-    scale = b.float().abs().max().item()
-    diff = (a.float() - b.float()).abs().max().item()
-    return diff / scale if scale > 0 else diff
 
 
 def _loop(fn: Callable[..., Any], xs: list[torch.Tensor], device: torch.device) -> float:
@@ -118,14 +104,14 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
                     out = fn(x)
                     if name != "eager":
                         ref = model(x)
-                        worst = max(worst, _rel_err(out, ref))
+                        worst = max(worst, rel_err(out, ref))
                         if i < 8:
                             # cgbackend's outputs are the caller's to keep; PyTorch's CUDA graph
                             # trees overwrite theirs at a later replay unless the caller clones.
                             kept.append((out.clone() if name == "reduce-overhead" else out, ref))
             _sync(device)
             row["warm_loop_s"] = round(time.perf_counter() - start, 3)
-            worst = max([worst] + [_rel_err(o, r) for o, r in kept])
+            worst = max([worst] + [rel_err(o, r) for o, r in kept])
             row["accuracy_err"] = worst
             row["accuracy_ok"] = bool(worst <= tol)
             seconds = _loop(fn, timed_xs, device)

@@ -120,3 +120,18 @@ def test_serving_loop_smoke_on_cpu(tmp_path):
     assert all(r["accuracy_ok"] for r in rows if r["contender"] == "cgbackend")
     assert all(r["graph_bound"] >= r["graphs_captured"] for r in rows if r["contender"] == "cgbackend")
     assert out.exists() and "| dense | cgbackend |" in md.read_text()
+
+
+def test_relative_error_never_hides_a_nan_or_a_shape_mismatch():
+    """The accuracy check of both harnesses (bench and serve-bench): a NaN output is an infinite
+    error, not one that max() skips."""
+    import math
+
+    import torch
+
+    from cgbackend.bench import rel_err
+    ref = torch.tensor([1.0, -2.0])
+    assert rel_err(torch.tensor([1.0, -1.0]), ref) == 0.5
+    assert rel_err(torch.tensor([float("nan"), -2.0]), ref) == math.inf
+    assert rel_err(torch.ones(3), ref) == math.inf
+    assert rel_err(torch.tensor([0.5, 0.0]), torch.zeros(2)) == 0.5  # absolute when ref is zero
