@@ -6,7 +6,7 @@
     cgbackend.stats(compiled_model)                  # counters
 """
 
-from .api import backend, compile, find_backend, report, reset, stats
+from .api import backend, compile, find_backend, prepare, report, reset, stats
 from .backend import CGBackend
 from .config import Config, ConfigError
 from .explain import ExplainError, explain
@@ -17,4 +17,4 @@ from .report import Report
 __version__ = "0.1.0"
 
 __all__ = ["CGBackend", "Config", "ConfigError", "ExplainError", "Reason", "Report", "Rule", "backend",
-           "compile", "explain", "find_backend", "mark_dynamic", "report", "reset", "stats", "__version__"]
+           "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "__version__"]

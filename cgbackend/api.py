@@ -7,10 +7,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import opaque
 from .backend import CGBackend, default_backend, dynamo_entry, reset_default_backend
 from .report import Report
 
-__all__ = ["backend", "compile", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]
+__all__ = ["backend", "compile", "prepare", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]
 
 
 def backend(**options: Any) -> CGBackend:
@@ -50,6 +51,14 @@ def dynamic_ops_config() -> _TraceDynamicOps:
     return _TraceDynamicOps()
 
 
+def prepare(model: torch.nn.Module) -> opaque.InstallResult:
+    """Make the modules of ``model`` that Dynamo cannot trace but cgbackend knows (Transformer
+    Engine's) one opaque graph call each, for ``torch.compile(model, backend="cgbackend")``;
+    ``cgbackend.compile`` does this itself. Returns what was wrapped and what was left alone (with
+    why). ``cgbackend.opaque.uninstall(model)`` undoes it; eager calls behave the same either way."""
+    return opaque.install(model)
+
+
 def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = False,
             **options: Any) -> Any:
     """``torch.compile`` with a fresh cgbackend instance, tracing data-dependent ops into the graph.
@@ -60,6 +69,8 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     and cgbackend.report() accept it.
     """
     instance = CGBackend(**options)
+    if instance.config.opaque_modules and isinstance(model, torch.nn.Module):
+        instance.opaque = opaque.install(model)
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward

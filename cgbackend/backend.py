@@ -19,6 +19,7 @@ import torch.fx
 
 from .analysis import Analysis, analyze
 from .config import Config
+from .opaque import InstallResult
 from .report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
 from .runtime.region import RuntimeShared
@@ -55,6 +56,8 @@ class CGBackend:
         self._keep_analyses = False
         self._lock = threading.Lock()
         self._no_cuda_logged = False
+        self.opaque: Optional[InstallResult] = None
+        """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
         self.__name__ = "cgbackend"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
@@ -106,10 +109,15 @@ class CGBackend:
             graphs.append(gr)
         breaks = [b for b in (graph_break_info(g.analysis.gm) for g in self.compiled_graphs()) if b]
         return Report(graphs=graphs, graph_breaks=breaks, summary=summarize(graphs, breaks),
-                      config=self.config.to_dict())
+                      config=self.config.to_dict(), opaque_modules=self._opaque_dict())
+
+    def _opaque_dict(self) -> dict[str, Any]:
+        return self.opaque.to_dict() if self.opaque is not None else {}
 
     def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str]) -> Report:
-        return build_report(self._analyses, extra_breaks, self.config.to_dict(), notes)
+        report = build_report(self._analyses, extra_breaks, self.config.to_dict(), notes)
+        report.opaque_modules = self._opaque_dict()
+        return report
 
 
 _default: Optional[CGBackend] = None

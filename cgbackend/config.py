@@ -80,6 +80,12 @@ class Config:
     captured (passes/dispatch.py): "off", "auto" (cost model picks, may leave a loop dynamic) or a
     form ("masked_dense"). The report lists every rewrite and every loop left alone, with why."""
 
+    opaque_modules: bool = True
+    """``cgbackend.compile`` and ``cgbackend.explain`` make each module Dynamo cannot trace but
+    cgbackend knows (Transformer Engine's, cgbackend/te.py) one opaque call in the graph, so its
+    kernels join the static regions (cgbackend/opaque.py). False leaves them to Dynamo: a graph
+    break at each, their kernels eager."""
+
     simulate_graphs: bool = False
     """Test aid for machines without a GPU: "capture" runs the region once into static buffers and
     "replay" re-runs it and writes into the same buffers, so buffer reuse, hand-offs, copies and

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import opaque
 from .api import dynamic_ops_config
 from .backend import CGBackend
 from .config import Config
@@ -39,6 +40,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     config = Config.from_options(options or {})
     instance = CGBackend(config=config.replace(capture=False))
     instance._keep_analyses = True
+    if config.opaque_modules and isinstance(model, torch.nn.Module):
+        instance.opaque = opaque.install(model)
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
     before = dict(counters["graph_break"])

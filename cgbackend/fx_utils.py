@@ -57,13 +57,17 @@ def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
 
 
+_OWN_FRAMES = ("cgbackend/opaque.py",)
+"""Frames of cgbackend's own code Dynamo traces (an opaque call's wrapper): the user's line is above."""
+
+
 def source_location(node: torch.fx.Node) -> tuple[str, str]:
     """("file.py:LINE in func", "the code line") of the innermost user frame, or ("", "")."""
     trace = node.meta.get("stack_trace") or ""
     lines = trace.rstrip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME_RE.search(lines[i])
-        if m:
+        if m and not m.group("file").replace("\\", "/").endswith(_OWN_FRAMES):
             file = m.group("file").replace("\\", "/").rsplit("/", 1)[-1]
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             if code and set(code) <= set("^~ "):

@@ -24,6 +24,10 @@ kernel launches per call if nothing is graphed), ``est_launches_graphed``
 size symbols: ``{symbol: {"bucketable", "padded", "why", "op", "source", "code"}}``; the padded
 symbol keys graphs on capture sizes, the others on exact values).
 
+Regions also have ``opaque`` (module calls Dynamo cannot trace, made one node each: ``{"module",
+"kind", "node", "graphed", "why"}``); the report has ``opaque_modules`` (``{"wrapped",
+"skipped"}``) and the summary ``opaque_calls_graphed`` / ``opaque_calls_eager``.
+
 ``summary`` also has ``symbolic_regions`` (static regions with size symbols) and
 ``bucketed_regions`` (those that pad one), ``dispatch_rewrites`` and ``dispatch_left_dynamic``.
 
@@ -43,6 +47,7 @@ from typing import Any, Optional
 
 from .analysis import Analysis
 from .fx_utils import module_path, op_name
+from .opaque import opaque_info
 from .passes.cost import estimate_kernels
 from .reasons import Rule
 
@@ -72,6 +77,9 @@ class RegionReport:
     """Static regions with backed symbols: per symbol ``{"bucketable", "padded", "why", "op",
     "source", "code"}`` (passes/bucket.py). A padded symbol's graphs are keyed on its capture size,
     the others on their exact values."""
+    opaque: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Opaque module calls in this region (opaque.py: Transformer Engine modules): ``{"module",
+    "kind", "node", "graphed", "why"}``; ``why`` says why a call in a dynamic region runs eagerly."""
 
 
 @dataclasses.dataclass
@@ -97,6 +105,10 @@ class Report:
     config: dict[str, Any]
     notes: list[str] = dataclasses.field(default_factory=list)
     schema: str = SCHEMA
+    opaque_modules: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What ``cgbackend.compile`` / ``explain`` made opaque (opaque.py): ``{"wrapped": [{"module",
+    "kind"}], "skipped": [{"module", "kind", "reason"}]}``; skipped modules keep their own forward
+    (Dynamo breaks the graph at them and they run eagerly)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -145,7 +157,15 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
         paths: list[str] = []
         nodes = []
         reasons = []
+        opaque = []
         for node in region.nodes:
+            info = opaque_info(node)
+            if info is not None:
+                why = analysis.reason_of(node)
+                opaque.append({"module": info.path or "<model>", "kind": info.kind, "node": node.name,
+                               "graphed": region.is_static,
+                               "why": None if region.is_static or why is None
+                               else f"{why.rule.value}: {why.detail or why.op}"})
             path = module_path(node)
             if path and path not in paths:
                 paths.append(path)
@@ -171,6 +191,7 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
             nodes=nodes,
             hoisted_syncs=analysis.schedule.moved.get(region.index, 0),
             buckets=_buckets_of(analysis, region.index),
+            opaque=opaque,
         ))
     ops = sum(r.ops for r in regions)
     static_ops = sum(r.ops for r in regions if r.kind == "static")
@@ -210,6 +231,8 @@ def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> 
         "bucketed_regions": sum(1 for r in static_regions if any(b["padded"] for b in r.buckets.values())),
         "est_kernels_eager": kernels_static + kernels_dynamic,
         "est_launches_graphed": len(static_regions) + kernels_dynamic,
+        "opaque_calls_graphed": sum(len(r.opaque) for r in static_regions),
+        "opaque_calls_eager": sum(len(r.opaque) for r in dynamic_regions),
         "static_kernel_fraction": round(kernels_static / (kernels_static + kernels_dynamic), 4)
         if kernels_static + kernels_dynamic else 0.0,
         "top_reasons": [{"rule": rule, "op": op, "source": example[(rule, op)], "count": count}
@@ -307,6 +330,19 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _opaque_modules_text(opaque: dict[str, Any], summary: dict[str, Any]) -> list[str]:
+    wrapped, skipped = opaque.get("wrapped", []), opaque.get("skipped", [])
+    if not wrapped and not skipped:
+        return []
+    lines = [f"  opaque module calls: {len(wrapped)} modules made one graph node each; "
+             f"calls in static regions {summary.get('opaque_calls_graphed', 0)}, "
+             f"in dynamic regions {summary.get('opaque_calls_eager', 0)}"]
+    for item in skipped:
+        lines.append(f"  left to Dynamo (graph break, runs eagerly): {item['module']} ({item['kind']}): "
+                     f"{item['reason']}")
+    return lines
+
+
 def _dispatch_text(dispatch: dict[str, Any]) -> list[str]:
     """One line per (pattern, source line, module) of rewritten or skipped dispatch units."""
     lines = []
@@ -340,6 +376,7 @@ def render_text(report: Report) -> str:
     ]
     for note in report.notes:
         lines.append(f"  note: {note}")
+    lines.extend(_opaque_modules_text(report.opaque_modules, s))
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")
@@ -369,6 +406,9 @@ def render_text(report: Report) -> str:
                 lines.append(f"{'':<10}symbols: {syms}")
             if r.buckets:
                 lines.extend(_buckets_text(r.buckets))
+            for call in r.opaque:
+                how = "inside this region's CUDA graphs" if call["graphed"] else f"eager: {call['why']}"
+                lines.append(f"{'':<10}opaque call {call['module']} ({call['kind']}): {how}")
             roots = [x for x in r.reasons if Rule(x["rule"]).is_root_cause]
             derived = [x for x in r.reasons if not Rule(x["rule"]).is_root_cause]
             for reason in roots[:6]:

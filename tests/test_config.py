@@ -12,11 +12,11 @@ import cgbackend
 from cgbackend import Config, ConfigError
 
 FIELDS = ("warmup", "capture", "min_region_ops", "max_graphs_per_region", "max_pending_forwards", "strict",
-          "inner", "dynamic_ops", "dynamic_modules", "simulate_graphs")
+          "inner", "dynamic_ops", "dynamic_modules", "opaque_modules", "simulate_graphs")
 
 DEFAULTS = dict(warmup=3, capture=True, min_region_ops=2, max_graphs_per_region=32, graph_cache="lru",
                 max_pending_forwards=4, strict=False, inner="eager", dynamic_ops=(), dynamic_modules=(),
-                simulate_graphs=False)
+                opaque_modules=True, simulate_graphs=False)
 
 
 def test_field_names_include_the_documented_options():

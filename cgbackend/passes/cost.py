@@ -13,6 +13,7 @@ import torch
 import torch.fx
 
 from ..fx_utils import callee_name, fake_value, iter_tensors
+from ..opaque import opaque_info
 
 __all__ = ["estimate_kernels"]
 
@@ -46,6 +47,10 @@ def estimate_kernels(node: torch.fx.Node) -> int:
     """Estimated kernel launches of one node (0 for views, metadata and host-only work)."""
     if node.op in ("placeholder", "output", "get_attr"):
         return 0
+    info = opaque_info(node)
+    if info is not None:  # a whole module's forward (opaque.py)
+        module = info.module
+        return info.family.kernels(module) if module is not None else 1
     value = fake_value(node)
     tensors = list(iter_tensors(value))
     name = callee_name(node)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch.fx
 
 from ..fx_utils import callee_name, class_name, module_stack
+from ..opaque import opaque_info
 from .effects import Effects
 from .partition import Partition, Region
 
@@ -104,6 +105,11 @@ def _module_signal(path: str, cls) -> Optional[str]:
 
 def _role_and_scope(node: torch.fx.Node, static: bool) -> tuple[str, str]:
     """(role, path of the module that decided it)."""
+    info = opaque_info(node)
+    if info is not None and info.module is not None:
+        role = info.family.role(info.module)
+        if role is not None:
+            return role, info.path
     name = callee_name(node)
     if name in _EMBEDDING_OPS:
         return "embedding", ""

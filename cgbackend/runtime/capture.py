@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from ..fx_utils import iter_tensors
 from .pool import PoolState
+
+if TYPE_CHECKING:
+    from ..opaque import RegionHooks
 
 __all__ = ["CaptureError", "Capturer", "SimulatedGraph", "first_line", "non_overlapping"]
 
@@ -134,11 +137,20 @@ class Capturer:
         self.simulate = simulate
 
     def capture(self, fn: Callable[[], Any], pool: PoolState,
-                restore: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
+                restore: Sequence[torch.Tensor] = (), hooks: Optional["RegionHooks"] = None) -> tuple[Any, Any]:
         """Capture ``fn`` into a graph drawing memory from ``pool``; raise CaptureError on failure.
 
         ``restore``: tensors ``fn`` may write in place. A CUDA capture executes nothing, so they
-        keep their values; the simulated capture runs ``fn`` and puts their values back."""
+        keep their values; the simulated capture runs ``fn`` and puts their values back.
+        ``hooks``: the region's opaque-call hooks (opaque.py): their context is entered around the
+        capture and their generators are registered with the graph."""
+        if hooks is not None:
+            with hooks.capturing():
+                return self._capture(fn, pool, restore, hooks)
+        return self._capture(fn, pool, restore, None)
+
+    def _capture(self, fn: Callable[[], Any], pool: PoolState, restore: Sequence[torch.Tensor],
+                 hooks: Optional["RegionHooks"]) -> tuple[Any, Any]:
         if self.simulate:
             saved = [t.detach().clone() for t in restore]
             try:
@@ -161,6 +173,8 @@ class Capturer:
         except torch.OutOfMemoryError as exc:  # its workspaces are part of what capturing costs
             raise CaptureError(first_line(exc)) from None
         graph = torch.cuda.CUDAGraph()
+        for generator in (hooks.generators() if hooks is not None else ()):
+            graph.register_generator_state(generator)
         inner_errors: list[BaseException] = []
 
         def guarded() -> Any:

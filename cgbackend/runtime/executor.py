@@ -24,6 +24,7 @@ import torch.fx
 
 from ..analysis import Analysis
 from ..fx_utils import fake_value
+from ..opaque import opaque_info, region_hooks
 from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionRunner, RuntimeShared,
                      is_static_address)
 from ..passes.bucket import mutated_input_positions
@@ -184,12 +185,16 @@ class CompiledGraph:
                     else:
                         kinds.append(EAGER)
                         producers.append(None)
-                fn = module if inner is None else inner(module, region)
+                hooks = region_hooks(region.nodes)
+                opaque_calls = any(opaque_info(n) is not None for n in region.nodes)
+                # Inductor would trace an opaque call with fake tensors and keep only its shape:
+                # regions holding one run their FX module as it is.
+                fn = module if inner is None or opaque_calls else inner(module, region)
                 bucketing = analysis.buckets.regions.get(region.index)
                 runner = RegionRunner(f"graph{index}.{region.name}", fn, kinds, producers,
                                       mutated_input_positions(analysis.effects, region), shared,
                                       bucket=bucketing.plan if bucketing is not None else None,
-                                      device=_region_device(region))
+                                      device=_region_device(region), hooks=hooks)
                 if blocked is not None:
                     runner.disable(blocked, _BLOCKED_DETAIL.get(blocked, blocked))
                 runner_of[region.index] = runner

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import gc
 import logging
 import time
@@ -48,6 +49,7 @@ from .pool import PoolSet, PoolState
 from .stats import Counters, EagerReason
 
 if TYPE_CHECKING:
+    from ..opaque import RegionHooks
     from ..passes.bucket import BucketPlan
 
 __all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "QUEUE_CALLBACK", "RuntimeShared", "RegionRunner", "is_static_address"]
@@ -156,7 +158,7 @@ class RegionRunner:
     def __init__(self, name: str, fn: Callable[..., Any], kinds: list[str],
                  producers: list[Optional["RegionRunner"]], mutated: set[int],
                  shared: RuntimeShared, bucket: Optional["BucketPlan"] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, hooks: Optional["RegionHooks"] = None) -> None:
         self.name = name
         self.fn = fn
         self.kinds = kinds
@@ -168,6 +170,8 @@ class RegionRunner:
         """How inference calls pad a symbolic size up to a capture size (passes/bucket.py)."""
         self.device = device
         """Where the region computes (for regions whose inputs are all numbers)."""
+        self.hooks = hooks
+        """What the region's opaque module calls need around captures and replays (opaque.py)."""
         self.entries: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
         """Held graphs by key, least recently used first."""
         self.warm: dict[tuple, int] = {}
@@ -234,6 +238,8 @@ class RegionRunner:
         Parameters enter by address only: Dynamo guards their shape, stride, dtype, device and
         requires_grad (a change recompiles the graph), but not their address."""
         shape_parts: list = [grad_path, torch.is_inference_mode_enabled()]
+        if self.hooks is not None:
+            shape_parts.append(self.hooks.key())
         addr_parts: list = []
         missing_handoff = False
         kinds = self.kinds
@@ -298,6 +304,8 @@ class RegionRunner:
         input that is the slice of another padded graph's output is read in place (its address)."""
         plan = self.bucket
         shape_parts: list = ["pad", tuple(pad.padded.items()), torch.is_inference_mode_enabled()]
+        if self.hooks is not None:
+            shape_parts.append(self.hooks.key())
         addr_parts: list = []
         missing_handoff = False
         for pos, value in enumerate(ins):
@@ -493,6 +501,8 @@ class RegionRunner:
 
     def _replay(self, entry: _Entry, ins: list, call: Any, fresh: bool, pad: Optional[_Pad]) -> Any:
         self._stage_inputs(entry, ins, fresh)
+        if self.hooks is not None:
+            self.hooks.before_forward()
         entry.graph.replay()
         self._after_replay(entry, ins, call)
         return entry.outputs if pad is None else self._views(entry, pad)
@@ -542,7 +552,10 @@ class RegionRunner:
                 # A leaf alias (same storage): the capture then builds its own autograd nodes on the
                 # capture stream instead of reusing the parameter's AccumulateGrad node, which was
                 # made on the default stream and would tie that stream to the capture.
-                static_ins.append(value.detach().requires_grad_(True))
+                # Still a Parameter: code that checks (torch.compile'd helpers guard on the type,
+                # and would recompile inside the capture) sees what it saw in the warm-up.
+                static_ins.append(torch.nn.Parameter(value.detach(), requires_grad=True)
+                                  if isinstance(value, torch.nn.Parameter) else value.detach().requires_grad_(True))
                 continue
             if value.numel() == 0:
                 empty = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
@@ -596,7 +609,7 @@ class RegionRunner:
         start = time.perf_counter()
         try:
             graph, outputs = self.shared.capturer.capture(
-                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)])
+                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=self.hooks)
         except CaptureError as exc:
             self._capture_failed(str(exc))
             return None
@@ -697,7 +710,7 @@ class RegionRunner:
         reserved_before = _reserved(device)
         start = time.perf_counter()
         try:
-            graph, static_grad_ins = self.shared.capturer.capture(run, entry.pool)
+            graph, static_grad_ins = self.shared.capturer.capture(run, entry.pool, hooks=self.hooks)
         except CaptureError as exc:
             self._backward_capture_failed(str(exc), entry)
             return
@@ -782,7 +795,8 @@ class RegionRunner:
             grad = grads[i]
             grad_outs.append(torch.zeros_like(entry.outputs[i]) if grad is None else grad)
         inputs = [entry.static_ins[p] for p in entry.diff_in]
-        with no_donated_buffers():
+        quiet = self.hooks.quiet_backward() if self.hooks is not None else contextlib.nullcontext()
+        with no_donated_buffers(), quiet:
             return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
                                        retain_graph=True, allow_unused=True)
 
@@ -853,6 +867,7 @@ class _RegionFunction(torch.autograd.Function):
         for p, t in zip(entry.tensor_pos, ins):
             full[p] = t
         runner._stage_inputs(entry, full, fresh)
+        ctx.hook_token = runner.hooks.before_forward() if runner.hooks is not None else None
         entry.graph.replay()
         runner._after_replay(entry, full, call)
         counters = runner.shared.counters
@@ -904,5 +919,7 @@ class _RegionFunction(torch.autograd.Function):
             counters.replays += 1
             counters.bwd_replays += 1
             grads_in = runner.hand_out(entry, ctx.leaves)
+        if runner.hooks is not None:
+            runner.hooks.after_backward(ctx.hook_token)
         by_pos = dict(zip(entry.diff_in, grads_in))
         return (None,) + tuple(by_pos.get(p) for p in entry.tensor_pos)
