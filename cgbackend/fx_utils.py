@@ -67,8 +67,9 @@ def source_location(node: torch.fx.Node) -> tuple[str, str]:
     lines = trace.rstrip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME_RE.search(lines[i])
-        if m and not m.group("file").replace("\\", "/").endswith(_OWN_FRAMES):
-            file = m.group("file").replace("\\", "/").rsplit("/", 1)[-1]
+        path = m.group("file").replace("\\", "/") if m else ""
+        if m and not path.endswith(_OWN_FRAMES):
+            file = path.rsplit("/", 1)[-1]
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             if code and set(code) <= set("^~ "):
                 code = ""

@@ -29,6 +29,8 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
+from .fx_utils import iter_tensors
+
 __all__ = ["Family", "RegionHooks", "OpaqueInfo", "InstallResult", "install", "uninstall",
            "opaque_info", "region_hooks", "register_family", "families", "is_fake_call"]
 
@@ -184,10 +186,8 @@ def families() -> list[Family]:
 def is_fake_call(args: Any, kwargs: Any) -> bool:
     """True when the call is being traced (fake tensors), not run."""
     fake_cls = _fake_tensor_class()
-    for value in _flat((args, kwargs)):
-        if isinstance(value, torch.Tensor):
-            return fake_cls is not None and isinstance(value, fake_cls)
-    return False
+    first = next(iter_tensors((args, kwargs)), None)
+    return first is not None and fake_cls is not None and isinstance(first, fake_cls)
 
 
 def _fake_tensor_class() -> Optional[type]:
@@ -198,27 +198,17 @@ def _fake_tensor_class() -> Optional[type]:
     return FakeTensor
 
 
-def _flat(value: Any) -> Iterator[Any]:
-    if isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _flat(v)
-    else:
-        yield value
-
-
 def fake_requires_grad(out: torch.Tensor, args: tuple, params: Sequence[torch.Tensor]) -> torch.Tensor:
     """Mark a fake output as autograd would the real one."""
-    if torch.is_grad_enabled() and any(
-            isinstance(v, torch.Tensor) and v.requires_grad for v in (*_flat(args), *params)):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*iter_tensors(args), *params)):
         out.requires_grad_(True)
     return out
 
 
 def _make_call(module: torch.nn.Module, family: Family, info: OpaqueInfo,
-               own_forward: Callable[..., Any]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+               own_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The instance forward for ``module``: Dynamo traces it and records one call of an
+    allow_in_graph function in the graph."""
     ref = weakref.ref(module)
 
     def call(*args: Any, _cg_params: tuple = (), **kwargs: Any) -> Any:
@@ -243,7 +233,7 @@ def _make_call(module: torch.nn.Module, family: Family, info: OpaqueInfo,
         return call(*args, _cg_params=tuple(module.parameters()), **kwargs)
 
     setattr(forward, _ATTR, info)
-    return call, forward
+    return forward
 
 
 @contextlib.contextmanager
@@ -278,9 +268,9 @@ def install(model: torch.nn.Module) -> InstallResult:
     fams = families()
     if not fams or not isinstance(model, torch.nn.Module):
         return result
-    done: list[str] = []
+    done: list[str] = []  # paths of modules already decided: their submodules are theirs
     for path, module in model.named_modules():
-        if any(path == p or path.startswith(p + ".") for p in done if p != "") or ("" in done):
+        if any(p == "" or path == p or path.startswith(p + ".") for p in done):
             continue
         family, kind = next(((f, k) for f in fams for k in [f.kind(module)] if k is not None), (None, None))
         if family is None:
@@ -297,9 +287,8 @@ def install(model: torch.nn.Module) -> InstallResult:
             continue
         info = OpaqueInfo(path, kind, family, weakref.ref(module))
         own = module.forward  # bound method (or the user's own instance forward)
-        _, forward = _make_call(module, family, info, own)
         module.__dict__["_cgbackend_own_forward"] = current
-        module.forward = forward
+        module.forward = _make_call(module, family, info, own)
         result.wrapped.append(info)
     return result
 

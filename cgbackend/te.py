@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
@@ -157,9 +157,6 @@ class TEHooks(RegionHooks):
         state = _state()
         first = getattr(state, "is_first_fp8_module", None)
         skip = getattr(state, "skip_fp8_weight_update_tensor", None)
-        was = _te_graph.is_graph_capturing() if _te_graph is not None else True
-        if _te_graph is not None and not was:
-            _te_graph.set_capture_start()
         if skip is not None:
             state.skip_fp8_weight_update_tensor = None
         # Without FP8, TE fuses bias/GELU/dropout steps with torch.compile'd helpers, which guard on
@@ -169,11 +166,9 @@ class TEHooks(RegionHooks):
         unfused = not FP8GlobalStateManager.is_fp8_enabled() and hasattr(torch.compiler, "set_stance")
         stance = torch.compiler.set_stance("force_eager") if unfused else contextlib.nullcontext()
         try:
-            with stance:
+            with _te_capture_flag(), stance:
                 yield
         finally:
-            if _te_graph is not None and not was:
-                _te_graph.set_capture_end()
             if skip is not None:
                 state.skip_fp8_weight_update_tensor = skip
             if first is not None:
@@ -208,18 +203,24 @@ class TEHooks(RegionHooks):
         if token:
             FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
 
-    @contextlib.contextmanager
-    def quiet_backward(self) -> Iterator[None]:
+    def quiet_backward(self) -> ContextManager[None]:
         # An eager backward through a captured forward's autograd graph: TE's first-module backward
         # would run the reduction itself; after_backward does it once.
-        was = _te_graph.is_graph_capturing() if _te_graph is not None else True
+        return _te_capture_flag()
+
+
+@contextlib.contextmanager
+def _te_capture_flag() -> Iterator[None]:
+    """TE's own "make_graphed_callables is capturing" flag, set for the duration (left alone if
+    already set, or if this TE has none)."""
+    was = _te_graph.is_graph_capturing() if _te_graph is not None else True
+    if not was:
+        _te_graph.set_capture_start()
+    try:
+        yield
+    finally:
         if not was:
-            _te_graph.set_capture_start()
-        try:
-            yield
-        finally:
-            if not was:
-                _te_graph.set_capture_end()
+            _te_graph.set_capture_end()
 
 
 register_family(TEFamily())
