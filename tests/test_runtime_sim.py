@@ -369,3 +369,31 @@ def test_out_of_memory_while_preparing_a_capture_falls_back(monkeypatch):
     st = cgbackend.stats(compiled)
     assert [f["error"].split(":")[0] for f in st["capture_failures"]] == ["OutOfMemoryError"]
     assert st["eager_calls"]["capture_failed"] == 2
+
+
+def _real_tensors() -> int:
+    import gc
+    from torch._subclasses.fake_tensor import FakeTensor
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor))
+
+
+@pytest.mark.parametrize("name", ["moe", "dense"])
+def test_training_backend_leaves_no_tensors_behind(name):
+    """Dropped and reset, a training backend frees every tensor it made: static buffers, outputs
+    and the autograd graph its captures recorded. Saved-tensor hooks that handed autograd the
+    tensor itself made a node that saves its own output hold it in a cycle through C++, which
+    Python's collector cannot break (on the GPU: 28 MiB per backend on the MoE reference model)."""
+    model = build_model(name).train()
+    xs = make_inputs(name, model, n=4, seed=3)
+    before = _real_tensors()
+    compiled = cgbackend.compile(model, **SIM)
+    for x in xs:
+        _loss(name, compiled(x), x).backward()
+    st = cgbackend.stats(compiled)
+    assert st["bwd_replays"] == 3 * st["static_regions"] > 0
+    model.zero_grad(set_to_none=True)
+    del compiled
+    torch._dynamo.reset()
+    cgbackend.reset()
+    assert _real_tensors() == before

@@ -600,7 +600,7 @@ class RegionRunner:
         fn = self.fn
         if grad_path:
             def run() -> Any:
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_alias, _same):
                     return fn(*static_ins)
         else:
             def run() -> Any:
@@ -845,8 +845,19 @@ def no_donated_buffers():
     return torch._functorch.config.patch(donated_buffer=False)
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """Saved-tensor pack hook: an alias without autograd history, and no version check on unpack
+    (the static buffers are rewritten between replays on purpose).
+
+    Not the tensor itself: a node that saves its own output (exp, softmax, ...) would then hold
+    that output, whose grad_fn is the node, a cycle through C++ that Python's collector cannot
+    see, and the capture's whole autograd graph, static activations included, would outlive the
+    backend (28 MiB per training backend on the MoE reference model)."""
+    return t.detach()
+
+
 def _same(t: torch.Tensor) -> torch.Tensor:
-    """Saved-tensor hook (pack and unpack): keeps the tensor as is, and skips the version check."""
+    """Saved-tensor unpack hook: the packed alias as it is."""
     return t
 
 
