@@ -44,6 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .runtime.capture import clear_blas_workspaces
+
 __all__ = ["CONTENDERS", "STOCK_CONTENDERS", "Contender", "register_contender", "main", "run",
            "render_markdown", "render_table", "lm_loss"]
 
@@ -445,6 +447,9 @@ def _cleanup(device: torch.device) -> None:
     if device.type == "cuda":
         try:
             torch.cuda.synchronize(device)
+            # cuBLAS workspaces (32 MiB per stream on Hopper) outlive the contender that made them:
+            # dropped, each contender's peak includes the workspaces it needs, whatever ran before.
+            clear_blas_workspaces()
             torch.cuda.empty_cache()
         except Exception:
             pass
@@ -643,7 +648,8 @@ def _empty_row(case: Case, contender: Contender, settings: Settings) -> dict[str
         "median_ms": None, "p10_ms": None, "p90_ms": None, "mean_ms": None, "floor_ms": case.floor_ms,
         "floor_device_events_per_step": case.floor_device_events,
         "accuracy_ok": None, "accuracy_err": None, "accuracy_worst": None, "accuracy_tol": settings.tol,
-        "peak_mem_bytes": None, "mem_baseline_bytes": None, "compile_s": None, "first_call_s": None,
+        "peak_mem_bytes": None, "peak_reserved_bytes": None, "mem_baseline_bytes": None,
+        "compile_s": None, "first_call_s": None,
         "graphs": None, "graph_breaks": None, "graph_break_reasons": None, "recompiles": None,
         "rerecords": None, "dynamo_graphs": None,
         "cudagraph_skips": None, "backend_stats": None,
@@ -726,6 +732,7 @@ def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[
         stage = "counters"
         if cuda:
             row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
+            row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
         row["dynamo_graphs"] = _counter("stats", "unique_graphs") - unique0
         row["cudagraph_skips"] = _counter("inductor", "cudagraph_skips") - skips0
         row["recompiles"] = _recompiles()

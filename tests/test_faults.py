@@ -168,7 +168,7 @@ def test_bad_options_fail_fast_with_the_valid_list():
 
 
 _OOM_SCRIPT = r"""
-import json, torch, torch.nn as nn, torch.nn.functional as F, cgbackend
+import json, torch, torch.nn as nn, torch.nn.functional as F, cgbackend, cgbackend.runtime.capture
 
 class MLP(nn.Module):
     def __init__(self, d):
@@ -181,16 +181,20 @@ model = MLP(2048).cuda().eval()
 xs = [torch.randn(4096, 2048, device="cuda") for _ in range(3)]
 compiled = cgbackend.compile(model, warmup=1)
 total = torch.cuda.get_device_properties(0).total_memory
-with torch.no_grad():
+def fresh():  # no cuBLAS workspace kept: an eager call and a capture each make their own
     torch.cuda.synchronize()
+    cgbackend.runtime.capture.clear_blas_workspaces()
+    torch.cuda.empty_cache()
+
+with torch.no_grad():
+    fresh()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    compiled(xs[0])  # warm-up (eager): what an eager call needs
+    compiled(xs[0])  # warm-up (eager): what an eager call needs, its cuBLAS workspace included
     torch.cuda.synchronize()
     eager_need = torch.cuda.max_memory_allocated() - base
-    torch.cuda.empty_cache()
     refs = [model(x).cpu() for x in xs[1:]]  # references before memory gets tight
-    torch.cuda.empty_cache()
+    fresh()
     # Room for an eager call and 8 MiB, not for a capture: its input copy alone is 32 MiB on top
     # of a pool about as large as the eager need.
     limit = torch.cuda.memory_allocated() + eager_need + 8 * 2**20

@@ -20,7 +20,8 @@ from .pool import PoolState
 if TYPE_CHECKING:
     from ..opaque import RegionHooks
 
-__all__ = ["CaptureError", "Capturer", "SimulatedGraph", "first_line", "non_overlapping"]
+__all__ = ["CaptureError", "Capturer", "SimulatedGraph", "first_line", "non_overlapping",
+           "clear_blas_workspaces"]
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +111,16 @@ def _autocast_cache_off() -> Iterator[None]:
         torch.set_autocast_cache_enabled(previous)
 
 
-# One capture stream per device for the whole process. cuBLAS keeps a workspace for every
-# (handle, stream) it has seen until the process ends (32 MiB on Hopper): a stream per backend
-# instance would leave one behind for every compiled model. Like cuBLAS handles, a device resource.
+# One capture stream per device for the whole process (a stream per backend instance would only
+# multiply what PyTorch keeps per stream).
 _CAPTURE_STREAMS: dict[str, "torch.cuda.Stream"] = {}
+
+POOLED_WORKSPACES = True
+"""Give every capture its cuBLAS workspace from the graph pool and free it when the capture ends
+(see :func:`_blas_workspace_in_pool`). False keeps one process-wide workspace for the capture
+stream, made outside any capture (32 MiB on Hopper): the behaviour before, kept for comparison.
+Where torch lacks the clear function, the first capture's workspace stays allocated in its pool
+(never reused by graph data, so safe) and every later capture shares it."""
 
 
 def capture_stream(device: str) -> "torch.cuda.Stream":
@@ -121,15 +128,49 @@ def capture_stream(device: str) -> "torch.cuda.Stream":
     if stream is None:
         dev = torch.device(device)
         stream = torch.cuda.Stream(device=dev)
-        # Create the stream's cuBLAS / cuBLASLt workspaces now, from the ordinary allocator. Made
-        # during a first capture they would come from that graph's pool and pin it forever.
-        with torch.cuda.device(dev), torch.cuda.stream(stream):
-            for dtype in (torch.float32, torch.bfloat16):
-                a = torch.ones(16, 16, device=dev, dtype=dtype)
-                torch.addmm(a, a, a)
-        stream.synchronize()
+        if not POOLED_WORKSPACES:
+            with torch.cuda.device(dev), torch.cuda.stream(stream):
+                for dtype in (torch.float32, torch.bfloat16):
+                    a = torch.ones(16, 16, device=dev, dtype=dtype)
+                    torch.addmm(a, a, a)
+            stream.synchronize()
         _CAPTURE_STREAMS[device] = stream
     return stream
+
+
+def clear_blas_workspaces() -> bool:
+    """Drop every cuBLAS / cuBLASLt workspace PyTorch keeps (one per handle and stream); False
+    where this torch cannot. Safe between kernels: a workspace goes back to the caching allocator
+    like any tensor freed on its stream, and the next product on that stream allocates a new one."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    clear()
+    return True
+
+
+@contextlib.contextmanager
+def _blas_workspace_in_pool(device: torch.device) -> Iterator[None]:
+    """Around a capture: the graph's cuBLAS workspace becomes one of its temporaries.
+
+    PyTorch keeps a cuBLAS workspace for every (handle, stream) it has seen (32 MiB on Hopper), so
+    a side stream for captures would cost a second one next to the eager stream's for good. Here
+    the workspaces are dropped before the capture, so the graph's is allocated inside the capture,
+    from the graph pool (``torch.cuda.current_blas_handle()`` sets it up first thing, so every
+    capture gets the same block back), and dropped again when the capture ends: a freed
+    temporary, which graphs captured later may reuse under the replay-order rule (pool.py) like
+    any other. Dropping the eager stream's workspace first keeps the two from coexisting at the
+    capture's peak; the next eager product allocates it again."""
+    if not POOLED_WORKSPACES:
+        yield
+        return
+    with torch.cuda.device(device):
+        clear_blas_workspaces()
+    try:
+        yield
+    finally:
+        with torch.cuda.device(device):
+            clear_blas_workspaces()
 
 
 class Capturer:
@@ -186,9 +227,11 @@ class Capturer:
 
         device = torch.device(pool.device)
         try:
-            with _autocast_cache_off(), torch.cuda.device(device):
+            with _autocast_cache_off(), torch.cuda.device(device), _blas_workspace_in_pool(device):
                 with torch.cuda.graph(graph, pool=pool.handle, stream=stream,
                                       capture_error_mode="thread_local"):
+                    if POOLED_WORKSPACES:
+                        torch.cuda.current_blas_handle()
                     outputs = guarded()
         except Exception as exc:
             self._recover(graph, stream, device)

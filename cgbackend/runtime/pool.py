@@ -8,9 +8,10 @@ memory.
 
 The rule. cgbackend never frees a graph's static inputs, outputs or saved
 activations. So the only memory two graphs of a pool share is the temporaries
-of a graph captured earlier, which a graph captured later may have received
-for its static outputs. Replaying graph ``g`` is therefore safe unless a graph
-captured after ``g`` (a higher capture index) holds data that is still needed.
+of a graph captured earlier (its cuBLAS workspace among them: capture.py),
+which a graph captured later may have received for its static outputs.
+Replaying graph ``g`` is therefore safe unless a graph captured after ``g`` (a
+higher capture index) holds data that is still needed.
 ``PoolState.live`` counts the graphs whose outputs are still needed (replayed
 in the current inference call, or in a training forward whose backward has not
 finished); :meth:`PoolState.hazard` applies the rule before every replay.
