@@ -4,6 +4,7 @@ GPU cases (capture out of memory, memory given back) carry the cuda marker."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import threading
 import traceback
@@ -244,3 +245,87 @@ def test_deleting_the_compiled_model_gives_the_pool_memory_back():
     torch.cuda.empty_cache()
     after = torch.cuda.memory_reserved()
     assert after - before < 0.1 * (held - before) + 2**20, (before, held, after)
+
+
+class _Cycle:
+    """Garbage that only the cyclic collector frees (as TE's make_graphed_callables leaves)."""
+
+    def __init__(self, held):
+        self.held, self.me = held, self
+
+
+@pytest.mark.cuda
+def test_automatic_gc_inside_a_capture_cannot_invalidate_it(monkeypatch):
+    """An automatic collection inside a capture that destroys an unrelated, cyclically held CUDA
+    graph invalidates the capture (destroying a graph is not permitted while a stream captures).
+    The test makes such garbage right after each capture begins and makes an automatic collection
+    due at once: cgbackend pauses automatic collection while capturing, so every region captures."""
+    old = []
+    for _ in range(8):  # one stray graph per capture
+        g = torch.cuda.CUDAGraph()
+        buf = torch.zeros(4, device="cuda")
+        with torch.cuda.graph(g):
+            buf.add_(1)
+        old.append(g)
+    del g
+    begin = torch.cuda.CUDAGraph.capture_begin
+    thresholds = gc.get_threshold()
+
+    def capture_begin(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        if old:
+            _Cycle(old.pop())
+            gc.set_threshold(1)
+            try:
+                _ = [[i] for i in range(64)]  # allocations that trigger a due collection
+            finally:
+                gc.set_threshold(*thresholds)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    model = build_model("moe", size="tiny", device="cuda").train()
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, warmup=1)
+    for x in make_inputs("moe", model, n=3, device="cuda"):
+        out = compiled(x)
+        expected = ref(x)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        F.cross_entropy(out.flatten(0, 1), x.flatten()).backward()
+        F.cross_entropy(expected.flatten(0, 1), x.flatten()).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    st = cgbackend.stats(compiled)
+    assert st["capture_failures"] == [], st["capture_failures"]
+    assert st["fwd_graphs"] == st["bwd_graphs"] == st["static_regions"] > 0
+    assert len(old) < 8, "no capture ran the injected collection"
+
+
+class _NoProduct(nn.Module):
+    def forward(self, x):
+        return F.gelu(x * 2.0 + 1.0).softmax(-1)
+
+
+@pytest.mark.cuda
+def test_capture_in_a_thread_that_never_ran_a_matrix_product():
+    """A thread without a cuBLAS handle yet (nothing it ran used cuBLAS, as with a model made of TE
+    modules only) must not get one made inside a capture: that invalidates the capture."""
+    result = {}
+
+    def work():
+        try:
+            model = _NoProduct()
+            compiled = cgbackend.compile(model, warmup=1)
+            xs = [torch.randn(64, 32, device="cuda") for _ in range(3)]
+            with torch.no_grad():
+                result["ok"] = all(torch.allclose(compiled(x), model(x), **EXACT) for x in xs)
+            result["stats"] = cgbackend.stats(compiled)
+        except BaseException as exc:  # reported by the assertions below
+            result["error"] = exc
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in result, result.get("error")
+    st = result["stats"]
+    assert result["ok"]
+    assert st["capture_failures"] == [], st["capture_failures"]
+    assert st["graphs_captured"] == st["static_regions"] == 1

@@ -9,6 +9,7 @@ built on top sees the same buffer reuse as with CUDA graphs.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
@@ -99,6 +100,24 @@ def non_overlapping(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No automatic garbage collection while capturing.
+
+    A collection inside a capture may destroy an unrelated CUDA graph that only a reference cycle
+    kept (TE's make_graphed_callables makes such cycles), and destroying a graph is not permitted
+    while a stream captures: it invalidates the capture ("operation failed due to a previous error
+    during capture"). torch.cuda.graph no longer collects before capturing (pytorch#158193), so
+    nothing else prevents it. Explicit gc.collect() calls still run."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def _autocast_cache_off() -> Iterator[None]:
     # Autocast caches casted weights until the outermost autocast exits. A cast cached while
     # capturing would live in the graph pool and be freed on exit; one cached before would be
@@ -165,6 +184,9 @@ def _blas_workspace_in_pool(device: torch.device) -> Iterator[None]:
         yield
         return
     with torch.cuda.device(device):
+        # This thread's cuBLAS handle, made now if it has none (a region whose warm-up ran no
+        # product, a fresh autograd thread): creating one inside the capture invalidates it.
+        torch.cuda.current_blas_handle()
         clear_blas_workspaces()
     try:
         yield
@@ -227,7 +249,8 @@ class Capturer:
 
         device = torch.device(pool.device)
         try:
-            with _autocast_cache_off(), torch.cuda.device(device), _blas_workspace_in_pool(device):
+            with (_gc_paused(), _autocast_cache_off(), torch.cuda.device(device),
+                  _blas_workspace_in_pool(device)):
                 with torch.cuda.graph(graph, pool=pool.handle, stream=stream,
                                       capture_error_mode="thread_local"):
                     if POOLED_WORKSPACES:
