@@ -397,3 +397,20 @@ def test_training_backend_leaves_no_tensors_behind(name):
     torch._dynamo.reset()
     cgbackend.reset()
     assert _real_tensors() == before
+
+
+def test_double_backward_fails_with_a_clear_error():
+    """A graphed backward has no autograd history: create_graph=True through it must say so, not
+    fail later with autograd's generic 'does not require grad'."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    compiled = cgbackend.compile(model, **SIM)
+    x = torch.randn(4, 8, requires_grad=True)
+    (g,) = torch.autograd.grad(compiled(x).sum(), x, create_graph=True)  # warm-up: eager, fine
+    torch.autograd.grad(g.pow(2).sum(), x)
+    x2 = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True .* not supported"):
+        torch.autograd.grad(compiled(x2).sum(), x2, create_graph=True)
+    (g2,) = torch.autograd.grad(compiled(x2).sum(), x2)  # a plain backward still replays
+    (want,) = torch.autograd.grad(model(x2).sum(), x2)
+    assert torch.equal(g2, want)
+    assert cgbackend.stats(compiled)["bwd_replays"] >= 1

@@ -898,6 +898,12 @@ class _RegionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
         runner, entry, call = ctx.runner, ctx.entry, ctx.call
+        if torch.is_grad_enabled():  # the engine runs backward in grad mode only for create_graph
+            raise RuntimeError(
+                f"cgbackend: backward with create_graph=True (double backward) through graphed region "
+                f"{runner.name} is not supported: its backward replays a graph, which records no "
+                "autograd history to differentiate again. Compute higher-order gradients without "
+                "cgbackend for this model.")
         if not call.still_valid(ctx.generation):
             raise RuntimeError(
                 f"cgbackend: backward through graphed region {runner.name} after its memory was reused "
