@@ -169,8 +169,9 @@ def clear_blas_workspaces() -> bool:
 
 
 @contextlib.contextmanager
-def _blas_workspace_in_pool(device: torch.device) -> Iterator[None]:
-    """Around a capture: the graph's cuBLAS workspace becomes one of its temporaries.
+def _blas_workspace_in_pool() -> Iterator[None]:
+    """Around a capture, entered on its device: the graph's cuBLAS workspace becomes one of its
+    temporaries.
 
     PyTorch keeps a cuBLAS workspace for every (handle, stream) it has seen (32 MiB on Hopper), so
     a side stream for captures would cost a second one next to the eager stream's for good. Here
@@ -183,16 +184,14 @@ def _blas_workspace_in_pool(device: torch.device) -> Iterator[None]:
     if not POOLED_WORKSPACES:
         yield
         return
-    with torch.cuda.device(device):
-        # This thread's cuBLAS handle, made now if it has none (a region whose warm-up ran no
-        # product, a fresh autograd thread): creating one inside the capture invalidates it.
-        torch.cuda.current_blas_handle()
-        clear_blas_workspaces()
+    # This thread's cuBLAS handle, made now if it has none (a region whose warm-up ran no product,
+    # a fresh autograd thread): creating one inside the capture invalidates it.
+    torch.cuda.current_blas_handle()
+    clear_blas_workspaces()
     try:
         yield
     finally:
-        with torch.cuda.device(device):
-            clear_blas_workspaces()
+        clear_blas_workspaces()
 
 
 class Capturer:
@@ -249,8 +248,7 @@ class Capturer:
 
         device = torch.device(pool.device)
         try:
-            with (_gc_paused(), _autocast_cache_off(), torch.cuda.device(device),
-                  _blas_workspace_in_pool(device)):
+            with _gc_paused(), _autocast_cache_off(), torch.cuda.device(device), _blas_workspace_in_pool():
                 with torch.cuda.graph(graph, pool=pool.handle, stream=stream,
                                       capture_error_mode="thread_local"):
                     if POOLED_WORKSPACES:
