@@ -138,7 +138,7 @@ for _c in (
     Contender("cgbackend-static-dispatch", _cgbackend(static_dispatch="auto"), stock=False,
               backend_stats=_cgbackend_stats,
               description='cgbackend.compile(model, static_dispatch="auto") (MoE dispatch rewritten '
-                          'into a static form, passes/dispatch.py)'),
+                          'into a static form, passes/dispatch/)'),
 ):
     register_contender(_c)
 del _c

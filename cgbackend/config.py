@@ -77,7 +77,7 @@ class Config:
 
     static_dispatch: str = "off"
     """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is
-    captured (passes/dispatch.py): "off", "auto" (cost model picks, may leave a loop dynamic) or a
+    captured (passes/dispatch/): "off", "auto" (cost model picks, may leave a loop dynamic) or a
     form ("masked_dense"). The report lists every rewrite and every loop left alone, with why."""
 
     opaque_modules: bool = True

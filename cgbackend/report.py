@@ -94,7 +94,7 @@ class GraphReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     runtime: Optional[dict[str, Any]] = None
     dispatch: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Static MoE dispatch (passes/dispatch.py): ``{"mode", "rewrites": [...], "skipped": [...]}``."""
+    """Static MoE dispatch (passes/dispatch/): ``{"mode", "rewrites": [...], "skipped": [...]}``."""
 
 
 @dataclasses.dataclass

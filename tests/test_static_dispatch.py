@@ -334,7 +334,7 @@ def test_dunder_method_spelling_of_torch_2_11_is_matched():
 
 
 def test_auto_leaves_a_loop_dynamic_above_the_row_limit(monkeypatch):
-    from cgbackend.passes import dispatch
+    from cgbackend.passes.dispatch import cost as dispatch
     monkeypatch.setattr(dispatch, "_AUTO_MAX_ROWS", 8)  # the test's 12 tokens are over it
     torch.manual_seed(0)
     gm = trace(MixtralStyleMoE(D, FF, E, 2), torch.randn(2, 6, D))

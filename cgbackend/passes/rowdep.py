@@ -8,7 +8,7 @@ or raises :class:`NotRowwise` naming the first op that mixes rows.
 "Row-independent along dimension d" means: row i of every output depends only on
 row i of the row inputs (and on tensors that do not depend on the rows at all,
 such as parameters). It is what makes two rewrites safe: computing a per-row
-function on *all* rows and masking (the static MoE dispatch, passes/dispatch.py),
+function on *all* rows and masking (the static MoE dispatch, passes/dispatch/),
 and padding rows up to a bucket and slicing the result.
 
 The rules are a whitelist. An op not listed, or listed but applied across the row

@@ -1,41 +1,9 @@
-"""Static MoE dispatch: rewrite data-dependent expert loops into sync-free code of fixed shapes.
+"""Matching: which code is a dispatch unit, with the proof that rewriting it is safe.
 
-Reads and writes: one Dynamo graph (in place), before the other passes, when the
-``static_dispatch`` option is not "off". Returns a :class:`DispatchResult` naming
-every rewrite (pattern, source line, module path, form and why) and every
-candidate left alone (with the reason).
-
-Patterns (each one "dispatch unit", matched from its sink):
-
-* ``where_loop``: ``i, j = torch.where(mask)`` (or ``mask.nonzero(as_tuple=True)``),
-  a gather of rows by one coordinate (``x[j]``, ``x[None, j]``, ``index_select``),
-  a computation on the gathered rows, optionally times a gathered weight
-  (``w[j, i, None]``), accumulated with ``acc.index_add_(0, j, v)`` or
-  ``acc[j] += v``. Hugging Face Mixtral's eager loop (one-hot mask, per-expert
-  ``where``) and DeepSeek's ``torch.where(indices == e)`` loop are this pattern.
-* ``sorted_split``: ``order = argsort(ids)``, ``counts = bincount(ids, minlength=E)``,
-  ``split(x[order // k], counts.tolist())``, expert ``e`` on piece ``e``,
-  ``cat(...) * w.flatten()[order]``, ``index_add_(0, order // k, ...)``.
-* ``grouped_mm_fallback``: transformers' ``grouped_mm_fallback`` op (a per-expert loop
-  over ``offsets.tolist()``, used under torch.compile for weights other than bf16).
-
-Form. ``masked_dense``: each expert computes on every row; its output is multiplied by
-the token's combine weight (the sum of its router weights routed to that expert, zero
-when none) and added where the token is routed (``torch.where``, so a non-finite value
-of an unrouted row cannot leak). Nothing reads device data on the host and every shape
-is fixed by the token count and the number of experts, so the whole MoE layer joins
-the surrounding static region. It costs E/k times the expert FLOPs of the dropless
-loop and saves every host sync and the per-expert gathers; the cost model below says
-when that trade is taken.
-
-Safety. A unit is rewritten only when (1) the computation between gather and sink is
-proven row-independent (passes/rowdep.py): row t of the result depends only on token
-t, so computing all rows and keeping the routed ones gives the same rows; (2) every
-node that depends on the selection is part of the unit or size bookkeeping
-(``sym_size``, ``_assert_scalar``), so removing the unit removes nothing else; (3) the
-row counts of the mask, the gathered tensor and the accumulator agree. Anything else
-stays as it is, dynamic, with the reason in the report.
-"""
+Each matcher looks at one node (a unit's sink) and returns a :class:`_Plan` (the unit's pieces and a
+masked-dense builder) or None; a recognized unit that cannot be rewritten raises ``_Skip`` with the
+reason. Where-loop units also carry a :class:`WhereUnit` so a layer of them can take the grouped
+form (grouped.py)."""
 
 from __future__ import annotations
 
@@ -46,77 +14,12 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import arg_of, fake_value, module_path, plain_name, sizes_equal, source_location
-from .effects import mutated_args
-from .rowdep import NotRowwise, propagate_rows
-
-__all__ = ["DispatchResult", "DispatchRewrite", "DispatchSkipped", "rewrite_static_dispatch",
-           "FORMS", "MODES"]
-
-FORMS = ("masked_dense",)
-MODES = ("off", "auto") + FORMS
-
-# "auto" rewrites into masked dense while each expert computes on at most this many rows.
-_AUTO_MAX_ROWS = 1 << 16
-
-
-@dataclasses.dataclass
-class _UnitRecord:
-    """Where a dispatch unit is: its pattern and the sink's source line and module path."""
-    pattern: str
-    source: str
-    code: str
-    module_path: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class DispatchRewrite(_UnitRecord):
-    form: str = ""
-    why: str = ""
-    experts: int = 0
-    removed_ops: int = 0
-
-
-@dataclasses.dataclass
-class DispatchSkipped(_UnitRecord):
-    reason: str = ""
-
-
-@dataclasses.dataclass
-class DispatchResult:
-    mode: str = "off"
-    rewrites: list[DispatchRewrite] = dataclasses.field(default_factory=list)
-    skipped: list[DispatchSkipped] = dataclasses.field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "rewrites": [r.to_dict() for r in self.rewrites],
-                "skipped": [s.to_dict() for s in self.skipped]}
-
-
-class _Skip(Exception):
-    """A recognized dispatch unit that cannot be rewritten; the message is the reason."""
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-def _is(node: Any, *names: str) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method") \
-        and plain_name(node) in names
-
-
-def _is_getitem(node: Any) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem
-
-
-def _shape(node: Any) -> tuple:
-    value = fake_value(node)
-    if not isinstance(value, torch.Tensor):
-        raise _Skip(f"{getattr(node, 'name', node)} has no tensor value")
-    return tuple(value.shape)
-
+from ...fx_utils import arg_of, fake_value, plain_name, sizes_equal, source_location
+from ..effects import mutated_args
+from ..rowdep import NotRowwise, propagate_rows
+from .graph import _Builder, _ancestors, _descendants, _is, _is_getitem, _shape, _strip_casts, _CASTS
+from .masked_dense import _Weight, _bool_mask, _combine, _combine_weights, _dense_weight
+from .records import _Skip
 
 def _selection(node: Any) -> Optional[torch.fx.Node]:
     """The ``where(mask)`` / ``nonzero(mask, as_tuple=True)`` node a coordinate comes from."""
@@ -129,103 +32,6 @@ def _selection(node: Any) -> Optional[torch.fx.Node]:
         return src
     return None
 
-
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen: set[torch.fx.Node] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return seen
-
-
-def _descendants(roots: list[torch.fx.Node], stop: Optional[torch.fx.Node] = None) -> set[torch.fx.Node]:
-    seen: set[torch.fx.Node] = set(roots)
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n is stop:
-            continue
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
-_CASTS = ("to", "type", "float", "half", "bfloat16", "type_as")
-
-
-def _strip_casts(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
-    casts: list[torch.fx.Node] = []
-    while _is(node, *_CASTS) and all(not isinstance(a, torch.fx.Node) for a in node.args[1:]):
-        casts.insert(0, node)
-        node = node.args[0]
-    return node, casts
-
-
-class _Builder:
-    """Inserts nodes before ``anchor`` with fake values computed under the graph's fake mode."""
-
-    def __init__(self, gm: torch.fx.GraphModule, anchor: torch.fx.Node) -> None:
-        self.graph = gm.graph
-        self.anchor = anchor
-        # The graph's own fake mode (the ambient tracing context may hold another one).
-        self.fake_mode = next((fake_value(n).fake_mode for n in gm.graph.nodes
-                               if getattr(fake_value(n), "fake_mode", None) is not None), None)
-        self.created: list[torch.fx.Node] = []
-        if self.fake_mode is None:
-            raise _Skip("the graph carries no fake tensors to check the rewrite's shapes")
-
-    def _meta(self, node: torch.fx.Node, like: Optional[torch.fx.Node]) -> None:
-        like = like or self.anchor
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in like.meta:
-                node.meta[key] = like.meta[key]
-
-    def _value(self, op: str, target: Any, args: tuple, kwargs: dict) -> Any:
-        def val(a: Any) -> Any:
-            return fake_value(a) if isinstance(a, torch.fx.Node) else a
-        fargs = torch.fx.node.map_aggregate(args, val)
-        fkwargs = torch.fx.node.map_aggregate(kwargs, val)
-        with self.fake_mode:
-            if op == "call_method":
-                return getattr(fargs[0], target)(*fargs[1:], **fkwargs)
-            return target(*fargs, **fkwargs)
-
-    def add(self, op: str, target: Any, *args: Any, like: Optional[torch.fx.Node] = None,
-            **kwargs: Any) -> torch.fx.Node:
-        value = self._value(op, target, args, kwargs)
-        with self.graph.inserting_before(self.anchor):
-            node = self.graph.create_node(op, target, args, kwargs)
-        self.created.append(node)
-        node.meta["example_value"] = value
-        self._meta(node, like)
-        return node
-
-    def undo(self, cache: dict) -> None:
-        created = set(self.created)
-        for key in [k for k, v in cache.items() if created & set(x for x in v if x is not None)]:
-            del cache[key]
-        for node in reversed(self.created):
-            self.graph.erase_node(node)
-        self.created.clear()
-
-    def fn(self, target: Callable, *args: Any, **kwargs: Any) -> torch.fx.Node:
-        return self.add("call_function", target, *args, **kwargs)
-
-    def method(self, name: str, *args: Any, **kwargs: Any) -> torch.fx.Node:
-        return self.add("call_method", name, *args, **kwargs)
-
-    def copy(self, node: torch.fx.Node, env: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node:
-        args = torch.fx.node.map_arg(node.args, lambda a: env.get(a, a))
-        kwargs = torch.fx.node.map_arg(node.kwargs, lambda a: env.get(a, a))
-        new = self.add(node.op, node.target, *args, like=node, **kwargs)
-        env[node] = new
-        return new
 
 
 # ----------------------------------------------------------------------------- unit pieces
@@ -281,15 +87,6 @@ def _gather_of(node: torch.fx.Node, index: torch.fx.Node) -> Optional[tuple[torc
     return None
 
 
-@dataclasses.dataclass
-class _Weight:
-    """A per-selected-position factor ``w[coords...]`` followed by unsqueezes / casts."""
-    table: torch.fx.Node
-    axes: list[int]          # grid axis indexing each leading dim of ``table``
-    nones: int               # trailing None entries of the key
-    post: list[torch.fx.Node]
-
-
 def _weight_of(node: torch.fx.Node, coords: dict[torch.fx.Node, int], forbidden: set) -> Optional[_Weight]:
     post: list[torch.fx.Node] = []
     while _is(node, "unsqueeze", *_CASTS):
@@ -317,73 +114,6 @@ def _weight_of(node: torch.fx.Node, coords: dict[torch.fx.Node, int], forbidden:
     if nones and len(_shape(table)) != len(axes):
         return None
     return _Weight(table, axes, nones, post)
-
-
-def _dense_weight(b: _Builder, w: _Weight, grid_nd: int, tok_axis: int) -> torch.fx.Node:
-    """The weight laid out over the token-major selection grid: [T, (K,) *tail]."""
-    order = [tok_axis] + [a for a in range(grid_nd) if a != tok_axis]
-    table = w.table
-    present = [a for a in order if a in w.axes]
-    perm = [w.axes.index(a) for a in present]
-    extra = len(_shape(table)) - len(w.axes)
-    if perm != list(range(len(perm))):
-        table = b.method("permute", table, *(perm + list(range(len(perm), len(perm) + extra))))
-    for pos, a in enumerate(order):
-        if a not in w.axes:
-            table = b.method("unsqueeze", table, pos)
-    for _ in range(w.nones):
-        table = b.method("unsqueeze", table, -1)
-    for p in w.post:
-        if _is(p, "unsqueeze"):
-            d = arg_of(p, 1, "dim")
-            if d == 0:
-                raise _Skip("the router weight is unsqueezed in front of the rows")
-            table = b.method("unsqueeze", table, d if d < 0 else d + grid_nd - 1)
-        else:
-            table = b.copy(p, {p.args[0]: table})
-    return table
-
-
-def _combine_weights(b: _Builder, masks: torch.fx.Node, weight: Optional[torch.fx.Node], grid_nd: int,
-                     dtype: torch.dtype) -> tuple[Optional[torch.fx.Node], torch.fx.Node]:
-    """Per expert e and token t: the combine weight c[e, t, *tail] (the token's router weights
-    routed to e, summed over its slots; zero when none) and routed[e, t]. ``masks`` is boolean
-    [E, T] or [E, T, K]; ``weight`` the router weight over the token-major grid [T, (K,) *tail]."""
-    routed = b.method("any", masks, 2) if grid_nd == 2 else masks
-    if weight is None:
-        if grid_nd == 1:
-            return None, routed  # each routed token adds its row once
-        return b.method("unsqueeze", b.method("to", b.method("sum", masks, 2), dtype), -1), routed
-    m = masks
-    for _ in range(len(_shape(weight)) - grid_nd):
-        m = b.method("unsqueeze", m, -1)
-    picked = b.fn(torch.where, m, weight, 0)
-    return (b.method("sum", picked, 2) if grid_nd == 2 else picked), routed
-
-
-def _combine(b: _Builder, rows: torch.fx.Node, c: Optional[torch.fx.Node], routed: torch.fx.Node,
-             rows_first: bool, casts: list[torch.fx.Node], acc: torch.fx.Node, in_place: bool) -> torch.fx.Node:
-    """acc (+)= where(routed, rows, 0) * c, cast as the original value was.
-
-    An unrouted token adds exactly zero, also when its (never used) expert row is not finite. A
-    routed token adds the same product, rounded the same way, as the loop did: its combine weight
-    is its one router weight (plus exact zeros), so low-precision results match the loop bit for
-    bit and the next layer's routing does not flip. (A fused multiply-add would round once and
-    drift from the loop.)"""
-    for _ in range(len(_shape(rows)) - 1):
-        routed = b.method("unsqueeze", routed, -1)
-    val = b.fn(torch.where, routed, rows, 0)
-    if c is not None:
-        val = b.fn(operator.mul, val, c) if rows_first else b.fn(operator.mul, c, val)
-    for cast in casts:
-        val = b.copy(cast, {cast.args[0]: val})
-    return b.method("add_", acc, val) if in_place else b.fn(operator.add, acc, val)
-
-
-def _bool_mask(b: _Builder, mask: torch.fx.Node) -> torch.fx.Node:
-    if fake_value(mask).dtype == torch.bool:
-        return mask
-    return b.fn(operator.ne, mask, 0)
 
 
 # ----------------------------------------------------------------------------- matchers
@@ -699,74 +429,3 @@ def _removable(plan: _Plan) -> set[torch.fx.Node]:
     return closure
 
 
-def _erase(gm: torch.fx.GraphModule, dead: set[torch.fx.Node]) -> None:
-    for n in reversed(list(gm.graph.nodes)):  # users before their inputs
-        if n in dead and not n.users:
-            gm.graph.erase_node(n)
-
-
-def _choose_form(plan: _Plan, mode: str) -> tuple[Optional[str], str]:
-    """The cost model: masked dense makes every expert compute on every token. "auto" takes it while
-    that stays small (launch-bound layers, where the loop's syncs and per-expert gathers cost more
-    than the extra FLOPs) and leaves the loop dynamic above the row limit. The limit is a rough
-    guess, not a measured crossover."""
-    tokens = plan.tokens
-    if mode in FORMS:
-        return mode, f"{mode} requested (static_dispatch={mode!r})"
-    if not isinstance(tokens, int):
-        return "masked_dense", "masked dense: token count symbolic, rewritten (no host sync, fixed shapes)"
-    if tokens > _AUTO_MAX_ROWS:
-        return None, (f"{tokens} rows per expert exceed the masked-dense limit of {_AUTO_MAX_ROWS} "
-                      "(every expert would compute on every row); left dynamic")
-    return "masked_dense", (f"masked dense: {tokens} rows per expert (limit {_AUTO_MAX_ROWS}); "
-                            "no host sync and fixed shapes")
-
-
-def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResult:
-    """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc."""
-    result = DispatchResult(mode=mode)
-    if mode == "off":
-        return result
-    if mode not in MODES:
-        raise ValueError(f"static_dispatch must be one of {', '.join(MODES)}, got {mode!r}")
-    changed = False
-    cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.nodes):
-        if node not in order or node.op not in ("call_function", "call_method"):
-            continue  # erased with an earlier unit
-        for matcher in _MATCHERS:
-            try:
-                plan = matcher(node, order)
-                if plan is None:
-                    continue
-                dead = _removable(plan)
-                form, why = _choose_form(plan, mode)
-                if form is None:
-                    raise _Skip(why)
-                builder = _Builder(gm, node)
-                try:
-                    new = plan.build(builder, cache)
-                except Exception as exc:
-                    builder.undo(cache)
-                    if isinstance(exc, _Skip):
-                        raise
-                    raise _Skip(f"the static form does not trace ({type(exc).__name__}: {exc})") from exc
-            except _Skip as exc:
-                source, code = source_location(node)
-                result.skipped.append(DispatchSkipped(_PATTERN_OF[matcher], source, code,
-                                                      module_path(node), reason=str(exc)))
-                break
-            source, code = source_location(node)
-            result.rewrites.append(DispatchRewrite(
-                plan.pattern, source, code, module_path(node), form=form, why=why, experts=plan.experts,
-                removed_ops=sum(1 for n in dead if n.op in ("call_function", "call_method"))))
-            node.replace_all_uses_with(new)
-            _erase(gm, dead)
-            order = {n: i for i, n in enumerate(gm.graph.nodes)}
-            changed = True
-            break
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    return result

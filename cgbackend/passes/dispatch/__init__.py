@@ -1,0 +1,109 @@
+"""Static MoE dispatch: rewrite data-dependent expert loops into sync-free code of fixed shapes.
+
+Reads and writes: one Dynamo graph (in place), before the other passes, when the
+``static_dispatch`` option is not "off". Returns a :class:`DispatchResult` naming
+every rewrite (pattern, source line, module path, form and why) and every
+candidate left alone (with the reason).
+
+Patterns (each one "dispatch unit", matched from its sink):
+
+* ``where_loop``: ``i, j = torch.where(mask)`` (or ``mask.nonzero(as_tuple=True)``),
+  a gather of rows by one coordinate (``x[j]``, ``x[None, j]``, ``index_select``),
+  a computation on the gathered rows, optionally times a gathered weight
+  (``w[j, i, None]``), accumulated with ``acc.index_add_(0, j, v)`` or
+  ``acc[j] += v``. Hugging Face Mixtral's eager loop (one-hot mask, per-expert
+  ``where``) and DeepSeek's ``torch.where(indices == e)`` loop are this pattern.
+* ``sorted_split``: ``order = argsort(ids)``, ``counts = bincount(ids, minlength=E)``,
+  ``split(x[order // k], counts.tolist())``, expert ``e`` on piece ``e``,
+  ``cat(...) * w.flatten()[order]``, ``index_add_(0, order // k, ...)``.
+* ``grouped_mm_fallback``: transformers' ``grouped_mm_fallback`` op (a per-expert loop
+  over ``offsets.tolist()``, used under torch.compile for weights other than bf16).
+
+Form. ``masked_dense``: each expert computes on every row; its output is multiplied by
+the token's combine weight (the sum of its router weights routed to that expert, zero
+when none) and added where the token is routed (``torch.where``, so a non-finite value
+of an unrouted row cannot leak). Nothing reads device data on the host and every shape
+is fixed by the token count and the number of experts, so the whole MoE layer joins
+the surrounding static region. It costs E/k times the expert FLOPs of the dropless
+loop and saves every host sync and the per-expert gathers; the cost model below says
+when that trade is taken.
+
+Safety. A unit is rewritten only when (1) the computation between gather and sink is
+proven row-independent (passes/rowdep.py): row t of the result depends only on token
+t, so computing all rows and keeping the routed ones gives the same rows; (2) every
+node that depends on the selection is part of the unit or size bookkeeping
+(``sym_size``, ``_assert_scalar``), so removing the unit removes nothing else; (3) the
+row counts of the mask, the gathered tensor and the accumulator agree. Anything else
+stays as it is, dynamic, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ...fx_utils import module_path, source_location
+from .cost import FORMS, MODES, choose_form
+from .match import _MATCHERS, _PATTERN_OF, _removable
+from .graph import _Builder
+from .records import DispatchResult, DispatchRewrite, DispatchSkipped, _Skip
+
+__all__ = ["DispatchResult", "DispatchRewrite", "DispatchSkipped", "rewrite_static_dispatch",
+           "FORMS", "MODES"]
+
+
+def _erase(gm: torch.fx.GraphModule, dead: set[torch.fx.Node]) -> None:
+    for n in reversed(list(gm.graph.nodes)):  # users before their inputs
+        if n in dead and not n.users:
+            gm.graph.erase_node(n)
+
+
+
+def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResult:
+    """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc."""
+    result = DispatchResult(mode=mode)
+    if mode == "off":
+        return result
+    if mode not in MODES:
+        raise ValueError(f"static_dispatch must be one of {', '.join(MODES)}, got {mode!r}")
+    changed = False
+    cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node not in order or node.op not in ("call_function", "call_method"):
+            continue  # erased with an earlier unit
+        for matcher in _MATCHERS:
+            try:
+                plan = matcher(node, order)
+                if plan is None:
+                    continue
+                dead = _removable(plan)
+                form, why = choose_form(plan, mode)
+                if form is None:
+                    raise _Skip(why)
+                builder = _Builder(gm, node)
+                try:
+                    new = plan.build(builder, cache)
+                except Exception as exc:
+                    builder.undo(cache)
+                    if isinstance(exc, _Skip):
+                        raise
+                    raise _Skip(f"the static form does not trace ({type(exc).__name__}: {exc})") from exc
+            except _Skip as exc:
+                source, code = source_location(node)
+                result.skipped.append(DispatchSkipped(_PATTERN_OF[matcher], source, code,
+                                                      module_path(node), reason=str(exc)))
+                break
+            source, code = source_location(node)
+            result.rewrites.append(DispatchRewrite(
+                plan.pattern, source, code, module_path(node), form=form, why=why, experts=plan.experts,
+                removed_ops=sum(1 for n in dead if n.op in ("call_function", "call_method"))))
+            node.replace_all_uses_with(new)
+            _erase(gm, dead)
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}
+            changed = True
+            break
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    return result

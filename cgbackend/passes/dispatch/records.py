@@ -1,0 +1,50 @@
+"""Records of the static-dispatch pass: one per rewritten or skipped unit, shared by every form and
+read by the report (``graphs[].dispatch``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["DispatchRewrite", "DispatchSkipped", "DispatchResult", "_Skip"]
+
+
+@dataclasses.dataclass
+class _UnitRecord:
+    """Where a dispatch unit is: its pattern and the sink's source line and module path."""
+    pattern: str
+    source: str
+    code: str
+    module_path: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class DispatchRewrite(_UnitRecord):
+    form: str = ""
+    why: str = ""
+    experts: int = 0
+    removed_ops: int = 0
+
+
+@dataclasses.dataclass
+class DispatchSkipped(_UnitRecord):
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class DispatchResult:
+    mode: str = "off"
+    rewrites: list[DispatchRewrite] = dataclasses.field(default_factory=list)
+    skipped: list[DispatchSkipped] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "rewrites": [r.to_dict() for r in self.rewrites],
+                "skipped": [s.to_dict() for s in self.skipped]}
+
+
+class _Skip(Exception):
+    """A recognized dispatch unit that cannot be rewritten; the message is the reason."""
+
