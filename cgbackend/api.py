@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import opaque
+from .passes.dispatch import source as loop_source
 from .backend import CGBackend, default_backend, dynamo_entry, reset_default_backend
 from .report import Report
 
@@ -51,6 +52,45 @@ def dynamic_ops_config() -> _TraceDynamicOps:
     return _TraceDynamicOps()
 
 
+def _data_dependent_failure(exc: BaseException) -> Optional[BaseException]:
+    """The error when Dynamo failed on a data-dependent value that plain torch.compile would have
+    met as a graph break (``.tolist()`` of a tensor whose length depends on the data, a branch on an
+    unbacked value); None for any other error."""
+    try:
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+    except ImportError:  # pragma: no cover - present on every supported torch
+        return None
+    seen: set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, GuardOnDataDependentSymNode):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _call_tracing_dynamic_ops(instance: CGBackend, fn: Callable[..., Any], args: tuple,
+                              kwargs: dict) -> Any:
+    """Call ``fn`` with data-dependent ops traced into the graph; if Dynamo fails on a data-dependent
+    value, trace as plain torch.compile does (a graph break there) from then on, counted and shown
+    in the report. The call is retried only when no compiled graph ran during the failed attempt
+    (tracing itself runs none of the model's code)."""
+    if instance.trace_fallback is not None:
+        return fn(*args, **kwargs)
+    counters = instance.shared.counters
+    calls = counters.graph_calls
+    try:
+        with dynamic_ops_config():
+            return fn(*args, **kwargs)
+    except Exception as exc:
+        cause = _data_dependent_failure(exc)
+        if cause is None or counters.graph_calls != calls:
+            raise
+        instance.note_trace_fallback(cause)
+    return fn(*args, **kwargs)
+
+
 def prepare(model: torch.nn.Module) -> opaque.InstallResult:
     """Make the modules of ``model`` that Dynamo cannot trace but cgbackend knows (Transformer
     Engine's) one opaque graph call each, for ``torch.compile(model, backend="cgbackend")``;
@@ -71,14 +111,15 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     instance = CGBackend(**options)
     if instance.config.opaque_modules and isinstance(model, torch.nn.Module):
         instance.opaque = opaque.install(model)
+    if instance.config.static_dispatch != "off" and isinstance(model, torch.nn.Module):
+        instance.loops = loop_source.install(model)
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward
 
         @functools.wraps(traced_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with dynamic_ops_config():
-                return traced_forward(*args, **kwargs)
+            return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
 
         compiled.forward = forward
         # On the wrapper itself: torch's OptimizedModule forwards other attribute writes to the
@@ -88,8 +129,7 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
 
     @functools.wraps(model)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with dynamic_ops_config():
-            return compiled(*args, **kwargs)
+        return _call_tracing_dynamic_ops(instance, compiled, args, kwargs)
 
     wrapper._cgbackend = instance
     return wrapper

@@ -58,7 +58,20 @@ class CGBackend:
         self._no_cuda_logged = False
         self.opaque: Optional[InstallResult] = None
         """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
+        self.loops: list = []
+        """Loops cgbackend.compile / explain rewrote in the model's source (passes/dispatch/source.py)."""
+        self.trace_fallback: Optional[str] = None
+        """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
         self.__name__ = "cgbackend"
+
+    def note_trace_fallback(self, cause: BaseException) -> None:
+        first = str(cause).strip().splitlines()
+        caused_by = next((line.strip() for line in first if line.strip().startswith("Caused by:")), "")
+        self.trace_fallback = (f"Dynamo could not trace a data-dependent value ({type(cause).__name__}: "
+                               f"{first[0] if first else ''}{'; ' + caused_by if caused_by else ''}); "
+                               "traced as plain torch.compile does, with a graph break there")
+        self.shared.counters.trace_fallbacks += 1
+        log.warning("cgbackend: %s", self.trace_fallback)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         with self._lock:
@@ -108,8 +121,16 @@ class CGBackend:
                 gr.notes.append(f"nothing captured: {g.blocked}")
             graphs.append(gr)
         breaks = [b for b in (graph_break_info(g.analysis.gm) for g in self.compiled_graphs()) if b]
-        return Report(graphs=graphs, graph_breaks=breaks, summary=summarize(graphs, breaks),
-                      config=self.config.to_dict(), opaque_modules=self._opaque_dict())
+        report = Report(graphs=graphs, graph_breaks=breaks, summary=summarize(graphs, breaks),
+                        config=self.config.to_dict(), opaque_modules=self._opaque_dict())
+        self._annotate(report)
+        return report
+
+    def _annotate(self, report: Report) -> None:
+        """What happened before Dynamo's graphs: source-level loop rewrites and a trace fallback."""
+        report.loop_rewrites = [r.to_dict() for r in self.loops]
+        if self.trace_fallback is not None:
+            report.notes.append(self.trace_fallback)
 
     def _opaque_dict(self) -> dict[str, Any]:
         return self.opaque.to_dict() if self.opaque is not None else {}
@@ -117,6 +138,7 @@ class CGBackend:
     def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str]) -> Report:
         report = build_report(self._analyses, extra_breaks, self.config.to_dict(), notes)
         report.opaque_modules = self._opaque_dict()
+        self._annotate(report)
         return report
 
 

@@ -8,7 +8,8 @@ from typing import Any, Optional
 import torch
 
 from . import opaque
-from .api import dynamic_ops_config
+from .passes.dispatch import source as loop_source
+from .api import _data_dependent_failure, dynamic_ops_config
 from .backend import CGBackend
 from .config import Config
 from .report import Report
@@ -42,6 +43,10 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     instance._keep_analyses = True
     if config.opaque_modules and isinstance(model, torch.nn.Module):
         instance.opaque = opaque.install(model)
+    rewrote_loops = False
+    if config.static_dispatch != "off" and isinstance(model, torch.nn.Module):
+        instance.loops = loop_source.install(model)
+        rewrote_loops = any(r.form for r in instance.loops)
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
     before = dict(counters["graph_break"])
@@ -51,9 +56,21 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
                if isinstance(model, torch.nn.Module) else [])
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.is_cuda})
     try:
-        with scope, torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices):
             compiled = torch.compile(model, backend=instance)
-            compiled(*args, **kwargs)
+            try:
+                with scope:
+                    compiled(*args, **kwargs)
+            except Exception as exc:
+                cause = _data_dependent_failure(exc) if trace_dynamic_ops else None
+                if cause is None:
+                    raise
+                # as cgbackend.compile does: trace as plain torch.compile, with a graph break there
+                instance.note_trace_fallback(cause)
+                instance._analyses.clear()
+                torch._dynamo.reset()
+                compiled = torch.compile(model, backend=instance)
+                compiled(*args, **kwargs)
     except Exception as exc:
         raise ExplainError(f"tracing the model failed: {type(exc).__name__}: {_first_line(exc)}") from exc
     finally:
@@ -62,6 +79,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
+        if rewrote_loops:
+            loop_source.uninstall(model)
 
     breaks = [b for b in (br for _, br in instance._analyses) if b]
     seen = {b["reason"] for b in breaks}

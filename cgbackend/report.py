@@ -109,6 +109,10 @@ class Report:
     """What ``cgbackend.compile`` / ``explain`` made opaque (opaque.py): ``{"wrapped": [{"module",
     "kind"}], "skipped": [{"module", "kind", "reason"}]}``; skipped modules keep their own forward
     (Dynamo breaks the graph at them and they run eagerly)."""
+    loop_rewrites: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Dispatch loops rewritten in the model's source before tracing (passes/dispatch/source.py,
+    with static_dispatch on): ``[{"function", "source", "form", "reason"}]``; ``form`` is "hit_loop"
+    or "count_skip" when rewritten, "" with the ``reason`` when left as it is."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -343,6 +347,17 @@ def _opaque_modules_text(opaque: dict[str, Any], summary: dict[str, Any]) -> lis
     return lines
 
 
+def _loop_rewrites_text(loops: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for r in loops:
+        if r["form"]:
+            lines.append(f"  dispatch loop rewritten before tracing: {r['form']} at {r['source']} "
+                         "(now a fixed-length loop over every expert)")
+        else:
+            lines.append(f"  dispatch loop left as written at {r['source']}: {r['reason']}")
+    return lines
+
+
 def _dispatch_text(dispatch: dict[str, Any]) -> list[str]:
     """One line per (pattern, source line, module) of rewritten or skipped dispatch units."""
     lines = []
@@ -377,6 +392,7 @@ def render_text(report: Report) -> str:
     for note in report.notes:
         lines.append(f"  note: {note}")
     lines.extend(_opaque_modules_text(report.opaque_modules, s))
+    lines.extend(_loop_rewrites_text(report.loop_rewrites))
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")

@@ -232,6 +232,7 @@ class CompiledGraph:
             return self._call(args)
 
     def _call(self, args: tuple) -> Any:
+        self.shared.counters.graph_calls += 1
         if self.shared.handed:
             self.shared.reclaim_handed()
         training = self.training_graph and torch.is_grad_enabled()

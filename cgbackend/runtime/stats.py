@@ -50,6 +50,11 @@ class EagerReason:
 @dataclasses.dataclass
 class Counters:
     compiled_graphs: int = 0
+    graph_calls: int = 0
+    """Calls of compiled Dynamo graphs (each execution, whatever ran inside)."""
+    trace_fallbacks: int = 0
+    """cgbackend.compile calls re-traced without capture_scalar_outputs / capture_dynamic_output_shape_ops
+    after Dynamo failed on a data-dependent value (the backend's ``trace_fallback`` says why)."""
     static_regions: int = 0
     dynamic_regions: int = 0
     graphs_captured: int = 0
