@@ -42,9 +42,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ...fx_utils import module_path, source_location
-from .cost import FORMS, MODES, choose_form
-from .match import _MATCHERS, _PATTERN_OF, _removable
+from ...fx_utils import fake_value, module_path, source_location
+from .cost import FORMS, MODES, choose_form, choose_layer_form
+from .grouped import build_grouped, find_layers, grouped_mm_supported
+from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
 from .graph import _Builder
 from .records import DispatchResult, DispatchRewrite, DispatchSkipped, _Skip
 
@@ -59,6 +60,63 @@ def _erase(gm: torch.fx.GraphModule, dead: set[torch.fx.Node]) -> None:
 
 
 
+def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> tuple[bool, dict]:
+    """Rewrite the layers the grouped form takes (mode "grouped", or "auto" where the cost model
+    picks it). Returns whether the graph changed and the decisions for the units of the layers it
+    did not rewrite ({sink: (form or None, why, figures)})."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    plans = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            try:
+                plan = _match_where(node, order)
+            except _Skip:
+                continue
+            if plan is not None:
+                plans.append(plan)
+    layers, rejected = find_layers(plans, order)
+    decided: dict = {}
+    for ps, why in rejected:
+        if mode == "grouped":
+            for p in ps:
+                decided[p.sink] = ("masked_dense", f"masked dense: the grouped form does not apply ({why})", {})
+    changed = False
+    for layer in layers:
+        value = fake_value(layer.units[0].rows.out)
+        native = grouped_mm_supported(value, value)
+        form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native)
+        if form != "grouped":
+            if form is not None:
+                for p in layer.plans:
+                    decided[p.sink] = (None if form == "dynamic" else form, why, figures)
+            continue
+        try:
+            dead: set = set()
+            for p in layer.plans:
+                dead |= _removable(p)
+            new = build_grouped(gm, layer)
+        except _Skip as exc:
+            for p in layer.plans:
+                decided[p.sink] = ("masked_dense" if mode == "grouped" else None,
+                                   f"the grouped form does not apply ({exc})", figures)
+            continue
+        except Exception as exc:  # a shape the fake run rejects: leave the layer to the other forms
+            for p in layer.plans:
+                decided[p.sink] = ("masked_dense", f"the grouped form does not trace ({type(exc).__name__}: "
+                                   f"{exc})", figures)
+            continue
+        last = layer.plans[-1].sink
+        source, code = source_location(last)
+        figures["grouped_mm"] = "torch._grouped_mm" if native else "per-row weight gather + bmm (equivalent)"
+        result.rewrites.append(DispatchRewrite(
+            "where_loop", source, code, module_path(last), form="grouped", why=why, experts=layer.experts,
+            removed_ops=sum(1 for n in dead if n.op in ("call_function", "call_method")), figures=figures))
+        last.replace_all_uses_with(new)
+        _erase(gm, dead)
+        changed = True
+    return changed, decided
+
+
 def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResult:
     """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc."""
     result = DispatchResult(mode=mode)
@@ -66,7 +124,7 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResu
         return result
     if mode not in MODES:
         raise ValueError(f"static_dispatch must be one of {', '.join(MODES)}, got {mode!r}")
-    changed = False
+    changed, decided = _grouped_layers(gm, mode, result) if mode in ("grouped", "auto") else (False, {})
     cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
@@ -78,7 +136,7 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResu
                 if plan is None:
                     continue
                 dead = _removable(plan)
-                form, why = choose_form(plan, mode)
+                form, why, figures = decided.get(node, choose_form(plan, mode) + ({},))
                 if form is None:
                     raise _Skip(why)
                 builder = _Builder(gm, node)
@@ -97,7 +155,7 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResu
             source, code = source_location(node)
             result.rewrites.append(DispatchRewrite(
                 plan.pattern, source, code, module_path(node), form=form, why=why, experts=plan.experts,
-                removed_ops=sum(1 for n in dead if n.op in ("call_function", "call_method"))))
+                removed_ops=sum(1 for n in dead if n.op in ("call_function", "call_method")), figures=figures))
             node.replace_all_uses_with(new)
             _erase(gm, dead)
             order = {n: i for i, n in enumerate(gm.graph.nodes)}

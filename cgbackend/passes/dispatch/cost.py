@@ -1,26 +1,130 @@
-"""The cost model: which static form a dispatch unit takes."""
+"""The cost model: which static form a dispatch unit or layer takes.
+
+Three ways to run a MoE layer, each estimated as ``max(FLOPs / rate, bytes / bandwidth) + fixed``:
+
+* ``masked_dense``: every expert on every token: ``E * T`` rows of expert FLOPs; reads all E
+  experts' weights; a few kernels.
+* ``grouped``: ``T * k`` rows (the routed ones) through grouped products; reads the weights of the
+  experts that got rows; a sort, gathers and a scatter; plus, for experts kept as separate modules,
+  the stacking copy of every expert weight (read and written) on every call.
+* ``dynamic``: the loop left as written: ``T * k`` rows, the hit experts' weights, and per expert a
+  host sync and its launches, eagerly (``loop_expert_us``).
+
+The rates come from ``costs.json`` beside this file, measured on a GPU by
+``benchmarks/dispatch_costs.py`` (which also times the three forms directly, for the crossover
+table in benchmarks/RESULTS.md); without that file the defaults below stand, and the report says
+which were used. On a device other than CUDA nothing is captured, so "auto" keeps the old rule
+there: masked dense up to ``_AUTO_MAX_ROWS`` rows per expert (the CPU tests exercise the forms
+through the explicit modes).
+"""
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 from typing import Any, Optional
 
-__all__ = ["FORMS", "MODES", "choose_form"]
+__all__ = ["FORMS", "MODES", "choose_form", "choose_layer_form", "constants", "estimate"]
 
-FORMS = ("masked_dense",)
+FORMS = ("masked_dense", "grouped")
 MODES = ("off", "auto") + FORMS
 
-# "auto" rewrites into masked dense while each expert computes on at most this many rows.
+# Off CUDA, "auto" rewrites into masked dense while each expert computes on at most this many rows.
 _AUTO_MAX_ROWS = 1 << 16
+
+_DEFAULTS = {
+    "source": "defaults (no costs.json measured for this package)",
+    "dense_tflops": 500.0,       # bf16 matrix products of MoE-expert shapes
+    "grouped_tflops": 350.0,     # torch._grouped_mm over the routed rows
+    "bandwidth_gbs": 2500.0,     # device memory, read + write counted
+    "masked_fixed_us": 15.0,
+    "grouped_fixed_us": 60.0,    # sort, bincount, cumsum, gathers, scatter
+    "loop_expert_us": 70.0,      # per expert: where + host sync + gather + launches + index_add
+}
+
+
+@functools.lru_cache(maxsize=1)
+def constants() -> dict[str, Any]:
+    path = os.path.join(os.path.dirname(__file__), "costs.json")
+    values = dict(_DEFAULTS)
+    try:
+        with open(path, encoding="utf-8") as f:
+            measured = json.load(f)
+    except (OSError, ValueError):
+        return values
+    values.update({k: v for k, v in measured.items() if k in _DEFAULTS or k in ("device", "date", "torch")})
+    values["source"] = f"measured ({measured.get('device', '?')}, {measured.get('date', '?')}; costs.json)"
+    return values
+
+
+def _hint(size: Any) -> Optional[int]:
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    hint = getattr(node, "hint", None)
+    return int(hint) if isinstance(hint, int) else None
+
+
+def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes: int,
+             stack_bytes: int) -> dict[str, float]:
+    """Estimated microseconds of each way to run one layer (see the module docstring)."""
+    c = constants()
+    bw = c["bandwidth_gbs"] * 1e3          # bytes per microsecond
+    hit = min(experts, tokens * k)
+    per_expert_bytes = weight_bytes / max(experts, 1)
+
+    def t(flops: float, tflops: float, nbytes: float) -> float:
+        return max(flops / (tflops * 1e6), nbytes / bw)
+
+    routed = tokens * k * flops_per_row
+    return {
+        "masked_dense": t(experts * tokens * flops_per_row, c["dense_tflops"], weight_bytes) + c["masked_fixed_us"],
+        "grouped": (t(routed, c["grouped_tflops"], hit * per_expert_bytes) + 2 * stack_bytes / bw
+                    + c["grouped_fixed_us"]),
+        "dynamic": t(routed, c["dense_tflops"], hit * per_expert_bytes) + experts * c["loop_expert_us"],
+    }
+
+
+def choose_layer_form(layer: Any, mode: str, device_type: str, itemsize: int,
+                      native: bool = True) -> tuple[Optional[str], str, dict]:
+    """Form for a layer of where-loop units that can take the grouped form (grouped.Layer).
+    ``native``: torch._grouped_mm applies (else "auto" does not pick grouped: its stand-in gathers a
+    weight matrix per row, fine for tests, not for speed)."""
+    n, k = layer.experts, layer.k
+    weight_bytes = n * (layer.flops_per_row // 2) * itemsize
+    tokens = _hint(layer.tokens)
+    figures: dict[str, Any] = {"experts": n, "k": k, "tokens": tokens, "flops_per_row": layer.flops_per_row,
+                               "stack_bytes_per_call": layer.stack_bytes}
+    copy = (f"; stacks the {n} experts' weights on every call ({layer.stack_bytes / 2**20:.1f} MiB copied)"
+            if layer.stack_bytes else "")
+    if mode == "grouped":
+        return "grouped", f"grouped requested (static_dispatch='grouped'){copy}", figures
+    if mode == "masked_dense":
+        return "masked_dense", "masked_dense requested (static_dispatch='masked_dense')", figures
+    if device_type != "cuda" or tokens is None:
+        return None, "", figures  # the per-unit rule decides (choose_form)
+    est = estimate(tokens, n, k, layer.flops_per_row, weight_bytes, layer.stack_bytes)
+    if not native:
+        est.pop("grouped")
+    figures["estimate_us"] = {f: round(v, 1) for f, v in est.items()}
+    figures["constants"] = constants()["source"]
+    best = min(est, key=est.get)
+    text = ", ".join(f"{f} {v:.0f} us" for f, v in est.items())
+    if best == "dynamic":
+        return "dynamic", f"left dynamic by the cost model ({tokens} tokens: {text})", figures
+    return best, f"{best.replace('_', ' ')} by the cost model ({tokens} tokens, {n} experts top-{k}: {text}){copy}", figures
 
 
 def choose_form(plan: Any, mode: str) -> tuple[Optional[str], str]:
-    """The cost model: masked dense makes every expert compute on every token. "auto" takes it while
-    that stays small (launch-bound layers, where the loop's syncs and per-expert gathers cost more
-    than the extra FLOPs) and leaves the loop dynamic above the row limit. The limit is a rough
-    guess, not a measured crossover."""
+    """Form of a unit outside a grouped layer (sorted_split, grouped_mm_fallback, a where loop the
+    grouped form cannot take): masked dense or left dynamic. Off CUDA, "auto" takes masked dense
+    while it stays under the row limit, a rule of thumb rather than a measured crossover."""
     tokens = plan.tokens
-    if mode in FORMS:
+    if mode == "masked_dense":
         return mode, f"{mode} requested (static_dispatch={mode!r})"
+    if mode == "grouped":
+        return "masked_dense", "masked dense: the grouped form does not apply to this unit (see the skipped entry)"
     if not isinstance(tokens, int):
         return "masked_dense", "masked dense: token count symbolic, rewritten (no host sync, fixed shapes)"
     if tokens > _AUTO_MAX_ROWS:
@@ -28,5 +132,3 @@ def choose_form(plan: Any, mode: str) -> tuple[Optional[str], str]:
                       "(every expert would compute on every row); left dynamic")
     return "masked_dense", (f"masked dense: {tokens} rows per expert (limit {_AUTO_MAX_ROWS}); "
                             "no host sync and fixed shapes")
-
-

@@ -126,6 +126,28 @@ class _Plan:
     experts: int
     tokens: Any
     build: Callable[[_Builder, dict], torch.fx.Node]
+    unit: Optional["WhereUnit"] = None
+    """Where-loop units: the pieces a layer of them needs for the grouped form (grouped.py)."""
+
+
+@dataclasses.dataclass
+class WhereUnit:
+    """One expert's where-loop unit, as the grouped form reads it."""
+    sink: torch.fx.Node
+    acc: torch.fx.Node
+    in_place: bool
+    index: torch.fx.Node
+    """the selected token coordinate the gathers index with"""
+    mask: torch.fx.Node
+    grid: tuple
+    tok_axis: int
+    rows: _Rows
+    sources: dict[torch.fx.Node, tuple[torch.fx.Node, int]]
+    """gather node -> (gathered tensor, row dimension)"""
+    weight: Optional[_Weight]
+    rows_first: bool
+    casts: list[torch.fx.Node]
+    value_dtype: torch.dtype
 
 
 def _sink_parts(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, bool]]:
@@ -174,11 +196,12 @@ def _match_where(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
                 if w is not None:
                     rows_node, weight, rows_first = other, w, first
                     break
-    gathers = {}
+    gathers, sources = {}, {}
     for n in _descendants([index]) & (_ancestors(rows_node) | {rows_node}):
         g = _gather_of(n, index)
         if g is not None:
             src, d, make = g
+            sources[n] = (src, d)
             if src in forbidden:
                 raise _Skip("the gathered tensor depends on the routing")
             if not sizes_equal(_shape(src)[0], T):
@@ -212,7 +235,9 @@ def _match_where(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
         routed = b.fn(operator.getitem, routed_all, e)
         return _combine(b, rows.build(b), c, routed, rows_first, casts, acc, in_place)
 
-    return _Plan("where_loop", node, [sel], 1, T, build)
+    unit = WhereUnit(node, acc, in_place, index, mask, tuple(grid), tok_axis, rows, sources, weight, rows_first, casts,
+                     fake_value(rows_node).dtype)
+    return _Plan("where_loop", node, [sel], 1, T, build, unit)
 
 
 def _topk_indices(node: Any) -> bool:

@@ -27,6 +27,8 @@ class DispatchRewrite(_UnitRecord):
     why: str = ""
     experts: int = 0
     removed_ops: int = 0
+    figures: dict = dataclasses.field(default_factory=dict)
+    """The cost model's inputs and estimates for this choice (cost.py), where it ran."""
 
 
 @dataclasses.dataclass

@@ -1,0 +1,321 @@
+"""The grouped form: a layer's experts as one grouped matrix product per expert weight.
+
+A *layer* is the set of where-loop units (match.py) of one MoE layer: one unit per expert
+``e = 0 .. n-1``, all selecting from the same routing ids (``one_hot(ids).permute(...)[e]`` or
+``ids == e``), gathering the same tokens, weighting by the same router table and accumulating into
+one tensor. Its rewrite, with no host sync and shapes fixed by the token count:
+
+    flat ids (token-major, slots outside 0..n-1 -> n)    sort (stable) -> sorted ids, perm
+    tokens = perm // k        offsets = cumsum(bincount(ids, n+1)[:n])   (on the device)
+    rows = x[tokens]          the expert body once, each per-expert linear a grouped product
+    value = rows * router_weight[perm]     (cast as the loop cast it)
+    acc.index_add_(0, tokens, where(sorted id < n, value, 0))
+
+Its cost follows the routed rows (T*k), not E/k times them. Each unit's body must be the same
+computation with per-expert weights only as the weight (or bias) of ``linear`` / ``matmul``; those
+weights are either one stacked parameter indexed by expert (transformers' experts: used as they
+are) or one parameter per expert (a ModuleList: stacked with ``torch.stack`` on every call, a
+copy whose bytes the cost model counts and the report shows).
+
+The grouped product is ``torch._grouped_mm`` on CUDA for bf16 with 16-byte aligned rows; elsewhere
+an equivalent: every row multiplied by its group's weight (a per-row weight gather and a batched
+product), exact in float64 for the CPU tests. Rows past the last offset (slots routed to no expert
+of the layer) are computed with some expert's weights and dropped by the final ``where``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx
+
+from ...fx_utils import fake_value, plain_name, sizes_equal
+from .graph import _Builder, _is, _is_getitem, _shape
+from .masked_dense import _dense_weight
+from .match import _Plan, WhereUnit, _removable
+from .records import _Skip
+
+__all__ = ["Layer", "find_layers", "build_grouped"]
+
+
+@dataclasses.dataclass
+class _Linear:
+    """A body node with per-expert weights: ``linear(h, W_e[, b_e])`` or ``matmul(h, W_e)``."""
+    node: torch.fx.Node
+    kind: str                          # "linear" | "matmul"
+    weights: list[torch.fx.Node]       # per expert
+    biases: Optional[list[torch.fx.Node]]
+
+
+@dataclasses.dataclass
+class Layer:
+    plans: list[_Plan]
+    ids: torch.fx.Node
+    perm: tuple                        # grid axes of ids (ids.permute(perm) is laid out like the mask)
+    k: int
+    tokens: Any
+    linears: list[_Linear]
+    flops_per_row: int                 # multiply-adds x2 of the expert body per routed row
+    stack_bytes: int                   # bytes torch.stack copies per call (per-module experts)
+    gathers: dict[torch.fx.Node, torch.fx.Node]  # unit-0 gather node -> gathered tensor
+    index: torch.fx.Node                         # unit 0's selected token coordinate
+
+    @property
+    def experts(self) -> int:
+        return len(self.plans)
+
+    @property
+    def units(self) -> list[WhereUnit]:
+        return [p.unit for p in self.plans]
+
+
+# ----------------------------------------------------------------------------- routing ids
+
+def _ints(args: Any) -> Optional[tuple]:
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        args = args[0]
+    return tuple(args) if all(isinstance(a, int) for a in args) else None
+
+
+def _routing(unit: WhereUnit) -> Optional[tuple[torch.fx.Node, tuple, int]]:
+    """(ids, perm, expert) when the unit's mask is ``one_hot(ids, C).permute(p)[e]`` or ``ids == e``."""
+    mask = unit.mask
+    if _is(mask, "eq") and len(mask.args) == 2 and isinstance(mask.args[1], int) \
+            and isinstance(mask.args[0], torch.fx.Node):
+        ids = mask.args[0]
+        return ids, tuple(range(len(_shape(ids)))), mask.args[1]
+    if _is_getitem(mask) and isinstance(mask.args[1], int):
+        base, e = mask.args[0], mask.args[1]
+        if _is(base, "permute") and isinstance(base.args[0], torch.fx.Node):
+            p = _ints(base.args[1:]) or _ints(tuple(base.kwargs.get("dims", ())))
+            oh = base.args[0]
+            if p and _is(oh, "one_hot") and isinstance(oh.args[0], torch.fx.Node):
+                ids = oh.args[0]
+                nd = len(_shape(ids))
+                if len(p) == nd + 1 and p[0] == nd:
+                    return ids, tuple(p[1:]), e
+    return None
+
+
+# ----------------------------------------------------------------------------- body correspondence
+
+def _leaf_stack(leaves: list[torch.fx.Node]) -> Optional[tuple[str, Any]]:
+    """("indexed", P) when leaf e is ``P[e]``; ("params", leaves) when each is a graph input of one
+    shape (a parameter of its own); None otherwise."""
+    if all(_is_getitem(l) and l.args[1] == e and l.args[0] is leaves[0].args[0] for e, l in enumerate(leaves)):
+        return "indexed", leaves[0].args[0]
+    shapes = {tuple(_shape(l)) for l in leaves}
+    if len(shapes) == 1 and all(l.op in ("placeholder", "get_attr") for l in leaves):
+        return "params", leaves
+    return None
+
+
+def _correspond(units: list[WhereUnit]) -> list[_Linear]:
+    """Check that every unit's body is unit 0's with other per-expert weights; return the linears."""
+    u0 = units[0]
+    b0 = u0.rows.body
+    per_node: dict[torch.fx.Node, dict[int, list[torch.fx.Node]]] = {}
+    for ue in units[1:]:
+        if len(ue.rows.body) != len(b0):
+            raise _Skip("the experts' computations differ (not one body with per-expert weights)")
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for g0, (src0, d0) in u0.sources.items():
+            match = [g for g, (src, d) in ue.sources.items() if src is src0 and d == d0 and g.target == g0.target]
+            if len(match) != 1:
+                raise _Skip("the experts gather different tensors")
+            env[g0] = match[0]
+        for a, b in zip(b0, ue.rows.body):
+            if a.op != b.op or a.target != b.target or len(a.args) != len(b.args) or a.kwargs.keys() != b.kwargs.keys():
+                raise _Skip(f"the experts' computations differ at {a.name} / {b.name}")
+            pairs = list(zip(a.args, b.args)) + [(a.kwargs[k], b.kwargs[k]) for k in a.kwargs]
+            for pos, (x, y) in enumerate(pairs):
+                if isinstance(x, torch.fx.Node) and isinstance(y, torch.fx.Node):
+                    if x in env:
+                        if env[x] is not y:
+                            raise _Skip(f"the experts' computations differ at {a.name}")
+                    elif x is not y:
+                        per_node.setdefault(a, {}).setdefault(pos, [x]).append(y)
+                elif isinstance(x, torch.fx.Node) or isinstance(y, torch.fx.Node) or x != y:
+                    raise _Skip(f"the experts' computations differ at {a.name} ({x!r} / {y!r})")
+            env[a] = b
+    linears = []
+    for node, positions in per_node.items():
+        name = plain_name(node)
+        kind = "linear" if name == "linear" else "matmul" if name in ("matmul", "mm") else None
+        allowed = {1, 2} if kind == "linear" else {1} if kind == "matmul" else set()
+        if not set(positions) <= allowed or 1 not in positions or node.kwargs:
+            raise _Skip(f"a per-expert weight is used by {name} ({node.name}), not as the weight of a "
+                        "linear layer or matrix product")
+        for pos, leaves in positions.items():
+            if _leaf_stack(leaves) is None:
+                raise _Skip(f"the per-expert weights of {node.name} are neither one parameter indexed by "
+                            "expert nor one parameter per expert")
+        if len(_shape(node.args[0])) != 2:
+            raise _Skip(f"{node.name} multiplies a {len(_shape(node.args[0]))}-D tensor (rows x features expected)")
+        linears.append(_Linear(node, kind, positions[1], positions.get(2)))
+    if not linears:
+        raise _Skip("no per-expert weights: the experts do not differ")
+    return linears
+
+
+# ----------------------------------------------------------------------------- layers
+
+def _acc_chain(plans: list[_Plan], order: dict, closure: set) -> None:
+    """The units accumulate into one tensor in turn, and nothing outside them (``closure``: the
+    nodes that die with them, such as ``acc[idx]`` of ``acc[idx] += v``) reads it in between."""
+    units = [p.unit for p in plans]
+    first = units[0].acc
+    for prev, u in zip(units, units[1:]):
+        if not (u.acc is first and u.in_place or u.acc is prev.sink):
+            raise _Skip("the experts do not accumulate into one tensor in turn")
+    last = order[units[-1].sink]
+    sinks = {u.sink for u in units}
+    for u in [first] + [u.sink for u in units[:-1]]:
+        for user in u.users:
+            if user not in sinks and user not in closure and order.get(user, -1) < last and order.get(user, -1) > order[units[0].sink]:
+                raise _Skip(f"{user.name} reads the accumulator between two experts")
+
+
+def find_layers(plans: list[_Plan], order: dict) -> tuple[list[Layer], list[tuple[list[_Plan], str]]]:
+    """Group where-loop plans into layers that can take the grouped form. Returns the layers and,
+    for groups that cannot, (their plans, why)."""
+    groups: dict[Any, list[tuple[int, _Plan]]] = {}
+    for plan in plans:
+        if plan.unit is None:
+            continue
+        r = _routing(plan.unit)
+        if r is None:
+            continue
+        ids, perm, e = r
+        groups.setdefault((ids, perm), []).append((e, plan))
+    layers, rejected = [], []
+    for (ids, perm), members in groups.items():
+        members.sort(key=lambda m: order[m[1].sink])
+        ps = [p for _, p in members]
+        try:
+            experts = [e for e, _ in members]
+            if sorted(experts) != list(range(len(experts))) or experts != list(range(len(experts))):
+                raise _Skip(f"the loop's experts are {experts}, not 0..n-1 in order")
+            u0 = ps[0].unit
+            for p in ps[1:]:
+                u = p.unit
+                same_w = (u.weight is None) == (u0.weight is None) and (u.weight is None or (
+                    u.weight.table is u0.weight.table and u.weight.axes == u0.weight.axes
+                    and u.weight.nones == u0.weight.nones))
+                if u.grid != u0.grid or u.tok_axis != u0.tok_axis or not same_w or u.rows_first != u0.rows_first \
+                        or [c.target for c in u.casts] != [c.target for c in u0.casts]:
+                    raise _Skip("the experts are weighted or laid out differently")
+            if len(u0.grid) not in (1, 2):
+                raise _Skip("the routing grid is not tokens (x slots)")
+            closure = set()
+            for p in ps:
+                closure |= _removable(p)
+            _acc_chain(ps, order, closure)
+            linears = _correspond([p.unit for p in ps])
+            k = 1 if len(u0.grid) == 1 else u0.grid[1 - u0.tok_axis]
+            if not isinstance(k, int):
+                raise _Skip("the number of routed slots per token is not a constant")
+            flops = 0
+            stack = 0
+            for lin in linears:
+                shape = _shape(lin.weights[0])
+                flops += 2 * int(shape[0]) * int(shape[1])
+                kind, _ = _leaf_stack(lin.weights)
+                if kind == "params":
+                    item = fake_value(lin.weights[0]).element_size()
+                    stack += len(lin.weights) * int(shape[0]) * int(shape[1]) * item
+            layers.append(Layer(ps, ids, perm, k, u0.grid[u0.tok_axis], linears, flops, stack,
+                                {g: src for g, (src, _) in u0.sources.items()}, u0.index))
+        except _Skip as exc:
+            rejected.append((ps, str(exc)))
+    return layers, rejected
+
+
+# ----------------------------------------------------------------------------- building
+
+def grouped_mm_supported(x: Any, w: Any) -> bool:
+    """``torch._grouped_mm`` applies: CUDA, bf16, rows 16-byte aligned (shapes as [S, in] @ [n, in, out])."""
+    return (hasattr(torch, "_grouped_mm") and getattr(x, "is_cuda", False) and x.dtype == torch.bfloat16
+            and w.dtype == torch.bfloat16 and int(x.shape[-1]) % 8 == 0 and int(w.shape[-1]) % 8 == 0)
+
+
+def _stacked(b: _Builder, leaves: list[torch.fx.Node], n: int) -> torch.fx.Node:
+    kind, what = _leaf_stack(leaves)
+    if kind == "indexed":
+        table = what
+        if not sizes_equal(_shape(table)[0], n):
+            table = b.fn(operator.getitem, table, slice(0, n))
+        return table
+    return b.fn(torch.stack, list(what))
+
+
+def _gmm(b: _Builder, h: torch.fx.Node, w: torch.fx.Node, offs: torch.fx.Node, group: torch.fx.Node) -> torch.fx.Node:
+    """h [S, in] @ w [n, in, out] by groups of rows (offs, int32) -> [S, out]."""
+    if grouped_mm_supported(fake_value(h), fake_value(w)):
+        return b.fn(torch._grouped_mm, h, w, offs=offs)
+    per_row = b.fn(operator.getitem, w, group)                         # [S, in, out]
+    return b.method("squeeze", b.fn(torch.bmm, b.method("unsqueeze", h, 1), per_row), 1)
+
+
+def build_grouped(gm: torch.fx.GraphModule, layer: Layer) -> torch.fx.Node:
+    """Insert the grouped computation before the layer's last sink; return the accumulated result."""
+    units = layer.units
+    u0 = units[0]
+    b = _Builder(gm, units[-1].sink)
+    n, k = layer.experts, layer.k
+    device = fake_value(layer.ids).device
+    ids = layer.ids
+    if layer.perm != tuple(range(len(layer.perm))):
+        ids = b.method("permute", ids, *layer.perm)
+    if len(u0.grid) == 2 and u0.tok_axis == 1:
+        ids = b.method("transpose", ids, 0, 1)
+    flat = b.method("reshape", ids, -1)
+    inside = b.fn(operator.and_, b.fn(operator.ge, flat, 0), b.fn(operator.lt, flat, n))
+    flat = b.fn(torch.where, inside, flat, n)
+    sort = b.fn(torch.sort, flat, stable=True)
+    sorted_ids, perm = b.fn(operator.getitem, sort, 0), b.fn(operator.getitem, sort, 1)
+    tokens = perm if k == 1 else b.fn(torch.div, perm, k, rounding_mode="floor")
+    counts = b.method("scatter_add", b.fn(torch.zeros, n + 1, dtype=fake_value(flat).dtype, device=device),
+                      0, flat, b.fn(torch.ones_like, flat))
+    offs = b.fn(torch.cumsum, b.fn(operator.getitem, counts, slice(0, n)), 0, dtype=torch.int32)
+    valid = b.fn(operator.lt, sorted_ids, n)
+    group = b.method("clamp", sorted_ids, max=n - 1)
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for g in layer.gathers:
+        # the same gather with the sorted tokens in place of unit 0's selection
+        args = torch.fx.node.map_aggregate(g.args, lambda a: tokens if a is layer.index else a)
+        env[g] = b.add(g.op, g.target, *args, like=g, **g.kwargs)
+    linears = {lin.node: lin for lin in layer.linears}
+    for node in u0.rows.body:
+        lin = linears.get(node)
+        if lin is None:
+            b.copy(node, env)
+            continue
+        h = env.get(node.args[0], node.args[0])
+        w = _stacked(b, lin.weights, n)
+        if lin.kind == "linear":
+            w = b.method("transpose", w, -2, -1)
+        out = _gmm(b, h, w, offs, group)
+        if lin.biases is not None:
+            bias = _stacked(b, lin.biases, n)
+            out = b.fn(operator.add, out, b.fn(operator.getitem, bias, group))
+        env[node] = out
+    rows = env[u0.rows.out]
+    val = rows
+    if u0.weight is not None:
+        dense_w = _dense_weight(b, u0.weight, len(u0.grid), u0.tok_axis)    # [T, (k,) *tail]
+        tail = _shape(dense_w)[len(u0.grid):]
+        flat_w = b.method("reshape", dense_w, -1, *tail)
+        w_rows = b.fn(torch.index_select, flat_w, 0, perm)
+        val = b.fn(operator.mul, rows, w_rows) if u0.rows_first else b.fn(operator.mul, w_rows, rows)
+    for cast in u0.casts:
+        val = b.copy(cast, {cast.args[0]: val})
+    keep = valid
+    for _ in range(len(_shape(val)) - 1):
+        keep = b.method("unsqueeze", keep, -1)
+    val = b.fn(torch.where, keep, val, 0)
+    add = "index_add_" if u0.in_place else "index_add"
+    return b.method(add, u0.acc, 0, tokens, val)
