@@ -128,3 +128,10 @@ class _Builder:
         return new
 
 
+
+
+def _strip_type(node: Any) -> Any:
+    """Through type changes that keep which entries are nonzero (``bool()``, ``to(dtype)``, ...)."""
+    while _is(node, "bool", "to", "long", "int") and all(not isinstance(a, torch.fx.Node) for a in node.args[1:]):
+        node = node.args[0]
+    return node

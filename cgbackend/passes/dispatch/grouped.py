@@ -33,7 +33,7 @@ import torch
 import torch.fx
 
 from ...fx_utils import fake_value, plain_name, sizes_equal
-from .graph import _Builder, _is, _is_getitem, _shape
+from .graph import _Builder, _is, _is_getitem, _shape, _strip_type
 from .masked_dense import _dense_weight
 from .match import _Plan, WhereUnit, _removable
 from .records import _Skip
@@ -88,7 +88,7 @@ def _routing(unit: WhereUnit) -> Optional[tuple[torch.fx.Node, tuple, int]]:
         ids = mask.args[0]
         return ids, tuple(range(len(_shape(ids)))), mask.args[1]
     if _is_getitem(mask) and isinstance(mask.args[1], int):
-        base, e = mask.args[0], mask.args[1]
+        base, e = _strip_type(mask.args[0]), mask.args[1]
         if _is(base, "permute") and isinstance(base.args[0], torch.fx.Node):
             p = _ints(base.args[1:]) or _ints(tuple(base.kwargs.get("dims", ())))
             oh = base.args[0]

@@ -17,7 +17,7 @@ import torch.fx
 from ...fx_utils import arg_of, fake_value, plain_name, sizes_equal, source_location
 from ..effects import mutated_args
 from ..rowdep import NotRowwise, propagate_rows
-from .graph import _Builder, _ancestors, _descendants, _is, _is_getitem, _shape, _strip_casts, _CASTS
+from .graph import _Builder, _ancestors, _descendants, _is, _is_getitem, _shape, _strip_casts, _strip_type, _CASTS
 from .masked_dense import _Weight, _bool_mask, _combine, _combine_weights, _dense_weight
 from .records import _Skip
 
@@ -256,7 +256,7 @@ def _one_per_token(mask: torch.fx.Node, tok_axis: int) -> bool:
     if _is(mask, "eq") and isinstance(mask.args[1], int) and _topk_indices(mask.args[0]):
         return tok_axis == 0
     if _is_getitem(mask) and isinstance(mask.args[1], int):
-        permuted = mask.args[0]
+        permuted = _strip_type(mask.args[0])
         one_hot = permuted.args[0] if _is(permuted, "permute") else None
         if _is(one_hot, "one_hot") and _topk_indices(one_hot.args[0]):
             perm = permuted.args[1] if isinstance(permuted.args[1], (list, tuple)) else permuted.args[1:]

@@ -112,19 +112,28 @@ def _zero(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and node.value == 0 and not isinstance(node.value, bool)
 
 
+def _reduced(node: ast.AST, op: str) -> Optional[str]:
+    """Name M of ``M.op(...)``, ``M.op(...).op(...)`` or ``torch.op(M, ...)`` (at least one ``op``)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) is False and _call_name(node) == op \
+            and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
+            and node.func.value.id == "torch" and node.args:
+        node = node.args[0]
+        return node.id if isinstance(node, ast.Name) else _reduced(node, op)
+    if not _is_attr_call(node, op):
+        return None
+    while _is_attr_call(node, op):
+        node = node.func.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def _sum_of(node: ast.AST) -> Optional[str]:
-    """Name M of ``M.sum(...)`` / ``torch.sum(M, ...)``."""
-    if _is_attr_call(node, "sum") and isinstance(node.func.value, ast.Name):
-        return node.func.value.id
-    if isinstance(node, ast.Call) and _call_name(node) == "sum" and node.args and isinstance(node.args[0], ast.Name):
-        return node.args[0].id
-    return None
+    return _reduced(node, "sum")
 
 
 def _hit_source(cond: ast.AST) -> Optional[tuple[str, bool]]:
     """(M, needs_nonneg) when COND is "M[e] has a nonzero entry" for every e."""
-    if _is_attr_call(cond, "any") and isinstance(cond.func.value, ast.Name):
-        return cond.func.value.id, False
+    if _reduced(cond, "any"):
+        return _reduced(cond, "any"), False
     if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and _zero(cond.comparators[0]) \
             and isinstance(cond.ops[0], (ast.Gt, ast.NotEq)):
         m = _sum_of(cond.left)
@@ -171,18 +180,18 @@ def _nonnegative(fn: ast.FunctionDef, name: str) -> bool:
     if not values:
         return False
     for v in values:
-        if v is None:
-            return False
-        if isinstance(v, ast.Compare):
+        # through layout and type changes (permute, transpose, bool, to, ...) to what made the values
+        while isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr in _LAYOUT:
+            v = v.func.value
+        if isinstance(v, ast.Compare) or isinstance(v, ast.Name) and v.id == name:
             continue
         if isinstance(v, ast.Call) and _call_name(v) == "one_hot":
             continue
-        if isinstance(v, ast.Call) and _call_name(v) in ("permute", "transpose") \
-                and isinstance(v.func, ast.Attribute) and isinstance(v.func.value, ast.Name) \
-                and v.func.value.id == name:
-            continue
         return False
     return True
+
+
+_LAYOUT = ("permute", "transpose", "bool", "to", "long", "int", "float", "contiguous", "reshape", "view", "flatten")
 
 
 def _loads(fn: ast.AST, name: str) -> int:

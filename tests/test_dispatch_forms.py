@@ -1,0 +1,348 @@
+"""Dispatch loops as real code writes them (issue: real MoE code at real sizes).
+
+Each form is unchanged user-style code: iterating the experts that received tokens (a nonzero()
+result, as transformers 5's eager experts do), skipping experts by counts read with .tolist(), and
+transformers' own Mixtral / Qwen2-MoE / OLMoE with set_experts_implementation("eager"). With static
+dispatch the whole MoE layer sits in one static region (no graph break, no dynamic region), in the
+masked-dense and in the grouped form, and outputs and every gradient equal eager's in float64, on
+rotating inputs, with experts that get no token and with every token on one expert. Forms that the
+rewrite cannot prove stay as written, with the reason, and run as plain torch.compile runs them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cgbackend
+from cgbackend.models.gpt import Expert
+
+D, FF, E, K = 16, 24, 4, 2
+
+
+class _MoE(nn.Module):
+    def __init__(self, n_experts: int = E, top_k: int = K) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.gate = nn.Linear(D, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(D, FF) for _ in range(n_experts))
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, ind = torch.topk(F.softmax(self.gate(h), -1), self.top_k)
+        return w / w.sum(-1, keepdim=True), ind
+
+
+class HitLoopMoE(_MoE):
+    """transformers 5's eager loop: iterate the experts that received tokens."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, D)
+        w, ind = self.route(h)
+        out = torch.zeros_like(h)
+        with torch.no_grad():
+            expert_mask = F.one_hot(ind, num_classes=self.n_experts).permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_idx = expert_idx[0]
+            top_pos, token_idx = torch.where(expert_mask[expert_idx])
+            rows = self.experts[expert_idx](h[token_idx]) * w[token_idx, top_pos, None]
+            out.index_add_(0, token_idx, rows.to(out.dtype))
+        return out.reshape(x.shape)
+
+
+class InlineHitLoopMoE(_MoE):
+    """The loop iterates the nonzero() result directly and reads the id with int()."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, D)
+        w, ind = self.route(h)
+        out = torch.zeros_like(h)
+        mask = F.one_hot(ind, num_classes=self.n_experts).permute(2, 1, 0).bool()
+        for e in mask.any(dim=2).any(dim=1).nonzero():
+            e = int(e)
+            slot, tok = torch.where(mask[e])
+            out[tok] += self.experts[e](h[tok]) * w[tok, slot, None]
+        return out.reshape(x.shape)
+
+
+class CountSkipMoE(_MoE):
+    """Counts read on the host, experts without tokens skipped."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, D)
+        w, ind = self.route(h)
+        counts = torch.bincount(ind.flatten(), minlength=self.n_experts).tolist()
+        out = torch.zeros_like(h)
+        for e in range(self.n_experts):
+            if counts[e] == 0:
+                continue
+            tok, slot = torch.where(ind == e)
+            out.index_add_(0, tok, self.experts[e](h[tok]) * w[tok, slot, None])
+        return out.reshape(x.shape)
+
+
+class HitLoopTensorUse(_MoE):
+    """The body uses the nonzero() row as a tensor: not rewritten (the reason is reported)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, D)
+        w, ind = self.route(h)
+        out = torch.zeros_like(h)
+        mask = F.one_hot(ind, num_classes=self.n_experts).permute(2, 1, 0)
+        for e in mask.sum(dim=(1, 2)).gt(0).nonzero():
+            slot, tok = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, tok, self.experts[e.item()](h[tok]) * w[tok, slot, None])
+        return out.reshape(x.shape)
+
+
+USER_FORMS = {"hit_loop": HitLoopMoE, "inline_hit_loop": InlineHitLoopMoE, "count_skip": CountSkipMoE}
+LOOP_FORM = {"hit_loop": "hit_loop", "inline_hit_loop": "hit_loop", "count_skip": "count_skip"}
+
+
+def _route_all_to(layer: nn.Module, experts: list[int]) -> None:
+    with torch.no_grad():
+        layer.gate.weight[:, 0] = 0.0
+        for rank, e in enumerate(experts):
+            layer.gate.weight[e, 0] = 50.0 - 10.0 * rank
+
+
+def _batches(n: int, seed: int, skewed: bool = False, dtype=torch.float64, device="cpu") -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(3, 5, D, generator=g, dtype=torch.float64) for _ in range(n)]
+    for x in xs:
+        if skewed:
+            x[..., 0] = 4.0
+    return [x.to(device, dtype) for x in xs]
+
+
+def _grads_equal(ref: nn.Module, model: nn.Module, tol: float) -> None:
+    """Every gradient equal. An expert the loop skipped (no token routed to it) was never called
+    eagerly, so its gradient is None there; the rewritten loop runs it on no rows, so the gradient
+    is exactly zero, on every call (documented in the README)."""
+    for (name, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+        if a.grad is None and b.grad is not None and name.startswith(("experts.", "model.layers.")):
+            assert not b.grad.any(), name
+            continue
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol, msg=name)
+
+
+def _assert_same(model: nn.Module, xs: list[torch.Tensor], tol: float = 1e-9, **options) -> dict:
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, **options)
+    for x in xs:
+        xr, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        out_r, out_c = ref(xr), compiled(xc)
+        torch.testing.assert_close(out_c, out_r, rtol=tol, atol=tol)
+        g = torch.randn_like(out_r)
+        out_r.backward(g)
+        out_c.backward(g)
+        torch.testing.assert_close(xc.grad, xr.grad, rtol=tol, atol=tol)
+        _grads_equal(ref, model, tol)
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    return {"stats": cgbackend.stats(compiled), "report": cgbackend.report(compiled)}
+
+
+def _one_static_region(result: dict, form: str) -> None:
+    report, stats = result["report"], result["stats"]
+    assert report.graph_breaks == [] and report.summary["graphs"] == 1
+    assert stats["dynamic_regions"] == 0 and stats["static_regions"] == 1
+    assert stats["replays"] > 0 and stats["trace_fallbacks"] == 0
+    forms = {r["form"] for g in report.graphs for r in g.dispatch["rewrites"]}
+    assert forms == {form}, report.to_text()
+    assert all(not g.dispatch["skipped"] for g in report.graphs)
+
+
+@pytest.mark.parametrize("form", ["masked_dense", "grouped"])
+@pytest.mark.parametrize("name", list(USER_FORMS))
+def test_user_loop_forms_become_one_static_region(name, form):
+    torch.manual_seed(0)
+    model = USER_FORMS[name]().double()
+    result = _assert_same(model, _batches(5, seed=1), static_dispatch=form)
+    _one_static_region(result, form)
+    loops = result["report"].loop_rewrites
+    assert [r["form"] for r in loops] == [LOOP_FORM[name]] and loops[0]["source"].startswith("test_dispatch_forms.py:")
+
+
+@pytest.mark.parametrize("form", ["masked_dense", "grouped"])
+@pytest.mark.parametrize("experts", [[1], [3, 0]], ids=["all_to_one", "two_of_four"])
+@pytest.mark.parametrize("name", list(USER_FORMS))
+def test_empty_experts_and_every_token_on_one(name, experts, form):
+    torch.manual_seed(0)
+    model = USER_FORMS[name](top_k=len(experts)).double()
+    _route_all_to(model, experts)
+    xs = _batches(4, seed=2, skewed=True)
+    with torch.no_grad():
+        top = model.route(xs[0].reshape(-1, D))[1]
+    assert set(top.flatten().tolist()) == set(experts)  # the routing really is that skewed
+    _one_static_region(_assert_same(model, xs, static_dispatch=form), form)
+
+
+def test_auto_rewrites_on_cpu_and_counts_form_runs_without_static_dispatch():
+    torch.manual_seed(0)
+    model = CountSkipMoE().double()
+    _one_static_region(_assert_same(model, _batches(4, seed=3), static_dispatch="auto"), "masked_dense")
+    # Without static dispatch: Dynamo cannot trace the .tolist() of a data-dependent length with
+    # capture_scalar_outputs on; cgbackend.compile traces as plain torch.compile does (a graph
+    # break there), counted and in the report, instead of failing.
+    torch._dynamo.reset()
+    result = _assert_same(CountSkipMoE().double(), _batches(4, seed=4))
+    assert result["stats"]["trace_fallbacks"] == 1
+    assert any("data-dependent" in n and ".tolist()" in n for n in result["report"].notes)
+    assert result["report"].loop_rewrites == []
+
+
+def test_counts_form_under_torch_compile_by_name():
+    torch.manual_seed(0)
+    model = CountSkipMoE().double()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend=cgbackend.backend(simulate_graphs=True))
+    for x in _batches(3, seed=5):
+        torch.testing.assert_close(compiled(x), ref(x))
+
+
+def test_loop_that_cannot_be_proven_stays_as_written_with_the_reason():
+    torch.manual_seed(0)
+    model = HitLoopTensorUse().double()
+    result = _assert_same(model, _batches(3, seed=6), static_dispatch="auto")
+    loops = result["report"].loop_rewrites
+    assert len(loops) == 1 and loops[0]["form"] == "" and "uses the nonzero() row as a tensor" in loops[0]["reason"]
+    assert "dispatch loop left as written" in result["report"].to_text()
+
+
+def test_loop_rewrite_is_undone_by_explain_and_kept_off_without_static_dispatch():
+    model = HitLoopMoE().double()
+    report = cgbackend.explain(model, torch.randn(2, 3, D, dtype=torch.float64),
+                               options={"static_dispatch": "auto"})
+    assert [r["form"] for r in report.loop_rewrites] == ["hit_loop"]
+    assert report.summary["dynamic_regions"] == 0 and report.summary["graph_breaks"] == 0
+    assert "forward" not in model.__dict__  # explain leaves the user's module as it was
+    plain = cgbackend.explain(model, torch.randn(2, 3, D, dtype=torch.float64))
+    assert plain.loop_rewrites == [] and plain.summary["graph_breaks"] >= 1
+
+
+# ----------------------------------------------------------------------------- transformers
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf(kind: str, dtype=torch.float64, device="cpu"):
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2))
+    elif kind == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40, decoder_sparse_step=1))
+    else:
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, eos_token_id=None, pad_token_id=None))
+    model.set_experts_implementation("eager")
+    return model.to(device, dtype)
+
+
+def _hf_same(model, batches, tol=1e-9, **options) -> dict:
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, **options)
+    for ids in batches:
+        out_r, out_c = ref(ids).logits, compiled(ids).logits
+        torch.testing.assert_close(out_c, out_r, rtol=tol, atol=tol)
+        g = torch.randn_like(out_r)
+        out_r.backward(g)
+        out_c.backward(g)
+        _grads_equal(ref, model, tol)
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    return {"stats": cgbackend.stats(compiled), "report": cgbackend.report(compiled)}
+
+
+def _hf_router(model, kind: str):
+    for layer in model.model.layers:
+        yield layer.mlp.gate
+
+
+@pytest.mark.parametrize("form", ["masked_dense", "grouped"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "olmoe"])
+def test_transformers_eager_experts_are_one_static_region(kind, form):
+    model = _hf(kind)
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 64, (2, 7), generator=g) for _ in range(4)]
+    result = _hf_same(model, batches, static_dispatch=form)
+    _one_static_region(result, form)
+    assert [r["form"] for r in result["report"].loop_rewrites] == ["hit_loop"]
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "olmoe"])
+def test_transformers_every_token_on_one_expert(kind):
+    model = _hf(kind)
+    with torch.no_grad():  # the router weight of expert 2 dominates every token's logits
+        for gate in _hf_router(model, kind):
+            gate.weight.zero_()
+            gate.weight[2] = 1.0
+            gate.weight[1] = 0.5
+        model.model.embed_tokens.weight.abs_()
+    g = torch.Generator().manual_seed(8)
+    batches = [torch.randint(0, 64, (2, 7), generator=g) for _ in range(3)]
+    _one_static_region(_hf_same(model, batches, static_dispatch="grouped"), "grouped")
+
+
+def test_transformers_without_static_dispatch_keeps_its_graph_break():
+    """static_dispatch off: the model is left as written (Dynamo breaks the graph at the loop)."""
+    model = _hf("mixtral")
+    ids = torch.randint(0, 64, (2, 7))
+    result = _hf_same(model, [ids])
+    assert result["report"].loop_rewrites == [] and result["report"].graph_breaks
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("form", ["masked_dense", "grouped", "auto"])
+@pytest.mark.parametrize("name", list(USER_FORMS))
+def test_user_loop_forms_on_gpu(name, form):
+    from cuda_utils import assert_matches
+    torch.manual_seed(0)
+    model = USER_FORMS[name]().to("cuda", torch.bfloat16)
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, static_dispatch=form)
+    for i, x in enumerate(_batches(6, seed=9, dtype=torch.bfloat16, device="cuda")):
+        xr, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        out_r, out_c = ref(xr), compiled(xc)
+        assert_matches(out_c, out_r, torch.bfloat16)
+        out_r.float().pow(2).mean().backward()
+        out_c.float().pow(2).mean().backward()
+        assert_matches(xc.grad, xr.grad, torch.bfloat16, "input grad")
+        for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters()):
+            if a.grad is not None:
+                assert_matches(b.grad, a.grad, torch.bfloat16, n)
+        ref.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    stats = cgbackend.stats(compiled)
+    assert stats["dynamic_regions"] == 0 and stats["graphs_captured"] > 0 and stats["replays"] > 0, stats
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "olmoe"])
+def test_transformers_eager_experts_on_gpu(kind):
+    from cuda_utils import assert_matches
+    model = _hf(kind, dtype=torch.bfloat16, device="cuda").eval()
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, static_dispatch="grouped")
+    g = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.randint(0, 64, (4, 16), generator=g).cuda()
+            assert_matches(compiled(ids).logits, ref(ids).logits, torch.bfloat16)
+    stats = cgbackend.stats(compiled)
+    assert stats["dynamic_regions"] == 0 and stats["graphs_captured"] > 0 and stats["replays"] > 0, stats
+    forms = {r["form"] for gr in cgbackend.report(compiled).graphs for r in gr.dispatch["rewrites"]}
+    assert forms == {"grouped"}
