@@ -9,6 +9,7 @@ import torch
 
 from . import opaque
 from .passes.dispatch import source as loop_source
+from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend, default_backend, dynamo_entry, reset_default_backend
 from .report import Report
 
@@ -113,6 +114,8 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         instance.opaque = opaque.install(model)
     if instance.config.static_dispatch != "off" and isinstance(model, torch.nn.Module):
         instance.loops = loop_source.install(model)
+        if instance.config.static_dispatch in ("auto", "grouped"):
+            instance.relayouts = stack_expert_params(model)
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward

@@ -60,6 +60,8 @@ class CGBackend:
         """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
         self.loops: list = []
         """Loops cgbackend.compile / explain rewrote in the model's source (passes/dispatch/source.py)."""
+        self.relayouts: list = []
+        """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
         self.trace_fallback: Optional[str] = None
         """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
         self.__name__ = "cgbackend"
@@ -129,6 +131,10 @@ class CGBackend:
     def _annotate(self, report: Report) -> None:
         """What happened before Dynamo's graphs: source-level loop rewrites and a trace fallback."""
         report.loop_rewrites = [r.to_dict() for r in self.loops]
+        for r in self.relayouts:
+            report.notes.append(f"{r.module or 'model'}: the {r.experts} experts' {', '.join(r.params)} laid out "
+                                f"as one block each ({r.bytes / 2 ** 20:.1f} MiB), read by the grouped form "
+                                "without a copy")
         if self.trace_fallback is not None:
             report.notes.append(self.trace_fallback)
 

@@ -34,6 +34,7 @@ import torch.fx
 
 from ...fx_utils import fake_value, plain_name, sizes_equal
 from .graph import _Builder, _is, _is_getitem, _shape, _strip_type
+from .layout import consecutive, stacked_view
 from .masked_dense import _dense_weight
 from .match import _Plan, WhereUnit, _removable
 from .records import _Skip
@@ -224,7 +225,7 @@ def find_layers(plans: list[_Plan], order: dict) -> tuple[list[Layer], list[tupl
                 shape = _shape(lin.weights[0])
                 flops += 2 * int(shape[0]) * int(shape[1])
                 kind, _ = _leaf_stack(lin.weights)
-                if kind == "params":
+                if kind == "params" and not consecutive([fake_value(w) for w in lin.weights]):
                     item = fake_value(lin.weights[0]).element_size()
                     stack += len(lin.weights) * int(shape[0]) * int(shape[1]) * item
             layers.append(Layer(ps, ids, perm, k, u0.grid[u0.tok_axis], linears, flops, stack,
@@ -249,6 +250,8 @@ def _stacked(b: _Builder, leaves: list[torch.fx.Node], n: int) -> torch.fx.Node:
         if not sizes_equal(_shape(table)[0], n):
             table = b.fn(operator.getitem, table, slice(0, n))
         return table
+    if consecutive([fake_value(w) for w in what]):
+        return b.fn(stacked_view, *what)  # slices of one block (layout.py): a view, no copy
     return b.fn(torch.stack, list(what))
 
 

@@ -1,0 +1,198 @@
+"""Measure the static-dispatch cost model's constants on this GPU, and time the three ways to run a
+MoE layer (masked dense, grouped, the eager loop) at real expert shapes over token counts.
+
+    python benchmarks/dispatch_costs.py --out DIR [--quick]
+
+Writes DIR/costs.json (the constants cgbackend/passes/dispatch/cost.py reads, to be committed as
+cgbackend/passes/dispatch/costs.json) and DIR/dispatch_crossover.json (measured milliseconds per
+form, shape and token count, next to the cost model's estimate), and prints a table.
+Static forms are timed as CUDA-graph replays (as cgbackend runs them), the loop eagerly (as it runs
+when left dynamic), bf16, inputs rotated, medians of CUDA-event timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from cgbackend.passes.dispatch import cost  # noqa: E402
+
+DEV, DT = "cuda", torch.bfloat16
+
+
+def _time(fn, n_inputs: int, reps: int = 20, warm: int = 3) -> float:
+    """Median ms of fn(i) over rotating inputs i."""
+    for i in range(warm):
+        fn(i % n_inputs)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(r % n_inputs)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _graphed(fn, inputs: list):
+    """A CUDA graph per input set (static inputs), replayed by index."""
+    graphs = []
+    for args in inputs:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn(*args)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        graphs.append(g)
+    return lambda i: graphs[i].replay()
+
+
+def _layer(E: int, H: int, Fd: int):
+    w1 = torch.randn(E, Fd, H, device=DEV, dtype=DT) * H ** -0.5
+    w3 = torch.randn(E, Fd, H, device=DEV, dtype=DT) * H ** -0.5
+    w2 = torch.randn(E, H, Fd, device=DEV, dtype=DT) * Fd ** -0.5
+    return w1, w3, w2
+
+
+def masked_dense(x, ids, w, W):
+    w1, w3, w2 = W
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        c = torch.where(ids == e, w, 0).sum(-1, keepdim=True).to(x.dtype)
+        h = F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e])
+        out += torch.where(c != 0, h, 0) * c
+    return out
+
+
+def grouped(x, ids, w, W):
+    w1, w3, w2 = W
+    E, k = w1.shape[0], ids.shape[1]
+    flat = ids.reshape(-1)
+    sid, perm = torch.sort(flat, stable=True)
+    tok = perm // k
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = x.index_select(0, tok)
+    a = torch._grouped_mm(h, w1.transpose(-2, -1), offs=offs)
+    b = torch._grouped_mm(h, w3.transpose(-2, -1), offs=offs)
+    y = torch._grouped_mm(F.silu(a) * b, w2.transpose(-2, -1), offs=offs)
+    y = y * w.reshape(-1).index_select(0, perm).unsqueeze(-1).to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def loop(x, ids, w, W):
+    w1, w3, w2 = W
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        h = x[tok]
+        y = F.linear(F.silu(F.linear(h, w1[e])) * F.linear(h, w3[e]), w2[e]) * w[tok, slot, None].to(x.dtype)
+        out.index_add_(0, tok, y)
+    return out
+
+
+def _inputs(T: int, E: int, k: int, H: int, n: int):
+    out = []
+    for _ in range(n):
+        x = torch.randn(T, H, device=DEV, dtype=DT)
+        w, ids = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), k)
+        out.append((x, ids, w / w.sum(-1, keepdim=True)))
+    return out
+
+
+def constants(quick: bool) -> dict:
+    c: dict = {}
+    a = torch.randn(8192, 4096, device=DEV, dtype=DT)
+    b = torch.randn(14336, 4096, device=DEV, dtype=DT)
+    ms = _time(lambda i: F.linear(a, b), 1)
+    c["dense_tflops"] = round(2 * 8192 * 4096 * 14336 / (ms * 1e9), 1)
+    E, rows, H, Fd = 64, 384, 2048, 1408
+    x = torch.randn(E * rows, H, device=DEV, dtype=DT)
+    w = torch.randn(E, H, Fd, device=DEV, dtype=DT)
+    offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * rows
+    ms = _time(lambda i: torch._grouped_mm(x, w, offs=offs), 1)
+    c["grouped_tflops"] = round(2 * E * rows * H * Fd / (ms * 1e9), 1)
+    big = torch.empty(1 << 29, device=DEV, dtype=torch.uint8)
+    dst = torch.empty_like(big)
+    ms = _time(lambda i: dst.copy_(big), 1)
+    c["bandwidth_gbs"] = round(2 * big.numel() / (ms * 1e6), 1)
+    # fixed costs at tiny expert sizes: what is left is the forms' own work and launches
+    E, k, H, Fd, T = 64, 6, 64, 64, 4096
+    W = _layer(E, H, Fd)
+    inp = _inputs(T, E, k, H, 4)
+    c["masked_fixed_us"] = round(1000 * _time(_graphed(lambda *a: masked_dense(*a, W), inp), 4) / E, 1)
+    c["grouped_fixed_us"] = round(1000 * _time(_graphed(lambda *a: grouped(*a, W), inp), 4), 1)
+    c["loop_expert_us"] = round(1000 * _time(lambda i: loop(*inp[i], W), 4) / E, 1)
+    c["device"] = torch.cuda.get_device_name()
+    c["date"] = datetime.date.today().isoformat()
+    c["torch"] = torch.__version__
+    return c
+
+
+SHAPES = {"dsv2lite-experts": (64, 6, 2048, 1408), "mixtral-experts": (8, 2, 4096, 14336)}
+
+
+def crossover(tokens: list[int]) -> list[dict]:
+    rows = []
+    for name, (E, k, H, Fd) in SHAPES.items():
+        W = _layer(E, H, Fd)
+        for T in tokens:
+            inp = _inputs(T, E, k, H, 3)
+            ref = loop(*inp[0], W).float()
+            row = {"shape": name, "experts": E, "k": k, "hidden": H, "ffn": Fd, "tokens": T}
+            for form, fn in (("grouped", grouped), ("masked_dense", masked_dense)):
+                if form == "masked_dense" and E * T * Fd * 2 * 3 > 60e9:
+                    row[f"{form}_ms"] = None  # its intermediates alone would not fit
+                    continue
+                err = ((fn(*inp[0], W).float() - ref).norm() / ref.norm()).item()
+                assert err < 2e-2, (name, T, form, err)
+                row[f"{form}_ms"] = round(_time(_graphed(lambda *a, fn=fn: fn(*a, W), inp), 3), 3)
+            row["dynamic_ms"] = round(_time(lambda i: loop(*inp[i], W), 3), 3)
+            est = cost.estimate(T, E, k, 3 * 2 * H * Fd, E * 3 * H * Fd * 2, 0)
+            row["estimate_ms"] = {f: round(v / 1000, 3) for f, v in est.items()}
+            measured = {f: row[f"{f}_ms"] for f in ("masked_dense", "grouped", "dynamic") if row[f"{f}_ms"]}
+            row["fastest"] = min(measured, key=measured.get)
+            row["model_picks"] = min(est, key=est.get)
+            rows.append(row)
+            print(f"{name:18s} T={T:6d} " + " ".join(f"{f}={v}" for f, v in measured.items())
+                  + f"  fastest={row['fastest']} model={row['model_picks']}", flush=True)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    c = constants(args.quick)
+    print("constants:", json.dumps(c), flush=True)
+    with open(os.path.join(args.out, "costs.json"), "w") as f:
+        json.dump(c, f, indent=1)
+    cost.constants.cache_clear()
+    cost._measured_override = c  # estimates below use what was just measured
+    tokens = [16, 256, 4096, 16384] if args.quick else [16, 64, 256, 1024, 4096, 16384]
+    rows = crossover(tokens)
+    with open(os.path.join(args.out, "dispatch_crossover.json"), "w") as f:
+        json.dump({"meta": {"device": c["device"], "date": c["date"], "torch": c["torch"],
+                            "command": "python benchmarks/dispatch_costs.py --out DIR"}, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
