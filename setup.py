@@ -7,6 +7,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["cgbackend", "cgbackend.*"]),
+    package_data={"cgbackend.passes.dispatch": ["costs.json"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11", "sympy"],
     extras_require={

@@ -77,8 +77,11 @@ class Config:
 
     static_dispatch: str = "off"
     """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is
-    captured (passes/dispatch/): "off", "auto" (cost model picks, may leave a loop dynamic) or a
-    form ("masked_dense"). The report lists every rewrite and every loop left alone, with why."""
+    captured (passes/dispatch/): "off", "auto" (a measured cost model picks per layer, may leave a
+    loop dynamic) or a form ("grouped", "masked_dense"). With it on, cgbackend.compile also rewrites
+    skip-loops in the model's source (over nonzero() results or .tolist() counts) and lays out
+    per-module expert weights as one block. The report lists every rewrite and every loop left
+    alone, with why."""
 
     opaque_modules: bool = True
     """``cgbackend.compile`` and ``cgbackend.explain`` make each module Dynamo cannot trace but
