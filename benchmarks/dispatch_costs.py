@@ -127,6 +127,19 @@ def constants(quick: bool) -> dict:
     offs = torch.arange(1, E + 1, device=DEV, dtype=torch.int32) * rows
     ms = _time(lambda i: torch._grouped_mm(x, w, offs=offs), 1)
     c["grouped_tflops"] = round(2 * E * rows * H * Fd / (ms * 1e9), 1)
+    # rates by rows per product (per expert): small products run far below the peak
+    c["rate_by_rows"] = {"dense": {}, "grouped": {}}
+    H, Fd, G = 4096, 4096, 8
+    wd = torch.randn(Fd, H, device=DEV, dtype=DT)
+    wg = torch.randn(G, H, Fd, device=DEV, dtype=DT)
+    for m in (16, 64, 256, 1024, 4096):
+        xd = torch.randn(m, H, device=DEV, dtype=DT)
+        ms = _time(lambda i: F.linear(xd, wd), 1)
+        c["rate_by_rows"]["dense"][m] = round(2 * m * H * Fd / (ms * 1e9), 1)
+        xg = torch.randn(G * m, H, device=DEV, dtype=DT)
+        offs_g = torch.arange(1, G + 1, device=DEV, dtype=torch.int32) * m
+        ms = _time(lambda i: torch._grouped_mm(xg, wg, offs=offs_g), 1)
+        c["rate_by_rows"]["grouped"][m] = round(2 * G * m * H * Fd / (ms * 1e9), 1)
     big = torch.empty(1 << 29, device=DEV, dtype=torch.uint8)
     dst = torch.empty_like(big)
     ms = _time(lambda i: dst.copy_(big), 1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from typing import Any, Optional
 
@@ -38,8 +39,9 @@ _DEFAULTS = {
     "dense_tflops": 500.0,       # bf16 matrix products of MoE-expert shapes
     "grouped_tflops": 350.0,     # torch._grouped_mm over the routed rows
     "bandwidth_gbs": 2500.0,     # device memory, read + write counted
-    "masked_fixed_us": 15.0,
+    "masked_fixed_us": 15.0,     # per expert: its few kernels in the graph
     "grouped_fixed_us": 60.0,    # sort, bincount, cumsum, gathers, scatter
+    "rate_by_rows": {},          # {"dense"|"grouped": {rows per product: TFLOP/s}}, measured
     "loop_expert_us": 70.0,      # per expert: where + host sync + gather + launches + index_add
 }
 
@@ -61,6 +63,8 @@ def constants() -> dict[str, Any]:
     except (OSError, ValueError):
         return values
     values.update({k: v for k, v in measured.items() if k in _DEFAULTS or k in ("device", "date", "torch")})
+    values["rate_by_rows"] = {kind: {int(m): float(r) for m, r in table.items()}
+                              for kind, table in values.get("rate_by_rows", {}).items()}
     values["source"] = f"measured ({measured.get('device', '?')}, {measured.get('date', '?')}; costs.json)"
     return values
 
@@ -73,10 +77,26 @@ def _hint(size: Any) -> Optional[int]:
     return int(hint) if isinstance(hint, int) else None
 
 
+def _rate(c: dict, kind: str, rows: float) -> float:
+    """TFLOP/s of a product of ``rows`` rows: the measured table, interpolated in log(rows) and held
+    flat outside it; the flat default where nothing was measured."""
+    table = sorted(c.get("rate_by_rows", {}).get(kind, {}).items())
+    if not table:
+        return c["dense_tflops" if kind == "dense" else "grouped_tflops"]
+    if rows <= table[0][0]:
+        return table[0][1]
+    for (m0, r0), (m1, r1) in zip(table, table[1:]):
+        if rows <= m1:
+            f = (math.log(rows) - math.log(m0)) / (math.log(m1) - math.log(m0))
+            return r0 + f * (r1 - r0)
+    return table[-1][1]
+
+
 def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes: int,
              stack_bytes: int) -> dict[str, float]:
     """Estimated microseconds of each way to run one layer (see the module docstring)."""
     c = constants()
+    per_group = max(tokens * k / max(experts, 1), 1.0)
     bw = c["bandwidth_gbs"] * 1e3          # bytes per microsecond
     hit = min(experts, tokens * k)
     per_expert_bytes = weight_bytes / max(experts, 1)
@@ -86,10 +106,12 @@ def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes
 
     routed = tokens * k * flops_per_row
     return {
-        "masked_dense": t(experts * tokens * flops_per_row, c["dense_tflops"], weight_bytes) + c["masked_fixed_us"],
-        "grouped": (t(routed, c["grouped_tflops"], hit * per_expert_bytes) + 2 * stack_bytes / bw
+        "masked_dense": (t(experts * tokens * flops_per_row, _rate(c, "dense", tokens), weight_bytes)
+                         + experts * c["masked_fixed_us"]),
+        "grouped": (t(routed, _rate(c, "grouped", per_group), hit * per_expert_bytes) + 2 * stack_bytes / bw
                     + c["grouped_fixed_us"]),
-        "dynamic": t(routed, c["dense_tflops"], hit * per_expert_bytes) + experts * c["loop_expert_us"],
+        "dynamic": (t(routed, _rate(c, "dense", per_group), hit * per_expert_bytes)
+                    + experts * c["loop_expert_us"]),
     }
 
 
