@@ -11,6 +11,8 @@ from . import opaque
 from .api import dynamic_ops_config
 from .backend import CGBackend
 from .config import Config
+from .coverage import measure_launches
+from .hints import build_hints
 from .report import Report
 
 __all__ = ["ExplainError", "explain"]
@@ -50,18 +52,22 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     buffers = ([(b, b.detach().clone()) for b in model.buffers()]
                if isinstance(model, torch.nn.Module) else [])
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.is_cuda})
+    launches, skipped, after = None, None, None
     try:
         with scope, torch.random.fork_rng(devices=devices):
             compiled = torch.compile(model, backend=instance)
             compiled(*args, **kwargs)
+            after = dict(counters["graph_break"])
+            launches, skipped = _measure(model, compiled, args, kwargs, instance, buffers)
+    except ExplainError:
+        raise
     except Exception as exc:
         raise ExplainError(f"tracing the model failed: {type(exc).__name__}: {_first_line(exc)}") from exc
     finally:
-        after = dict(counters["graph_break"])
+        if after is None:
+            after = dict(counters["graph_break"])
         torch._dynamo.reset()
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        _restore(buffers)
 
     breaks = [b for b in (br for _, br in instance._analyses) if b]
     seen = {b["reason"] for b in breaks}
@@ -76,6 +82,34 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
                      "device; nothing ran on a GPU")
     if not instance._analyses:
         notes.append("Dynamo produced no graph: the whole model ran eagerly (see graph breaks)")
+    if skipped:
+        notes.append(skipped)
     report = instance.build_report(breaks, notes)
     report.config = config.to_dict()
+    if launches is not None:
+        report.summary.update(launches.to_summary())
+    report.hints = build_hints(report, [a for a, _ in instance._analyses], config)
     return report
+
+
+def _restore(buffers: list) -> None:
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+
+
+def _measure(model: Any, compiled: Any, args: tuple, kwargs: dict, instance: CGBackend,
+             buffers: list) -> tuple[Any, Optional[str]]:
+    """Launch coverage (coverage.py): one eager call and one more call of the traced model, each
+    from the buffers' state before tracing."""
+    graphs = len(instance._analyses)
+    try:
+        _restore(buffers)
+        launches, skipped = measure_launches(lambda: model(*args, **kwargs),
+                                             lambda: compiled(*args, **kwargs), instance.shared)
+    except Exception as exc:  # the report stands without it; say why it is missing
+        return None, f"launch coverage not measured: {type(exc).__name__}: {_first_line(exc)}"
+    if len(instance._analyses) != graphs:
+        del instance._analyses[graphs:]
+        return None, "launch coverage not measured: the second call compiled new graphs (recompiled)"
+    return launches, skipped

@@ -46,9 +46,12 @@ import json
 from typing import Any, Optional
 
 from .analysis import Analysis
+from .coverage import launch_text
 from .fx_utils import module_path, op_name
+from .hints import hints_text
 from .opaque import opaque_info
 from .passes.cost import estimate_kernels
+from .profile import timing_text
 from .reasons import Rule
 
 __all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]
@@ -109,6 +112,8 @@ class Report:
     """What ``cgbackend.compile`` / ``explain`` made opaque (opaque.py): ``{"wrapped": [{"module",
     "kind"}], "skipped": [{"module", "kind", "reason"}]}``; skipped modules keep their own forward
     (Dynamo breaks the graph at them and they run eagerly)."""
+    hints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """What to change to graph more (hints.py): ``{"kind", "message", "option", "source"}``."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -374,8 +379,10 @@ def render_text(report: Report) -> str:
         f"{s['est_launches_graphed']} with graphs ({s['static_regions']} graph launches + "
         f"{s['est_launches_graphed'] - s['static_regions']} eager)",
     ]
+    lines.extend(launch_text(s))
     for note in report.notes:
         lines.append(f"  note: {note}")
+    lines.extend(hints_text(report.hints))
     lines.extend(_opaque_modules_text(report.opaque_modules, s))
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
@@ -431,6 +438,7 @@ def render_text(report: Report) -> str:
                 lines.append(f"{'':<10}+ {total} ops that follow from those ({shown})")
         if g.runtime:
             lines.extend(_runtime_text(g.runtime))
+            lines.extend(timing_text(g.runtime.get("timing") or {}))
     if s["top_reasons"]:
         lines.append("")
         lines.append("top reasons for eager execution:")
