@@ -36,9 +36,9 @@ class RegionTimer:
     """A ``RuntimeShared.watch`` that times every region call, by graph and region."""
 
     def __init__(self) -> None:
-        self.times: dict[tuple[int, str, str], _Times] = {}
-        """(graph index, region name, "replay" | "eager") -> calls and seconds."""
-        self._pending: list[tuple[tuple[int, str, str], Any, Any]] = []
+        self.times: dict[tuple[int, int, str, str], _Times] = {}
+        """(graph index, region position, region name, "replay" | "eager") -> calls and seconds."""
+        self._pending: list[tuple[tuple[int, int, str, str], Any, Any]] = []
 
     def __call__(self, graph: Any, position: int, run_step: Callable[..., Any], step: Any, ins: list,
                  call: Any) -> Any:
@@ -57,7 +57,7 @@ class RegionTimer:
             out = run_step(step, ins, call)
             elapsed = time.perf_counter() - t0
         how = "replay" if runner is not None and runner.replays > replays else "eager"
-        key = (graph.index, region.name, how)
+        key = (graph.index, position, region.name, how)
         if device is not None:
             self._pending.append((key, start, end))
             if len(self._pending) >= _RESOLVE_EVERY:
@@ -66,7 +66,7 @@ class RegionTimer:
             self._add(key, elapsed)
         return out
 
-    def _add(self, key: tuple[int, str, str], seconds: float) -> None:
+    def _add(self, key: tuple[int, int, str, str], seconds: float) -> None:
         entry = self.times.get(key)
         if entry is None:
             entry = self.times[key] = _Times()
@@ -89,7 +89,7 @@ class RegionTimer:
         """``{"S0": {"replay": {"calls", "total_ms", "mean_ms"}, "eager": {...}}}`` of one graph."""
         self.resolve()
         out: dict[str, dict[str, Any]] = {}
-        for (graph, name, how), times in sorted(self.times.items()):
+        for (graph, _, name, how), times in sorted(self.times.items()):
             if graph == index:
                 out.setdefault(name, {})[how] = times.to_dict()
         return out

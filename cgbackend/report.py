@@ -124,6 +124,11 @@ class Report:
     def to_text(self) -> str:
         return render_text(self)
 
+    def to_html(self) -> str:
+        """One self-contained HTML page: summary, hints, regions as a timeline (html.py)."""
+        from .html import render_html
+        return render_html(self)
+
     def __str__(self) -> str:
         return render_text(self)
 
