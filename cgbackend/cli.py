@@ -108,11 +108,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             report = explain(model, *call_args, options=options, **call_kwargs)
     except ExplainError as exc:
         raise CLIError(str(exc)) from None
-    print(report.to_json() if args.json else report.to_text())
-    if args.html:
+    if args.html:  # before printing: a closed pipe (`| head`) must not cost the file
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(report.to_html())
         print(f"wrote {args.html}", file=sys.stderr)
+    print(report.to_json() if args.json else report.to_text())
     return 0
 
 

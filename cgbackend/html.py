@@ -1,7 +1,7 @@
 """The report as one self-contained HTML page (``Report.to_html()``, ``explain --html PATH``).
 
 One more renderer of the same Report data: the summary and the hints on top, then the regions
-of every graph in execution order as a timeline (static green, dynamic orange), each box sized
+of every graph in execution order as one timeline row (static green, dynamic orange), each box sized
 by the region's measured time (option profile, after a run), else its measured launches
 (explain), else its estimated kernels; launches in uncompiled code (explain) are a grey row on the
 same scale, by source line, since where they fall between the graphs is not known. Hovering a
@@ -38,7 +38,7 @@ table { border-collapse: collapse; } td, th { padding: 3px 10px; border-bottom: 
 .region { box-sizing: border-box; min-width: 3px; border: 1px solid #fff; border-radius: 3px;
   overflow: hidden; white-space: nowrap; font-size: 12px; padding: 3px 4px; color: #fff; }
 .region .role { display: block; font-size: 11px; opacity: .9; }
-.region:hover { outline: 2px solid #222; }
+.region:hover { outline: 2px solid #222; } .region.start { border-left: 3px solid #222; }
 .static { background: #2e8b57; } .dynamic { background: #e07b00; } .uncompiled { background: #8a8a8a; }
 """
 
@@ -134,17 +134,21 @@ def render_html(report: Any, title: str = "cgbackend partition report") -> str:
                '<span><i class="swatch dynamic"></i>dynamic (eager)</span>'
                '<span><i class="swatch uncompiled"></i>uncompiled code (outside Dynamo\'s graphs)</span>'
                f"<span>width: {_e(unit)}</span></div>")
+    devices = sorted({g.compute_device for g in report.graphs})
+    modes = sorted({"training" if g.training else "inference" for g in report.graphs})
+    out.append(f'<div class="graphlabel">{len(report.graphs)} graph(s) in the order Dynamo compiled them '
+               f'({_e(", ".join(devices))}, {_e(", ".join(modes))}); a dark edge starts a graph</div>')
+    out.append('<div class="row">')
     for g in report.graphs:
-        mode = "training" if g.training else "inference"
-        out.append(f'<div class="graphlabel">graph {g.index} ({_e(g.compute_device)}, {mode})</div>')
-        out.append(f'<div class="row" data-graph="{g.index}">')
-        for r in g.regions:
+        for i, r in enumerate(g.regions):
             w = weights.get(r.id, 0.0)
-            out.append(f'<div class="region {_e(r.kind)}" data-id="{_e(r.id)}" data-kind="{_e(r.kind)}" '
+            start = " start" if i == 0 and len(report.graphs) > 1 else ""
+            label = r.id if len(report.graphs) > 1 else r.id.split(".")[-1]
+            out.append(f'<div class="region {_e(r.kind)}{start}" data-id="{_e(r.id)}" data-kind="{_e(r.kind)}" '
                        f'data-weight="{w:g}" style="width:{100.0 * w / total:.3f}%" '
-                       f'title="{_e(_tooltip(r, w, unit))}">{_e(r.id.split(".")[-1])}'
+                       f'title="{_e(_tooltip(r, w, unit))}">{_e(label)}'
                        f'<span class="role">{_e(r.role)}</span></div>')
-        out.append("</div>")
+    out.append("</div>")
     if uncompiled:
         out.append('<div class="graphlabel">uncompiled code, by source line (where it falls between the '
                    'graphs is not recorded)</div><div class="row">')
@@ -153,7 +157,7 @@ def render_html(report: Any, title: str = "cgbackend partition report") -> str:
             tip = f"{src['source']}: {src['launches']} launches ({ops})\n{src['code']}"
             out.append(f'<div class="region uncompiled" data-source="{_e(src["source"])}" '
                        f'data-weight="{src["launches"]}" style="width:{100.0 * src["launches"] / total:.3f}%" '
-                       f'title="{_e(tip)}">{_e(src["source"].split(" in ")[0])}</div>')
+                       f'title="{_e(tip)}">line {_e(src["source"].split(" in ")[0].rsplit(":", 1)[-1])}</div>')
         out.append("</div>")
     out.append("</section>")
 
