@@ -83,9 +83,17 @@ def _user_frame() -> tuple[str, str]:
                 or filename.startswith("<")):
             base = filename.replace("\\", "/").rsplit("/", 1)[-1]
             code = linecache.getline(filename, frame.f_lineno).strip()
-            return f"{base}:{frame.f_lineno} in {frame.f_code.co_name}", code
+            return f"{base}:{frame.f_lineno} in {_function_name(frame.f_code.co_name)}", code
         frame = frame.f_back
     return "?", ""
+
+
+def _function_name(name: str) -> str:
+    """The user's function behind Dynamo's resume functions (``torch_dynamo_resume_in_f_at_12``)."""
+    prefix = "torch_dynamo_resume_in_"
+    if name.startswith(prefix) and "_at_" in name:
+        return name[len(prefix):].rsplit("_at_", 1)[0]
+    return name
 
 
 class LaunchCounter(TorchDispatchMode):
