@@ -31,11 +31,27 @@ Regions also have ``opaque`` (module calls Dynamo cannot trace, made one node ea
 ``summary`` also has ``symbolic_regions`` (static regions with size symbols) and
 ``bucketed_regions`` (those that pad one), ``dispatch_rewrites`` and ``dispatch_left_dynamic``.
 
+``summary`` also has ``launch_coverage`` (0..1, the fraction of an eager call's kernel launches
+that run inside graphs; null when not measured) and ``launches`` (coverage.py): ``{"basis":
+"measured" | "runtime", "eager_call", "with_cgbackend", "in_graphs", "in_dynamic_regions",
+"uncompiled", "by_region": {region id: launches}, "uncompiled_sources": [{"source", "code",
+"launches", "ops": {op: count}}], "upper_bound"}``. "measured" (explain): aten ops dispatched by
+one eager call and by one call through the compiled graphs; "uncompiled" counts those run outside
+every compiled graph (after a graph break that skipped the rest of a frame). "runtime"
+(``cgbackend.report(compiled)``): counted calls x estimated kernels per region; ``eager_call`` and
+``uncompiled`` are null, ``upper_bound`` is true when Dynamo broke a graph.
+
+``hints[]`` (top level, hints.py): ``{"kind": "static_dispatch" | "data_dependent_loop" |
+"inner_compiler", "message", "option", "source"}``; ``option`` names the option to set,
+``source`` the line to change (the other is null).
+
 ``runtime`` is null in an ahead-of-time report; for a compiled model it holds, per static
 region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``recaptured``
 (captured again to replay after newer graphs), ``pool_bytes`` (growth
 of reserved memory while its held graphs were captured), ``bucketed`` (the padded symbol),
-``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``.
+``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``; with the option
+``profile``, ``timing``: ``{region name: {"replay" | "eager": {"calls", "total_ms", "mean_ms"}}}``
+(profile.py).
 """
 
 from __future__ import annotations
