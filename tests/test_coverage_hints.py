@@ -364,3 +364,27 @@ def test_html_shows_uncompiled_code():
     sources = report.summary["launches"]["uncompiled_sources"]
     assert [r["data-source"] for r in rows if "data-source" in r] == [s["source"] for s in sources]
     assert parser.find("li", **{"class": "hint"}, **{"data-kind": "data_dependent_loop"})
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.cuda
+def test_cuda_profile_timing_and_coverage():
+    """CUDA events time replays and eager calls; explain on CUDA tensors measures coverage."""
+    model = build_model("moe", size="tiny", device="cuda").eval()
+    xs = make_inputs("moe", model, n=5, device="cuda")
+    compiled = cgbackend.compile(model, warmup=1, profile=True)
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+        explained = cgbackend.explain(model, xs[0])
+    report = cgbackend.report(compiled)
+    timing = report.graphs[0].runtime["timing"]
+    assert cgbackend.stats(compiled)["graphs_captured"] == 3
+    for name in ("S0", "S2", "S4"):
+        assert timing[name]["replay"]["calls"] == 4 and timing[name]["replay"]["total_ms"] > 0
+    assert timing["D1"]["eager"]["calls"] == 5
+    s = explained.summary
+    assert s["launches"]["uncompiled"] == 0 and 0.2 < s["launch_coverage"] < 0.9
+    assert 0.0 < report.summary["launch_coverage"] < 1.0
+    assert "static_dispatch" in [h["kind"] for h in explained.hints]
