@@ -193,15 +193,17 @@ def count_eager(fn: Callable[[], Any]) -> int:
     return counter.total
 
 
-def measure_launches(eager_call: Callable[[], Any], compiled_call: Callable[[], Any],
-                     shared: Any) -> tuple[Optional[Launches], Optional[str]]:
+def measure_launches(eager_call: Callable[[], Any], compiled_call: Callable[[], Any], shared: Any,
+                     reset: Callable[[], Any] = lambda: None) -> tuple[Optional[Launches], Optional[str]]:
     """Run ``eager_call`` and ``compiled_call`` (the compiled model, already traced, of the backend
-    whose RuntimeShared is ``shared``) under launch counters. Returns (launches, None) or (None,
-    why the measurement was skipped)."""
+    whose RuntimeShared is ``shared``) under launch counters, each after ``reset()`` (not counted).
+    Returns (launches, None) or (None, why the measurement was skipped)."""
     if not counting_supported():
         return None, ("launch coverage not measured: this torch has no "
                       "TorchDispatchMode.ignore_compile_internals (torch >= 2.9)")
+    reset()
     eager = count_eager(eager_call)
+    reset()
     counter = LaunchCounter()
     shared.watch = counter
     try:

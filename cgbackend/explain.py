@@ -28,16 +28,20 @@ def _first_line(text: str) -> str:
 
 
 def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
-            trace_dynamic_ops: bool = True, **kwargs: Any) -> Report:
+            trace_dynamic_ops: bool = True, count_launches: bool = True, **kwargs: Any) -> Report:
     """Report how cgbackend would split ``model(*args, **kwargs)``: every region, its role, what stays
-    eager and why, with source lines. Runs the model once through Dynamo (eagerly, on whatever
-    device its inputs are on) and captures nothing.
+    eager and why, with source lines. Runs the model through Dynamo (eagerly, on whatever device
+    its inputs are on) and captures nothing.
 
     ``options`` are cgbackend options (as for cgbackend.backend). ``trace_dynamic_ops`` traces
     data-dependent ops into the graph (Dynamo's capture_dynamic_output_shape_ops and
     capture_scalar_outputs, scoped to this call); False shows what plain torch.compile sees.
     Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing. The model's
     buffers (batch-norm statistics) and the RNG state are restored afterwards.
+
+    ``count_launches`` (default on) measures the launch coverage (coverage.py): the model then runs
+    twice more, once eagerly and once through the traced graphs, each from the buffers' state
+    before tracing; False runs it only once and leaves ``launch_coverage`` out.
     """
     config = Config.from_options(options or {})
     instance = CGBackend(config=config.replace(capture=False))
@@ -58,7 +62,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
             compiled = torch.compile(model, backend=instance)
             compiled(*args, **kwargs)
             after = dict(counters["graph_break"])
-            launches, skipped = _measure(model, compiled, args, kwargs, instance, buffers)
+            if count_launches:
+                launches, skipped = _measure(model, compiled, args, kwargs, instance, buffers)
     except ExplainError:
         raise
     except Exception as exc:
@@ -104,9 +109,9 @@ def _measure(model: Any, compiled: Any, args: tuple, kwargs: dict, instance: CGB
     from the buffers' state before tracing."""
     graphs = len(instance._analyses)
     try:
-        _restore(buffers)
         launches, skipped = measure_launches(lambda: model(*args, **kwargs),
-                                             lambda: compiled(*args, **kwargs), instance.shared)
+                                             lambda: compiled(*args, **kwargs), instance.shared,
+                                             reset=lambda: _restore(buffers))
     except Exception as exc:  # the report stands without it; say why it is missing
         return None, f"launch coverage not measured: {type(exc).__name__}: {_first_line(exc)}"
     if len(instance._analyses) != graphs:

@@ -166,6 +166,19 @@ def test_moe_demo_coverage_and_static_dispatch_hint():
     assert auto.summary["launch_coverage"] == 1.0
 
 
+def test_launch_counting_off_or_unsupported(monkeypatch):
+    model, x = demo_model("dense")
+    with torch.no_grad():
+        off = cgbackend.explain(model, x, count_launches=False)
+    assert "launch_coverage" not in off.summary and "launch coverage" not in off.to_text()
+    monkeypatch.setattr(cgbackend.coverage, "counting_supported", lambda: False)
+    with torch.no_grad():
+        old = cgbackend.explain(model, x)
+    assert "launch_coverage" not in old.summary
+    assert any(n.startswith("launch coverage not measured: this torch has no") for n in old.notes)
+    assert old.summary["static_regions"] == off.summary["static_regions"] == 1
+
+
 def test_inner_compiler_hint_follows_the_config_in_effect():
     model, x = demo_model("dense")
     with torch.no_grad():
