@@ -54,15 +54,17 @@ def _weights(report: Any) -> tuple[dict[str, float], str]:
         for name, parts in ((g.runtime or {}).get("timing") or {}).items():
             timing[f"g{g.index}.{name}"] = sum(p["total_ms"] for p in parts.values())
     if timing:
-        return timing, "measured time per region (profile=True), all calls"
+        return timing, "ms measured (profile=True), all calls"
     launches = report.summary.get("launches") or {}
     if launches.get("basis") == "measured" and launches.get("by_region") is not None:
         return {k: float(v) for k, v in launches["by_region"].items()}, "measured launches of one call"
     return {r.id: float(r.est_kernels) for r in report.regions()}, "estimated kernels per call"
 
 
-def _tooltip(region: Any, weight: float, unit: str) -> str:
+def _tooltip(region: Any, weight: float, unit: str, timing: Any = None) -> str:
     lines = [f"{region.id}: {region.kind}, role {region.role}, {region.ops} ops, {weight:g} ({unit})"]
+    for how, t in (timing or {}).items():
+        lines.append(f"{how}: {t['calls']} x {t['mean_ms']} ms")
     if region.module_paths:
         more = f" +{len(region.module_paths) - 6} more" if len(region.module_paths) > 6 else ""
         lines.append("modules: " + ", ".join(region.module_paths[:6]) + more)
@@ -140,13 +142,14 @@ def render_html(report: Any, title: str = "cgbackend partition report") -> str:
                f'({_e(", ".join(devices))}, {_e(", ".join(modes))}); a dark edge starts a graph</div>')
     out.append('<div class="row">')
     for g in report.graphs:
+        timing = (g.runtime or {}).get("timing") or {}
         for i, r in enumerate(g.regions):
             w = weights.get(r.id, 0.0)
             start = " start" if i == 0 and len(report.graphs) > 1 else ""
             label = r.id if len(report.graphs) > 1 else r.id.split(".")[-1]
             out.append(f'<div class="region {_e(r.kind)}{start}" data-id="{_e(r.id)}" data-kind="{_e(r.kind)}" '
                        f'data-weight="{w:g}" style="width:{100.0 * w / total:.3f}%" '
-                       f'title="{_e(_tooltip(r, w, unit))}">{_e(label)}'
+                       f'title="{_e(_tooltip(r, w, unit, timing.get(r.id.split(".")[-1])))}">{_e(label)}'
                        f'<span class="role">{_e(r.role)}</span></div>')
     out.append("</div>")
     if uncompiled:

@@ -220,7 +220,8 @@ def test_runtime_coverage_and_profile_timing():
     assert "time per region (profile=True" in text and "launch coverage: " in text
     assert "static_dispatch" in _kinds(report)
     page = report.to_html()
-    assert "measured time per region (profile=True)" in page
+    assert "ms measured (profile=True)" in page
+    assert "replay: 3 x " in page  # the split, on hover
 
 
 def test_profile_off_has_no_timing():
