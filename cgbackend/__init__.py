@@ -10,11 +10,14 @@ from .api import backend, compile, find_backend, prepare, report, reset, stats
 from .backend import CGBackend
 from .config import Config, ConfigError
 from .explain import ExplainError, explain
+from .logs import register as _register_logs
 from .marks import mark_dynamic
 from .reasons import Reason, Rule
 from .report import Report
 
 __version__ = "0.1.0"
+
+_register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)
 
 __all__ = ["CGBackend", "Config", "ConfigError", "ExplainError", "Reason", "Report", "Rule", "backend",
            "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "__version__"]

@@ -19,7 +19,10 @@ import torch.fx
 
 from .analysis import Analysis, analyze
 from .config import Config
+from .coverage import runtime_launches
+from .hints import build_hints
 from .opaque import InstallResult
+from .profile import RegionTimer
 from .report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
 from .runtime.region import RuntimeShared
@@ -64,6 +67,9 @@ class CGBackend:
         """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
         self.trace_fallback: Optional[str] = None
         """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
+        self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
+        """Per-region timing (option profile)."""
+        self.shared.watch = self.timer
         self.__name__ = "cgbackend"
 
     def note_trace_fallback(self, cause: BaseException) -> None:
@@ -116,15 +122,20 @@ class CGBackend:
     def report(self) -> Report:
         """The partition report of every graph this instance compiled, with runtime counters."""
         graphs = []
-        for i, g in enumerate(self.compiled_graphs()):
+        compiled = self.compiled_graphs()
+        for i, g in enumerate(compiled):
             gr = graph_report(g.analysis, i, graph_break_info(g.analysis.gm))
             gr.runtime = g.runtime_summary()
+            if self.timer is not None:
+                gr.runtime["timing"] = self.timer.graph_timing(g.index)
             if g.blocked is not None:
                 gr.notes.append(f"nothing captured: {g.blocked}")
             graphs.append(gr)
-        breaks = [b for b in (graph_break_info(g.analysis.gm) for g in self.compiled_graphs()) if b]
+        breaks = [b for b in (graph_break_info(g.analysis.gm) for g in compiled) if b]
         report = Report(graphs=graphs, graph_breaks=breaks, summary=summarize(graphs, breaks),
                         config=self.config.to_dict(), opaque_modules=self._opaque_dict())
+        report.summary.update(runtime_launches(graphs, compiled, bool(breaks)))
+        report.hints = build_hints(report, [g.analysis for g in compiled], self.config)
         self._annotate(report)
         return report
 

@@ -108,6 +108,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             report = explain(model, *call_args, options=options, **call_kwargs)
     except ExplainError as exc:
         raise CLIError(str(exc)) from None
+    if args.html:  # before printing: a closed pipe (`| head`) must not cost the file
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(report.to_html())
+        print(f"wrote {args.html}", file=sys.stderr)
     print(report.to_json() if args.json else report.to_text())
     return 0
 
@@ -124,6 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ex.add_argument("--option", action="append", metavar="KEY=VALUE", help="a cgbackend option")
     ex.add_argument("--dynamic", type=int, action="append", metavar="DIM",
                     help="mark this dimension of the first input dynamic (a symbolic size), repeatable")
+    ex.add_argument("--html", metavar="PATH", help="also write the report as one self-contained HTML page")
     ex.add_argument("-v", "--verbose", action="store_true", help="log cgbackend's INFO lines")
     ex.set_defaults(func=_cmd_explain)
     bench = sub.add_parser("bench", help="side-by-side benchmark (see benchmarks/README.md)", add_help=False)

@@ -89,6 +89,11 @@ class Config:
     kernels join the static regions (cgbackend/opaque.py). False leaves them to Dynamo: a graph
     break at each, their kernels eager."""
 
+    profile: bool = False
+    """Time every region call of the forward (CUDA events on a GPU, perf_counter otherwise), split
+    into graph replays and eager calls; shown in cgbackend.report(compiled) and its HTML page
+    (profile.py). Costs two event records per region call."""
+
     simulate_graphs: bool = False
     """Test aid for machines without a GPU: "capture" runs the region once into static buffers and
     "replay" re-runs it and writes into the same buffers, so buffer reuse, hand-offs, copies and

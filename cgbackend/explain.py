@@ -12,6 +12,8 @@ from .passes.dispatch import source as loop_source
 from .api import _data_dependent_failure, dynamic_ops_config
 from .backend import CGBackend
 from .config import Config
+from .coverage import measure_launches
+from .hints import build_hints
 from .report import Report
 
 __all__ = ["ExplainError", "explain"]
@@ -27,16 +29,20 @@ def _first_line(text: str) -> str:
 
 
 def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
-            trace_dynamic_ops: bool = True, **kwargs: Any) -> Report:
+            trace_dynamic_ops: bool = True, count_launches: bool = True, **kwargs: Any) -> Report:
     """Report how cgbackend would split ``model(*args, **kwargs)``: every region, its role, what stays
-    eager and why, with source lines. Runs the model once through Dynamo (eagerly, on whatever
-    device its inputs are on) and captures nothing.
+    eager and why, with source lines. Runs the model through Dynamo (eagerly, on whatever device
+    its inputs are on) and captures nothing.
 
     ``options`` are cgbackend options (as for cgbackend.backend). ``trace_dynamic_ops`` traces
     data-dependent ops into the graph (Dynamo's capture_dynamic_output_shape_ops and
     capture_scalar_outputs, scoped to this call); False shows what plain torch.compile sees.
     Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing. The model's
     buffers (batch-norm statistics) and the RNG state are restored afterwards.
+
+    ``count_launches`` (default on) measures the launch coverage (coverage.py): the model then runs
+    twice more, once eagerly and once through the traced graphs, each from the buffers' state
+    before tracing; False runs it only once and leaves ``launch_coverage`` out.
     """
     config = Config.from_options(options or {})
     instance = CGBackend(config=config.replace(capture=False))
@@ -55,6 +61,17 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     buffers = ([(b, b.detach().clone()) for b in model.buffers()]
                if isinstance(model, torch.nn.Module) else [])
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.is_cuda})
+    launches, skipped, after = None, None, None
+
+    def eager() -> Any:
+        """The model as the user wrote it (without cgbackend's loop rewrites), for the launch count."""
+        if rewrote_loops:
+            loop_source.uninstall(model)
+        try:
+            return model(*args, **kwargs)
+        finally:
+            if rewrote_loops:
+                loop_source.install(model)
     try:
         with torch.random.fork_rng(devices=devices):
             compiled = torch.compile(model, backend=instance)
@@ -69,16 +86,22 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
                 instance.note_trace_fallback(cause)
                 instance._analyses.clear()
                 torch._dynamo.reset()
+                scope = contextlib.nullcontext()
                 compiled = torch.compile(model, backend=instance)
                 compiled(*args, **kwargs)
+            after = dict(counters["graph_break"])
+            if count_launches:
+                with scope:
+                    launches, skipped = _measure(eager, compiled, args, kwargs, instance, buffers)
+    except ExplainError:
+        raise
     except Exception as exc:
         raise ExplainError(f"tracing the model failed: {type(exc).__name__}: {_first_line(exc)}") from exc
     finally:
-        after = dict(counters["graph_break"])
+        if after is None:
+            after = dict(counters["graph_break"])
         torch._dynamo.reset()
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+        _restore(buffers)
         if rewrote_loops:
             loop_source.uninstall(model)
 
@@ -95,6 +118,34 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
                      "device; nothing ran on a GPU")
     if not instance._analyses:
         notes.append("Dynamo produced no graph: the whole model ran eagerly (see graph breaks)")
+    if skipped:
+        notes.append(skipped)
     report = instance.build_report(breaks, notes)
     report.config = config.to_dict()
+    if launches is not None:
+        report.summary.update(launches.to_summary())
+    report.hints = build_hints(report, [a for a, _ in instance._analyses], config)
     return report
+
+
+def _restore(buffers: list) -> None:
+    with torch.no_grad():
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+
+
+def _measure(eager: Any, compiled: Any, args: tuple, kwargs: dict, instance: CGBackend,
+             buffers: list) -> tuple[Any, Optional[str]]:
+    """Launch coverage (coverage.py): one eager call and one more call of the traced model, each
+    from the buffers' state before tracing."""
+    graphs = len(instance._analyses)
+    try:
+        launches, skipped = measure_launches(eager,
+                                             lambda: compiled(*args, **kwargs), instance.shared,
+                                             reset=lambda: _restore(buffers))
+    except Exception as exc:  # the report stands without it; say why it is missing
+        return None, f"launch coverage not measured: {type(exc).__name__}: {_first_line(exc)}"
+    if len(instance._analyses) != graphs:
+        del instance._analyses[graphs:]
+        return None, "launch coverage not measured: the second call compiled new graphs (recompiled)"
+    return launches, skipped

@@ -31,11 +31,27 @@ Regions also have ``opaque`` (module calls Dynamo cannot trace, made one node ea
 ``summary`` also has ``symbolic_regions`` (static regions with size symbols) and
 ``bucketed_regions`` (those that pad one), ``dispatch_rewrites`` and ``dispatch_left_dynamic``.
 
+``summary`` also has ``launch_coverage`` (0..1, the fraction of an eager call's kernel launches
+that run inside graphs; null when not measured) and ``launches`` (coverage.py): ``{"basis":
+"measured" | "runtime", "eager_call", "with_cgbackend", "in_graphs", "in_dynamic_regions",
+"uncompiled", "by_region": {region id: launches}, "uncompiled_sources": [{"source", "code",
+"launches", "ops": {op: count}}], "upper_bound"}``. "measured" (explain): aten ops dispatched by
+one eager call and by one call through the compiled graphs; "uncompiled" counts those run outside
+every compiled graph (after a graph break that skipped the rest of a frame). "runtime"
+(``cgbackend.report(compiled)``): counted calls x estimated kernels per region; ``eager_call`` and
+``uncompiled`` are null, ``upper_bound`` is true when Dynamo broke a graph.
+
+``hints[]`` (top level, hints.py): ``{"kind": "static_dispatch" | "data_dependent_loop" |
+"inner_compiler", "message", "option", "source"}``; ``option`` names the option to set,
+``source`` the line to change (the other is null).
+
 ``runtime`` is null in an ahead-of-time report; for a compiled model it holds, per static
 region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``recaptured``
 (captured again to replay after newer graphs), ``pool_bytes`` (growth
 of reserved memory while its held graphs were captured), ``bucketed`` (the padded symbol),
-``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``.
+``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``; with the option
+``profile``, ``timing``: ``{region name: {"replay" | "eager": {"calls", "total_ms", "mean_ms"}}}``
+(profile.py).
 """
 
 from __future__ import annotations
@@ -46,9 +62,12 @@ import json
 from typing import Any, Optional
 
 from .analysis import Analysis
+from .coverage import launch_text
 from .fx_utils import module_path, op_name
+from .hints import hints_text
 from .opaque import opaque_info
 from .passes.cost import estimate_kernels
+from .profile import timing_text
 from .reasons import Rule
 
 __all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]
@@ -113,6 +132,8 @@ class Report:
     """Dispatch loops rewritten in the model's source before tracing (passes/dispatch/source.py,
     with static_dispatch on): ``[{"function", "source", "form", "reason"}]``; ``form`` is "hit_loop"
     or "count_skip" when rewritten, "" with the ``reason`` when left as it is."""
+    hints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """What to change to graph more (hints.py): ``{"kind", "message", "option", "source"}``."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,6 +143,11 @@ class Report:
 
     def to_text(self) -> str:
         return render_text(self)
+
+    def to_html(self) -> str:
+        """One self-contained HTML page: summary, hints, regions as a timeline (html.py)."""
+        from .html import render_html
+        return render_html(self)
 
     def __str__(self) -> str:
         return render_text(self)
@@ -389,8 +415,10 @@ def render_text(report: Report) -> str:
         f"{s['est_launches_graphed']} with graphs ({s['static_regions']} graph launches + "
         f"{s['est_launches_graphed'] - s['static_regions']} eager)",
     ]
+    lines.extend(launch_text(s))
     for note in report.notes:
         lines.append(f"  note: {note}")
+    lines.extend(hints_text(report.hints))
     lines.extend(_opaque_modules_text(report.opaque_modules, s))
     lines.extend(_loop_rewrites_text(report.loop_rewrites))
     for brk in report.graph_breaks:
@@ -447,6 +475,7 @@ def render_text(report: Report) -> str:
                 lines.append(f"{'':<10}+ {total} ops that follow from those ({shown})")
         if g.runtime:
             lines.extend(_runtime_text(g.runtime))
+            lines.extend(timing_text(g.runtime.get("timing") or {}))
     if s["top_reasons"]:
         lines.append("")
         lines.append("top reasons for eager execution:")

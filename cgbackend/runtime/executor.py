@@ -32,7 +32,7 @@ from ..passes.gather import rewrite_gathers
 from .split import build_region_module
 from .stats import EagerReason
 
-__all__ = ["CompiledGraph", "CallState", "SlotTable"]
+__all__ = ["CompiledGraph", "CallState", "SlotTable", "run_step"]
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,8 @@ class CompiledGraph:
         counters.dynamic_regions += len(self.steps) - len(self.runners)
         self._capture_logged = blocked is not None
         self._lock = threading.RLock()
+        self.calls = 0
+        """Calls of this graph (each runs every dynamic region once): the runtime launch coverage."""
 
     def _blocked_reason(self) -> Optional[str]:
         if not self.config.capture:
@@ -233,6 +235,7 @@ class CompiledGraph:
 
     def _call(self, args: tuple) -> Any:
         self.shared.counters.graph_calls += 1
+        self.calls += 1
         if self.shared.handed:
             self.shared.reclaim_handed()
         training = self.training_graph and torch.is_grad_enabled()
@@ -258,9 +261,12 @@ class CompiledGraph:
     def _run(self, args: tuple, call: CallState) -> Any:
         env: list = list(args)
         env.extend([None] * (self.n_values - len(env)))
-        for step in self.steps:
+        watch = self.shared.watch
+        for position, step in enumerate(self.steps):
             ins = [env[i] for i in step.ins]
-            if step.runner is not None:
+            if watch is not None:  # launch counting (explain) or per-region timing (profile=True)
+                out = watch(self, position, run_step, step, ins, call)
+            elif step.runner is not None:
                 out = step.runner(ins, call)
             else:
                 out = step.module(*ins)
@@ -341,6 +347,13 @@ class CompiledGraph:
             "pending_forwards": self.slots.pending(),
             "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
         }
+
+
+def run_step(step: _Step, ins: list, call: CallState) -> Any:
+    """One region of one call, as ``_run`` runs it; what a watch (RuntimeShared.watch) wraps."""
+    if step.runner is not None:
+        return step.runner(ins, call)
+    return step.module(*ins)
 
 
 class _AnchorClone(torch.autograd.Function):

@@ -85,6 +85,10 @@ class RuntimeShared:
         self.padded_full: dict[tuple, torch.Tensor] = {}
         """Static outputs of padded (bucketed) graphs by (data_ptr, full shape, stride, dtype): a
         bucketed consumer given the sliced view reads the full padded tensor in place."""
+        self.watch: Optional[Callable[..., Any]] = None
+        """Called instead of each region of each call when set: ``watch(graph, position, run_step,
+        step, ins, call)`` runs ``run_step(step, ins, call)`` and returns its result. Set by explain
+        (coverage.py, counting launches) and by the option profile (profile.py, timing regions)."""
         self.handed: dict[int, tuple["RegionRunner", "_TrainEntry"]] = {}
         """Training entries whose static gradients were handed to autograd and may still be held
         (as .grad or elsewhere): live data of their backward graph until reclaimed."""

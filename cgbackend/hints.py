@@ -1,0 +1,173 @@
+"""Hints: what a user can change to graph more, read off a report and the analyses behind it.
+
+Each hint is ``{"kind", "message", "option", "source"}``: ``option`` names the cgbackend option
+to set (``static_dispatch="auto"``), ``source`` the line of the user's code to change; the other
+is null. Kinds:
+
+* ``static_dispatch``: dynamic regions hold MoE dispatch loops that ``static_dispatch="auto"``
+  rewrites. Found by running the passes again on a copy of each graph with that option (nothing
+  else changes); the estimated launch coverage after scales each graph's launches (measured where
+  the report measured them) by the rewritten graph's static kernel fraction.
+* ``data_dependent_loop``: a graph break at a ``for`` loop over a tensor whose length is data
+  dependent (``for e in mask.nonzero():``): Dynamo cannot unroll it and runs the rest of the frame
+  uncompiled; a loop over ``range(E)`` has a fixed length.
+* ``inner_compiler``: static regions run eager's kernels (``inner="eager"`` in effect);
+  ``inner="inductor"`` fuses them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch.fx
+
+from .config import Config
+
+__all__ = ["build_hints", "hints_text"]
+
+_FOR_LOOP = re.compile(r"^\s*for\s+.+?\s+in\s+(?P<iter>.+):\s*(#.*)?$")
+_DATA_DEPENDENT = re.compile(r"data.dependent|unbacked|nonzero|dynamic shape operator|\bu\d+\b", re.I)
+_DATA_DEPENDENT_ITER = re.compile(r"nonzero\(|\.unique\(|torch\.unique\(|torch\.where\(|\.tolist\(")
+
+
+def _hint(kind: str, message: str, option: Optional[str] = None, source: Optional[str] = None) -> dict[str, Any]:
+    return {"kind": kind, "message": message, "option": option, "source": source}
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph copied node by node (meta shallow-copied), over the same root module."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _static_fraction(analysis: Any) -> float:
+    from .passes.cost import estimate_kernels
+    static = total = 0
+    for region in analysis.partition.regions:
+        k = sum(estimate_kernels(n) for n in region.nodes)
+        total += k
+        if region.is_static:
+            static += k
+    return static / total if total else 1.0
+
+
+def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Optional[dict[str, Any]]:
+    if config.static_dispatch != "off" or not analyses:
+        return None
+    from .analysis import analyze
+    auto = config.replace(static_dispatch="auto")
+    rewrites = regions_before = regions_after = 0
+    fractions = []
+    for analysis in analyses:
+        try:
+            after = analyze(_copy(analysis.gm), auto, training=analysis.classification.training,
+                            compute_device=analysis.classification.compute_device)
+        except Exception:  # an estimate: a graph the copy cannot analyze gets no hint
+            return None
+        rewrites += len(after.dispatch.rewrites)
+        regions_before += len(analysis.partition.dynamic_regions())
+        regions_after += len(after.partition.dynamic_regions())
+        fractions.append(_static_fraction(after) if after.dispatch.rewrites else None)
+    if not rewrites:
+        return None
+    summary = report.summary
+    launches = summary.get("launches") or {}
+    by_region = launches.get("by_region") or {}
+    covered = total = 0.0
+    for g, fraction in zip(report.graphs, fractions):
+        n = sum(by_region.get(r.id, r.est_kernels if not by_region else 0) for r in g.regions)
+        static_now = sum(by_region.get(r.id, r.est_kernels if not by_region else 0)
+                         for r in g.regions if r.kind == "static")
+        covered += n * fraction if fraction is not None else static_now
+        total += n
+    measured = launches.get("basis") == "measured"
+    if measured:
+        total = max(total + (launches.get("uncompiled") or 0), launches.get("eager_call") or 0)
+    estimate = covered / total if total else 0.0
+    now = summary.get("launch_coverage")
+    now_text = f", now {100 * now:.0f}%" if now is not None else ""
+    regions = regions_before - regions_after
+    return _hint(
+        "static_dispatch",
+        f"{regions} dynamic region(s) hold {rewrites} MoE dispatch loop(s) that static_dispatch=\"auto\" "
+        f"rewrites into static code (masked dense; outputs equal the loop's): estimated launch coverage "
+        f"after {100 * estimate:.0f}%{now_text}",
+        option='static_dispatch="auto"')
+
+
+def _break_site(gm: torch.fx.GraphModule) -> Optional[tuple[str, str, str]]:
+    """(source, code, reason) of the graph break that ended this graph, if it ended at one."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    stack = getattr(reason, "user_stack", None) or []
+    if not stack:
+        return None
+    frame = stack[-1]
+    base = str(frame.filename).replace("\\", "/").rsplit("/", 1)[-1]
+    code = (getattr(frame, "line", None) or "").strip()
+    return f"{base}:{frame.lineno} in {frame.name}", code, str(getattr(reason, "reason", ""))
+
+
+def _loop_hints(report: Any, analyses: list) -> list[dict[str, Any]]:
+    hints, seen = [], set()
+    launches = report.summary.get("launches") or {}
+    uncompiled = launches.get("uncompiled")
+    for analysis in analyses:
+        site = _break_site(analysis.gm)
+        if site is None:
+            continue
+        source, code, reason = site
+        match = _FOR_LOOP.match(code)
+        if match is None or source in seen:
+            continue
+        if not (_DATA_DEPENDENT.search(reason) or _DATA_DEPENDENT_ITER.search(match.group("iter"))):
+            continue
+        seen.add(source)
+        cost = f" ({uncompiled} launches of a call ran uncompiled)" if uncompiled else ""
+        hints.append(_hint(
+            "data_dependent_loop",
+            f"this graph break comes from iterating a data-dependent tensor at {source} (`{code}`): "
+            f"Dynamo cannot unroll a loop whose length only the device knows, so the rest of the frame "
+            f"runs uncompiled{cost}. Iterating over `range(E)` instead (every expert; one that received "
+            f"no token contributes nothing) gives the loop a fixed length, so cgbackend can graph it and "
+            f"static_dispatch=\"auto\" can rewrite the dispatch",
+            source=source))
+    return hints
+
+
+def _inner_hint(report: Any, config: Config) -> Optional[dict[str, Any]]:
+    if config.inner != "eager" or not report.summary.get("static_regions"):
+        return None
+    return _hint(
+        "inner_compiler",
+        f"the {report.summary['static_regions']} static region(s) run eager's kernels inside their graphs "
+        f"(inner=\"eager\" in effect, bitwise equal to eager); inner=\"inductor\" compiles them first: "
+        f"fused kernels, fewer launches per replay, results within rounding of eager",
+        option='inner="inductor"')
+
+
+def build_hints(report: Any, analyses: list, config: Config) -> list[dict[str, Any]]:
+    """Hints for a report built from ``analyses`` (in graph order) under ``config``."""
+    hints = []
+    dispatch = _static_dispatch_hint(report, analyses, config)
+    if dispatch is not None:
+        hints.append(dispatch)
+    hints.extend(_loop_hints(report, analyses))
+    inner = _inner_hint(report, config)
+    if inner is not None:
+        hints.append(inner)
+    return hints
+
+
+def hints_text(hints: list[dict[str, Any]]) -> list[str]:
+    if not hints:
+        return []
+    lines = ["  hints:"]
+    for h in hints:
+        where = h["option"] or h["source"]
+        lines.append(f"    - [{h['kind']}] {h['message']}" + (f" ({where})" if h["option"] else ""))
+    return lines

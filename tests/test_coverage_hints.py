@@ -1,0 +1,404 @@
+"""Launch coverage (coverage.py), hints (hints.py), per-region timing (profile.py), torch logging
+(logs.py) and the HTML report (html.py)."""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cgbackend
+from cgbackend.config import Config
+from cgbackend.coverage import counting_supported
+from cgbackend.hints import build_hints
+from cgbackend.models import build_model, demo_model, make_inputs
+
+needs_counting = pytest.mark.skipif(not counting_supported(),
+                                    reason="torch without TorchDispatchMode.ignore_compile_internals")
+
+
+class _Expert(nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d, f, bias=False)
+        self.w2 = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)))
+
+
+class HitExpertsMoE(nn.Module):
+    """Loops over the experts that received tokens: a loop over a data-dependent tensor, where
+    Dynamo breaks the graph and runs the rest of the frame uncompiled."""
+
+    def __init__(self, d: int = 32, f: int = 64, n_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.gate = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(d, f) for _ in range(n_experts))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float)
+        w, sel = torch.topk(probs, self.top_k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(h.dtype)
+        out = torch.zeros_like(h)
+        mask = F.one_hot(sel, self.n_experts).permute(2, 1, 0)
+        for e in mask.sum(dim=(-1, -2)).gt(0).nonzero():  # LOOP
+            idx, top = torch.where(mask[e].squeeze(0))  # WHERE
+            y = self.experts[e](h[top]) * w[top, idx, None]
+            out.index_add_(0, top, y.to(h.dtype))  # INDEX_ADD
+        return out
+
+
+class HitModel(nn.Module):
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.moe = HitExpertsMoE(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.inp(x))
+        return self.out(h + self.moe(h))
+
+
+def _line_of(marker: str) -> str:
+    with open(__file__) as f:
+        for number, line in enumerate(f, 1):
+            if line.rstrip().endswith(f"# {marker}"):
+                return f"{os.path.basename(__file__)}:{number} in forward"
+    raise AssertionError(marker)
+
+
+def _hit_model():
+    torch.manual_seed(0)
+    return HitModel().eval(), torch.randn(16, 32)
+
+
+def _kinds(report) -> list[str]:
+    return [h["kind"] for h in report.hints]
+
+
+# ----------------------------------------------------------------------------- launch coverage
+
+@needs_counting
+@pytest.mark.parametrize("trace_dynamic_ops", [True, False], ids=["cgbackend_explain", "plain_torch_compile"])
+def test_hit_experts_loop_coverage_below_static_fraction(trace_dynamic_ops):
+    """static_dispatch off (plain torch.compile's view too): the expert loop runs uncompiled, so the
+    launch coverage is below the traced-op fraction and the uncompiled launches name their lines."""
+    model, x = _hit_model()
+    with torch.no_grad():
+        report = cgbackend.explain(model, x, options={"static_dispatch": "off"},
+                                   trace_dynamic_ops=trace_dynamic_ops)
+    s = report.summary
+    launches = s["launches"]
+    assert s["graph_breaks"] >= 1
+    assert launches["basis"] == "measured"
+    assert s["launch_coverage"] < s["static_op_fraction"]
+    assert s["launch_coverage"] == round(launches["in_graphs"] / launches["eager_call"], 4)
+    assert launches["in_graphs"] + launches["in_dynamic_regions"] + launches["uncompiled"] == launches["with_cgbackend"]
+    assert launches["with_cgbackend"] == launches["eager_call"]  # same ops, compiled or not
+    assert launches["uncompiled"] > 0
+    sources = {src["source"]: src for src in launches["uncompiled_sources"]}
+    assert _line_of("WHERE") in sources and sources[_line_of("WHERE")]["ops"].get("nonzero") == 4
+    assert sources[_line_of("INDEX_ADD")]["ops"] == {"index_add_": 4}
+    assert "index_add_" in sources[_line_of("INDEX_ADD")]["code"]
+    assert sum(src["launches"] for src in launches["uncompiled_sources"]) == launches["uncompiled"]
+    # by region: every region of every graph, adding up to the launches inside graphs
+    ids = {r.id for r in report.regions()}
+    assert set(launches["by_region"]) <= ids
+    assert sum(launches["by_region"].values()) == launches["in_graphs"] + launches["in_dynamic_regions"]
+    text = report.to_text()
+    assert f"launch coverage: {s['launch_coverage']:.3f}" in text
+    assert f"at {_line_of('INDEX_ADD')}" in text
+    loop = [h for h in report.hints if h["kind"] == "data_dependent_loop"]
+    assert len(loop) == 1 and loop[0]["source"] == _line_of("LOOP") and loop[0]["option"] is None
+    assert "range(E)" in loop[0]["message"]
+
+
+@needs_counting
+def test_dense_demo_is_fully_covered():
+    model, x = demo_model("dense")
+    with torch.no_grad():
+        report = cgbackend.explain(model, x)
+    s = report.summary
+    assert s["launch_coverage"] == 1.0
+    assert s["launches"]["uncompiled"] == 0 and s["launches"]["in_dynamic_regions"] == 0
+    assert s["launches"]["in_graphs"] == s["launches"]["eager_call"] > 0
+    assert "static_dispatch" not in _kinds(report)
+    assert "data_dependent_loop" not in _kinds(report)
+
+
+@needs_counting
+def test_moe_demo_coverage_and_static_dispatch_hint():
+    model, x = demo_model("moe")
+    with torch.no_grad():
+        report = cgbackend.explain(model, x)
+    s = report.summary
+    launches = s["launches"]
+    # Everything Dynamo traced: no uncompiled launches; the dispatch regions hold the rest.
+    assert launches["uncompiled"] == 0
+    assert launches["in_graphs"] + launches["in_dynamic_regions"] == launches["eager_call"]
+    assert 0.2 < s["launch_coverage"] < 0.8
+    by_region = launches["by_region"]
+    assert sum(n for rid, n in by_region.items() if ".S" in rid) == launches["in_graphs"]
+    hint = next(h for h in report.hints if h["kind"] == "static_dispatch")
+    assert hint["option"] == 'static_dispatch="auto"' and hint["source"] is None
+    assert hint["message"].startswith("2 dynamic region(s) hold 8 MoE dispatch loop(s)")
+    assert "estimated launch coverage after 100%" in hint["message"]
+    js = json.loads(report.to_json())
+    assert js["summary"]["launch_coverage"] == s["launch_coverage"]
+    assert [h["kind"] for h in js["hints"]] == _kinds(report)
+    assert all(set(h) == {"kind", "message", "option", "source"} for h in js["hints"])
+    # Under static_dispatch="auto" the dispatch is graphed: no hint, whole call covered.
+    with torch.no_grad():
+        auto = cgbackend.explain(model, x, options={"static_dispatch": "auto"})
+    assert "static_dispatch" not in _kinds(auto)
+    assert auto.summary["launch_coverage"] == 1.0
+
+
+def test_launch_counting_off_or_unsupported(monkeypatch):
+    model, x = demo_model("dense")
+    with torch.no_grad():
+        off = cgbackend.explain(model, x, count_launches=False)
+    assert "launch_coverage" not in off.summary and "launch coverage" not in off.to_text()
+    monkeypatch.setattr(cgbackend.coverage, "counting_supported", lambda: False)
+    with torch.no_grad():
+        old = cgbackend.explain(model, x)
+    assert "launch_coverage" not in old.summary
+    assert any(n.startswith("launch coverage not measured: this torch has no") for n in old.notes)
+    assert old.summary["static_regions"] == off.summary["static_regions"] == 1
+
+
+def test_inner_compiler_hint_follows_the_config_in_effect():
+    model, x = demo_model("dense")
+    with torch.no_grad():
+        report = cgbackend.explain(model, x, options={"inner": "eager"})
+    hint = next(h for h in report.hints if h["kind"] == "inner_compiler")
+    assert hint["option"] == 'inner="inductor"' and 'inner="eager" in effect' in hint["message"]
+    assert build_hints(report, [], Config.from_options({"inner": "inductor"})) == []
+
+
+# ----------------------------------------------------------------------------- runtime figure, timing
+
+def test_runtime_coverage_and_profile_timing():
+    model = build_model("moe").eval()
+    xs = make_inputs("moe", model, n=4)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, profile=True)
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    report = cgbackend.report(compiled)
+    stats = cgbackend.stats(compiled)
+    assert stats["replays"] == 3 * 3 and stats["eager_calls"] == {"warmup": 3}
+    s = report.summary
+    assert s["launches"]["basis"] == "runtime" and s["launches"]["upper_bound"] is False
+    est = {r.id: r.est_kernels for r in report.regions()}
+    static = {rid: k for rid, k in est.items() if ".S" in rid}
+    dynamic = {rid: k for rid, k in est.items() if ".D" in rid}
+    in_graphs = 3 * sum(static.values())
+    total = 4 * (sum(static.values()) + sum(dynamic.values()))
+    assert (s["launches"]["in_graphs"], s["launches"]["with_cgbackend"]) == (in_graphs, total)
+    assert s["launch_coverage"] == round(in_graphs / total, 4)
+    timing = report.graphs[0].runtime["timing"]
+    assert list(timing) == ["S0", "D1", "S2", "D3", "S4"]  # execution order
+    for name in ("S0", "S2", "S4"):
+        assert timing[name]["replay"]["calls"] == 3 and timing[name]["eager"]["calls"] == 1
+        assert timing[name]["replay"]["total_ms"] > 0
+    for name in ("D1", "D3"):
+        assert set(timing[name]) == {"eager"} and timing[name]["eager"]["calls"] == 4
+    text = report.to_text()
+    assert "time per region (profile=True" in text and "launch coverage: " in text
+    assert "static_dispatch" in _kinds(report)
+    page = report.to_html()
+    assert "ms measured (profile=True)" in page
+    assert "replay: 3 x " in page  # the split, on hover
+
+
+def test_profile_off_has_no_timing():
+    model, x = demo_model("dense")
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1)
+    with torch.no_grad():
+        compiled(x)
+    report = cgbackend.report(compiled)
+    assert "timing" not in report.graphs[0].runtime
+    assert "time per region" not in report.to_text()
+
+
+# ----------------------------------------------------------------------------- torch logging
+
+_LOG_SCRIPT = """
+import torch, cgbackend
+from cgbackend.models import demo_model
+model, x = demo_model("dense")
+compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1)
+with torch.no_grad():
+    for _ in range(2):
+        compiled(x)
+"""
+
+
+def test_torch_logs_env_shows_debug_lines():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TORCH_LOGS="+cgbackend", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", _LOG_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    err = proc.stderr
+    assert "cgbackend: captured graph0.S0 (inference, slot 0)" in err  # DEBUG, one per capture
+    assert "cgbackend: graph 0: 52 ops, 1 static regions" in err  # INFO at compile
+    assert "cgbackend: graph 0: 1 static regions, 1 graphs captured in" in err  # INFO after capture
+    env.pop("TORCH_LOGS")
+    quiet = subprocess.run([sys.executable, "-c", _LOG_SCRIPT], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=root)
+    assert quiet.returncode == 0 and "cgbackend: captured" not in quiet.stderr
+
+
+@pytest.mark.skipif("TORCH_LOGS" in os.environ, reason="TORCH_LOGS takes precedence over set_logs")
+def test_set_logs_reaches_cgbackend():
+    logger = logging.getLogger("cgbackend")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    keep = Keep(level=logging.DEBUG)
+    logger.addHandler(keep)
+    try:
+        torch._logging.set_logs(cgbackend=logging.DEBUG)
+        assert logger.getEffectiveLevel() == logging.DEBUG
+        model, x = demo_model("dense")
+        compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1)
+        with torch.no_grad():
+            compiled(x)
+            compiled(x)
+        messages = [r.getMessage() for r in records]
+        assert any(m.startswith("cgbackend: captured graph0.S0") for m in messages)
+        assert any(r.levelno == logging.INFO and "graphs captured in" in r.getMessage() for r in records)
+        torch._logging.set_logs(cgbackend=logging.WARNING, dynamo=logging.WARNING)
+        assert logger.getEffectiveLevel() == logging.WARNING
+    finally:
+        torch._logging.set_logs()
+        logger.removeHandler(keep)
+    assert logger.level == logging.NOTSET
+
+
+# ----------------------------------------------------------------------------- HTML
+
+class _Page(html.parser.HTMLParser):
+    """Collects the elements of a page and checks that tags nest properly."""
+
+    VOID = {"meta", "br", "img", "link", "input", "hr"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.elements: list[tuple[str, dict]] = []
+        self.errors: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.elements.append((tag, dict(attrs)))
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:] or 'nothing'}")
+        else:
+            self.stack.pop()
+
+    def find(self, tag: str, **attrs) -> list[dict]:
+        return [a for t, a in self.elements if t == tag and all(
+            (attrs[k] in (a.get(k) or "").split()) if k == "class" else a.get(k) == attrs[k] for k in attrs)]
+
+
+def _parse(page: str) -> _Page:
+    parser = _Page()
+    parser.feed(page)
+    parser.close()
+    assert parser.errors == [] and parser.stack == []
+    return parser
+
+
+def _self_contained(parser: _Page, page: str) -> None:
+    assert page.startswith("<!DOCTYPE html>")
+    for tag, attrs in parser.elements:
+        assert tag not in ("script", "link", "img", "iframe"), tag
+        assert "src" not in attrs and "href" not in attrs, (tag, attrs)
+    assert "url(" not in page and "@import" not in page
+
+
+@needs_counting
+def test_html_report_structure(tmp_path):
+    model, x = demo_model("moe")
+    from cgbackend.cli import main
+    out = tmp_path / "report.html"
+    assert main(["explain", "--demo", "moe", "--html", str(out)]) == 0
+    page = out.read_text()
+    parser = _parse(page)
+    _self_contained(parser, page)
+    with torch.no_grad():
+        report = cgbackend.explain(model, x)
+    assert parser.find("section", id="summary") and parser.find("section", id="hints")
+    assert parser.find("section", id="timeline") and parser.find("table", id="regions")
+    boxes = [a for a in parser.find("div", **{"class": "region"}) if "data-id" in a]
+    assert [(b["data-id"], b["data-kind"]) for b in boxes] == [(r.id, r.kind) for r in report.regions()]
+    by_region = report.summary["launches"]["by_region"]
+    for box in boxes:
+        assert box["class"].split()[:2] == ["region", box["data-kind"]]
+        assert float(box["data-weight"]) == by_region[box["data-id"]]
+        assert box["title"].startswith(f"{box['data-id']}: {box['data-kind']}, role ")
+    dyn = next(b for b in boxes if b["data-kind"] == "dynamic")
+    assert "where [data_dependent_shape] at gpt.py:" in dyn["title"]
+    assert "modules: layers.0.ffn" in dyn["title"]
+    hints = parser.find("li", **{"class": "hint"})
+    assert [h["data-kind"] for h in hints] == _kinds(report)
+    assert f"{report.summary['launch_coverage']:.3f}" in page
+
+
+@needs_counting
+def test_html_shows_uncompiled_code():
+    model, x = _hit_model()
+    with torch.no_grad():
+        report = cgbackend.explain(model, x, options={"static_dispatch": "off"})
+    page = report.to_html()
+    parser = _parse(page)
+    _self_contained(parser, page)
+    rows = parser.find("div", **{"class": "uncompiled"})
+    sources = report.summary["launches"]["uncompiled_sources"]
+    assert [r["data-source"] for r in rows if "data-source" in r] == [s["source"] for s in sources]
+    assert parser.find("li", **{"class": "hint"}, **{"data-kind": "data_dependent_loop"})
+
+
+# ----------------------------------------------------------------------------- GPU
+
+@pytest.mark.cuda
+def test_cuda_profile_timing_and_coverage():
+    """CUDA events time replays and eager calls; explain on CUDA tensors measures coverage."""
+    model = build_model("moe", size="tiny", device="cuda").eval()
+    xs = make_inputs("moe", model, n=5, device="cuda")
+    with torch.no_grad():
+        explained = cgbackend.explain(model, xs[0])  # first: explain resets Dynamo's caches
+        compiled = cgbackend.compile(model, warmup=1, profile=True)
+        for x in xs:
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    report = cgbackend.report(compiled)
+    timing = report.graphs[0].runtime["timing"]
+    assert cgbackend.stats(compiled)["graphs_captured"] == 3
+    for name in ("S0", "S2", "S4"):
+        assert timing[name]["replay"]["calls"] == 4 and timing[name]["replay"]["total_ms"] > 0
+    assert timing["D1"]["eager"]["calls"] == 5
+    s = explained.summary
+    assert s["launches"]["uncompiled"] == 0 and 0.2 < s["launch_coverage"] < 0.9
+    assert 0.0 < report.summary["launch_coverage"] < 1.0
+    assert "static_dispatch" in [h["kind"] for h in explained.hints]
