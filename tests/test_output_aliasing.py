@@ -109,3 +109,92 @@ def test_returned_views_alias_like_eager_cuda(mode):
     assert st["graphs_captured"] >= 1 and st["replays"] >= 4, st
     assert st["output_alias_lost"] == 0
     assert st["output_views"] == 4 * 5 + 2 * 4  # z's views come from eager memory in the warm-up call
+
+
+class DynamicViews(nn.Module):
+    """Views with symbolic bounds, one bound read from the device (an eager region)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        n = int((x[:, 0] > 0).sum().item())
+        h = self.l(x).sin()
+        return h, x[:n], x[:, : x.shape[1] // 2], x.view(x.shape[0], -1, 2), h[: x.shape[0] // 2]
+
+
+def test_views_with_symbolic_and_data_dependent_bounds():
+    torch.manual_seed(0)
+    model = DynamicViews().double()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, dynamic=True)
+    for b in (4, 6, 4, 6, 4, 6, 5, 5):
+        x = torch.randn(b, 8, dtype=torch.float64)
+        with torch.no_grad():
+            outs, ref = compiled(x), model(x)
+        for o, r in zip(outs, ref):
+            assert torch.equal(o, r)
+        for o, r in zip(outs[1:4], ref[1:4]):
+            assert _layout(o, x) == _layout(r, x), b
+        assert _layout(outs[4], outs[0]) == _layout(ref[4], ref[0])
+    st = cgbackend.stats(compiled)
+    assert st["replays"] >= 4 and st["output_alias_lost"] == 0
+    assert st["output_views"] == 8 * 4
+
+
+def _hand_made_graph():
+    """x.view(n, -1) where n is a symbolic number computed from a tensor inside a region: not a
+    value the executor holds, so the view cannot be replayed."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def f(x):
+        n = x.sin().sum().item()
+        return (x.view(n, -1),)
+
+    gm = torch.fx.symbolic_trace(f)
+    x = torch.randn(4, 8, dtype=torch.float64)
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, node):
+            if node.op == "call_method" and node.target == "item":
+                node.meta["example_value"] = ShapeEnv().create_unbacked_symint()
+                return 4
+            value = super().run_node(node)
+            node.meta["example_value"] = value
+            return value
+
+    Record(gm).run(x)
+    return gm, x
+
+
+@pytest.mark.parametrize("memory", ["input", "graph_copy"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_view_that_cannot_be_replayed_is_rebuilt_or_counted(memory, strict):
+    import types
+
+    from cgbackend import Config
+    from cgbackend.runtime.outputs import INPUT, OutputBuilder, output_aliases
+    from cgbackend.runtime.stats import Counters
+
+    gm, x = _hand_made_graph()
+    placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    aliases = output_aliases(gm, {placeholder})
+    assert [(g.kind, g.root, g.members) for g in aliases.groups] == [(INPUT, placeholder, (out,))]
+    assert out in aliases.unreplayable and aliases.recipe is None
+    copy_of_x = x.clone()  # what a graph reads: its own copy of the input
+    raw = (x if memory == "input" else copy_of_x).view(4, -1)
+    shared = types.SimpleNamespace(counters=Counters(), config=Config(strict=strict),
+                                   persistent_storages={copy_of_x.untyped_storage().data_ptr()})
+    builder = OutputBuilder(aliases, (out,), {placeholder: 0, out: 1}, shared)
+    if memory == "input":  # the region read x in place (or ran eagerly): as_strided on x
+        (result,) = builder.build([x, raw])
+        assert _layout(result, x) == _layout(x.view(4, -1), x)
+        assert shared.counters.output_views == 1 and shared.counters.output_alias_lost == 0
+    elif strict:
+        with pytest.raises(RuntimeError, match="cannot be replayed"):
+            builder.build([x, raw])
+    else:  # a copy, never silently: counted
+        (result,) = builder.build([x, raw])
+        assert torch.equal(result, raw) and result.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        assert shared.counters.output_alias_lost == 1 and shared.counters.output_clones == 1

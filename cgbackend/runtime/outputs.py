@@ -29,6 +29,7 @@ in place); otherwise it stays a copy, counted as ``output_alias_lost`` (an error
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import operator
 from typing import Any, Callable, Optional
@@ -41,6 +42,8 @@ from ..passes.effects import mutated_args
 from .capture import non_overlapping
 
 __all__ = ["INPUT", "OUTPUT", "SHARED", "AliasGroup", "OutputAliases", "OutputBuilder", "output_aliases"]
+
+log = logging.getLogger(__name__)
 
 INPUT, OUTPUT, SHARED = "input", "output", "shared"
 
@@ -145,6 +148,13 @@ def _is_size_arithmetic(node: torch.fx.Node) -> bool:
     return getattr(target, "__name__", "") in _SIZE_FUNCTION_NAMES
 
 
+def _concrete(value: Any) -> bool:
+    """A plain number (or sizes) fixed for the graph, not a symbolic one."""
+    if isinstance(value, (tuple, list)):
+        return all(_concrete(v) for v in value)
+    return isinstance(value, (int, float, bool)) and not isinstance(value, torch.Tensor)
+
+
 class _Unreplayable(Exception):
     pass
 
@@ -203,10 +213,12 @@ def _build_recipe(gm: torch.fx.GraphModule, groups: list[AliasGroup], steps: dic
         env[node] = placeholder
         return placeholder
 
-    def value(node: torch.fx.Node) -> torch.fx.Node:
+    def value(node: torch.fx.Node) -> Any:
         if node in env:
             return env[node]
         step = steps.get(node)
+        if step is None and _concrete(fake_value(node)):
+            return fake_value(node)  # a size Dynamo specialized: a constant of this graph
         if step is not None and step[1] == _SAME:
             env[node] = value(step[0])
         elif step is not None or _is_size_arithmetic(node):
@@ -215,7 +227,8 @@ def _build_recipe(gm: torch.fx.GraphModule, groups: list[AliasGroup], steps: dic
         elif node in available:
             return leaf(node)
         else:
-            raise _Unreplayable(f"{node.name} ({node.op} {node.target}) is computed inside a graph")
+            raise _Unreplayable(f"{node.name} ({node.op} {getattr(node.target, '__name__', node.target)}) "
+                                "is computed inside a region and not handed on")
         return env[node]
 
     for group in groups:
@@ -252,6 +265,7 @@ class OutputBuilder:
         self.output_roots = {g.root for g in aliases.groups if g.kind == OUTPUT}
         self.shared_groups = [g for g in aliases.groups if g.kind == SHARED]
         self.fallback = [(m, aliases.group_of(m)) for m in aliases.unreplayable]
+        self._warned: set = set()
 
     def build(self, env: list, anchor: Optional[Callable[[dict], None]] = None) -> Any:
         slot_of = self.slot_of
@@ -336,6 +350,9 @@ class OutputBuilder:
                   f"be replayed ({self.aliases.unreplayable[node]}): it is returned as a copy")
         if self.shared.config.strict:
             raise RuntimeError(detail + "; strict=True forbids that")
+        if node not in self._warned:
+            self._warned.add(node)
+            log.warning("%s (counted as output_alias_lost)", detail)
         return self._own_memory(value)
 
 
