@@ -32,16 +32,15 @@ PATTERNS = {
 }
 
 
-@pytest.mark.parametrize("pattern", list(PATTERNS))
-def test_unused_parameter_grads_match_eager_with_sgd_momentum(pattern):
+def _unused_grads_match_eager(pattern, device, **options):
     torch.manual_seed(0)
-    ref = TwoHeads().double()
+    ref = TwoHeads().to(device, torch.float64)
     model = copy.deepcopy(ref)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1)
+    compiled = cgbackend.compile(model, warmup=1, **options)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     for call, used in enumerate(PATTERNS[pattern]):
-        x = torch.randn(4, 8, dtype=torch.float64)
+        x = torch.randn(4, 8, dtype=torch.float64, device=device)
         for m, o, f in ((model, opt, compiled), (ref, opt_ref, ref)):
             o.zero_grad()
             outs = f(x)
@@ -56,6 +55,17 @@ def test_unused_parameter_grads_match_eager_with_sgd_momentum(pattern):
             torch.testing.assert_close(p, q, msg=f"call {call}: {name} after the step")
     st = cgbackend.stats(compiled)
     assert st["fwd_replays"] >= 4 and st["bwd_replays"] >= 3, st  # graphs ran, not only warm-up
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_unused_parameter_grads_match_eager_with_sgd_momentum(pattern):
+    _unused_grads_match_eager(pattern, "cpu", simulate_graphs=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_unused_parameter_grads_match_eager_with_sgd_momentum_cuda(pattern):
+    _unused_grads_match_eager(pattern, "cuda")
 
 
 def test_grad_of_an_output_multiplied_by_zero_is_zero_not_none():

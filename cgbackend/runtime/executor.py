@@ -31,7 +31,7 @@ from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionR
                      is_static_address)
 from ..passes.bucket import mutated_input_positions
 from ..passes.gather import rewrite_gathers
-from .outputs import OutputBuilder, output_aliases
+from .outputs import INPUT, OutputBuilder, output_aliases
 from .split import build_region_module
 from .stats import EagerReason
 
@@ -157,7 +157,8 @@ class CompiledGraph:
         self._builder = OutputBuilder(self.output_aliases, self._output_template, slot_of, shared)
         graph_outputs = {slot_of[n] for n in output_node.all_input_nodes}
         graph_outputs |= {slot_of[n] for n in self.output_aliases.leaves}
-        graph_outputs |= {slot_of[g.root] for g in self.output_aliases.groups if g.root in slot_of}
+        graph_outputs |= {slot_of[g.root] for g in self.output_aliases.groups
+                          if g.kind == INPUT and self.output_aliases.unreplayable}
 
         last_use: dict[int, int] = {}
         for step_index, region in enumerate(partition.regions):
