@@ -57,7 +57,7 @@ class Config:
     """Bucketing: a static region proven row-independent along a symbolic size (passes/bucket.py)
     pads that size up to the next of these in inference calls and slices its outputs, so N sizes
     need only as many graphs as buckets. Sizes above the largest are captured exactly; () turns
-    bucketing off."""
+    bucketing off (``CGBACKEND_CAPTURE_SIZES=off``; an empty variable is an error)."""
 
     max_pending_forwards: int = 4
     """Training: how many forwards of one region may wait for their backward at once, each with its
@@ -70,7 +70,9 @@ class Config:
     """How static regions are compiled before capture: "eager" (the FX code as is) or "inductor"."""
 
     dynamic_ops: tuple[str, ...] = ()
-    """Operator names ("mylib::op", "torch.nonzero", "Tensor.item") always kept out of graphs."""
+    """Operator names ("mylib::op", "torch.nonzero", "Tensor.item") always kept out of graphs. Each
+    must name an existing operator (a registered op, an attribute of torch or of an importable
+    module, a Tensor method): a typo is an error, not a silent no-op."""
 
     dynamic_modules: tuple[str, ...] = ()
     """fnmatch patterns of module paths ("layers.*.moe.experts*") always kept out of graphs."""
@@ -100,6 +102,11 @@ class Config:
     counters can be tested on CPU. Never a speed-up; off by default."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(f.default, bool) and not isinstance(value, bool):
+                # A string such as "false" is truthy: never guess, the environment has its spellings.
+                raise ConfigError(f"cgbackend option {f.name} takes True or False, got {value!r}")
         _check_int(self, "warmup", 0)
         _check_int(self, "min_region_ops", 1)
         _check_int(self, "max_graphs_per_region", 1)
@@ -124,6 +131,13 @@ class Config:
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"cgbackend option {name} takes a sequence of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
+        from .op_names import unresolved_op_names
+        unknown = unresolved_op_names(self.dynamic_ops)
+        if unknown:
+            raise ConfigError(
+                f"cgbackend option dynamic_ops: {', '.join(map(repr, unknown))} names no operator; use "
+                "'namespace::op' (a registered op), 'torch.fn', 'torch.nn.functional.fn', "
+                "'Tensor.method' or 'module.fn' of an importable module")
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -201,5 +215,11 @@ def parse_value(key: str, raw: str, default: Any) -> Any:
         except ValueError:
             raise ConfigError(f"{key}={raw!r}: expected an integer") from None
     if isinstance(default, tuple):
+        if default and all(isinstance(v, int) for v in default):  # capture_sizes
+            if not text:
+                raise ConfigError(f"{key} is empty: give sizes (e.g. 1,2,4,8) or 'off' to turn "
+                                  "bucketing off")
+            if text.lower() in ("off", "none"):
+                return ()
         return tuple(part.strip() for part in text.split(",") if part.strip())
     return text

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cgbackend import Config, Rule
+from cgbackend import Config, ConfigError, Rule
 from cgbackend.analysis import analyze
 from cgbackend.fx_utils import compute_nodes, module_path, op_name
 from cgbackend.passes import classify
@@ -325,8 +325,13 @@ def test_dynamic_ops_option(fn, key, op):
 
 def test_dynamic_ops_option_names_must_match_exactly():
     gm = trace(lambda x: torch.sigmoid(x).cos(), *x84())
-    result, _ = verdicts_by_op(gm, Config(dynamic_ops=("torch.sigmoi", "sigmoid", "Tensor.sigmoid")))
+    # Tensor.sigmoid exists but is not what the graph calls (torch.sigmoid).
+    result, _ = verdicts_by_op(gm, Config(dynamic_ops=("Tensor.sigmoid",)))
     assert all(x.static for x in result.verdicts.values())
+    # Names that resolve to no operator are rejected (issue 22), not silently ignored.
+    for typo in ("torch.sigmoi", "sigmoid"):
+        with pytest.raises(ConfigError, match=typo):
+            Config(dynamic_ops=(typo,))
 
 
 class Layer(nn.Module):

@@ -2,7 +2,9 @@
 
 Per call: values flow between regions through a flat list (no copies, freed
 after their last use); tensors returned to the caller that live in graph
-memory are cloned, so a later replay never overwrites them.
+memory are cloned, so a later replay never overwrites them, and outputs that
+eager returns as views (of an input, a parameter, a buffer, another output)
+are rebuilt as such views (runtime/outputs.py).
 
 Training calls take a *call slot*: slot ``k`` means "the k-th forward still
 waiting for its backward". Every graph replayed in the call belongs to slot
@@ -29,6 +31,7 @@ from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionR
                      is_static_address)
 from ..passes.bucket import mutated_input_positions
 from ..passes.gather import rewrite_gathers
+from .outputs import INPUT, OutputBuilder, output_aliases
 from .split import build_region_module
 from .stats import EagerReason
 
@@ -148,7 +151,14 @@ class CompiledGraph:
         output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
         self._output_template = output_node.args[0]
         self._slot_of = slot_of
+        # Outputs that view an input, another output or each other are rebuilt as views at the end
+        # of each call (runtime/outputs.py); the values they are rebuilt from stay until then.
+        self.output_aliases = output_aliases(gm, set(slot_of))
+        self._builder = OutputBuilder(self.output_aliases, self._output_template, slot_of, shared)
         graph_outputs = {slot_of[n] for n in output_node.all_input_nodes}
+        graph_outputs |= {slot_of[n] for n in self.output_aliases.leaves}
+        graph_outputs |= {slot_of[g.root] for g in self.output_aliases.groups
+                          if g.kind == INPUT and self.output_aliases.unreplayable}
 
         last_use: dict[int, int] = {}
         for step_index, region in enumerate(partition.regions):
@@ -249,8 +259,6 @@ class CompiledGraph:
             call = CallState(0, 0, False, None)
         try:
             result = self._run(args, call)
-            if training and call.tokens == 0 and call.live:
-                result = self._anchor(result, call)
         finally:
             if not training or call.tokens == 0:
                 call.release()
@@ -274,21 +282,21 @@ class CompiledGraph:
                 env[i] = value
             for i in step.frees:
                 env[i] = None
-        return self._outputs(env)
+        if call.training and call.tokens == 0 and call.live:
+            return self._builder.build(env, anchor=lambda values: self._anchor(values, call))
+        return self._builder.build(env)
 
-    def _anchor(self, result: Any, call: CallState) -> Any:
+    def _anchor(self, values: dict, call: CallState) -> None:
         """A training call that replayed graphs but made no graphed backward (no region had an input
         that requires grad): eager ops may have saved graph outputs for their backward. Tie the slot
         to the outputs' backward through a clone, so it stays busy until that backward has run."""
-        grads = []
-        torch.fx.node.map_aggregate(
-            result, lambda v: grads.append(v) if isinstance(v, torch.Tensor) and v.requires_grad else None)
+        grads = [(node, v) for node, v in values.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         if not grads:
-            return result
-        clones = _AnchorClone.apply(call, *grads)
+            return
+        clones = _AnchorClone.apply(call, *(v for _, v in grads))
         self.shared.counters.output_clones += len(grads)
-        replace = {id(g): c for g, c in zip(grads, clones)}
-        return torch.fx.node.map_aggregate(result, lambda v: replace.get(id(v), v))
+        for (node, _), clone in zip(grads, clones):
+            values[node] = clone
 
     def _run_all_eager(self, args: tuple, reason: str) -> Any:
         env: list = list(args)
@@ -299,22 +307,7 @@ class CompiledGraph:
             out = step.module(*[env[i] for i in step.ins])
             for i, value in zip(step.outs, out):
                 env[i] = value
-        return self._outputs(env)
-
-    def _outputs(self, env: list) -> Any:
-        storages = self.shared.persistent_storages
-        counters = self.shared.counters
-        slot_of = self._slot_of
-
-        def value_of(node: torch.fx.Node) -> Any:
-            value = env[slot_of[node]]
-            if isinstance(value, torch.Tensor) and storages and value.numel() > 0:
-                if value.untyped_storage().data_ptr() in storages:
-                    counters.output_clones += 1
-                    return value.clone()
-            return value
-
-        return torch.fx.node.map_arg(self._output_template, value_of)
+        return self._builder.build(env)
 
     # ------------------------------------------------------------------ logs and reports
 

@@ -46,6 +46,7 @@ from ..config import Config
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
 from .pool import PoolSet, PoolState
+from .reach import reached_inputs, unreached
 from .stats import Counters, EagerReason
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class _Pad:
 class _TrainEntry(_Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "grad_ptrs",
-                 "leaves")
+                 "leaves", "reach")
 
     def in_use(self) -> bool:
         live = self.pool.live
@@ -657,6 +658,7 @@ class RegionRunner:
         entry.handed = []
         entry.grad_ptrs = frozenset()
         entry.leaves = []
+        entry.reach = None
         self.shared.register_persistent(entry.outputs)
 
     def _count_capture(self, entry: _Entry, elapsed: float, pool_growth: int, forward: bool) -> None:
@@ -915,6 +917,8 @@ class _RegionFunction(torch.autograd.Function):
                 "next forward of the model, or compile without CUDA graphs for this pattern.")
         call.on_backward()
         counters = runner.shared.counters
+        if entry.reach is None:  # which inputs each output reaches, from the forward's autograd graph
+            entry.reach = reached_inputs(entry.autograd_outputs(), [entry.static_ins[p] for p in entry.diff_in])
         if entry.bwd_graph is None and entry.bwd_failed is None:
             runner.capture_backward(entry, grads)
             fresh = True
@@ -943,4 +947,8 @@ class _RegionFunction(torch.autograd.Function):
         if runner.hooks is not None:
             runner.hooks.after_backward(ctx.hook_token)
         by_pos = dict(zip(entry.diff_in, grads_in))
+        # Inputs only outputs without a gradient reach: None, as eager autograd leaves them (the
+        # graph computed zeros for them).
+        for i in unreached(entry.reach, [grads[k] for k in entry.diff_out]):
+            by_pos[entry.diff_in[i]] = None
         return (None,) + tuple(by_pos.get(p) for p in entry.tensor_pos)

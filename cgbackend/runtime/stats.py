@@ -77,6 +77,12 @@ class Counters:
     """copies_made split by what was copied: user_input, eager_value, grad_output, param."""
     copy_backs: int = 0
     output_clones: int = 0
+    output_views: int = 0
+    """Returned tensors rebuilt as views of what eager returns them as views of: a graph input
+    (parameter, buffer, user tensor), another output, or a block copied for several outputs."""
+    output_alias_lost: int = 0
+    """Returned tensors that eager returns as views but cgbackend could only copy (their view ops
+    could not be replayed); an error with strict=True."""
     capture_time_s: float = 0.0
     pool_bytes: int = 0
     """Growth of the CUDA caching allocator's reserved memory across captures."""
