@@ -239,8 +239,9 @@ class CompiledGraph:
             # regions holding one run their FX module as it is.
             fn = module if opaque_calls else self._inner(module, region)
         elif self.inner_mode == "inductor" and self.blocked is None:
-            lazy = LazyInner(module, name, self.shared.counters, strict=False)
-            if opaque_calls:
+            lazy = LazyInner(module, name, self.shared.counters, strict=self.config.strict)
+            if opaque_calls:  # a policy, not an error: counted, never raised under strict
+                lazy.strict = False
                 lazy.fall_back(InnerFallback.OPAQUE_CALL, "opaque module call in the region")
                 lazy = None
         runner = RegionRunner(name, fn, kinds, producers,
@@ -260,9 +261,12 @@ class CompiledGraph:
         if runner.entries or runner.n_graphs:
             return False  # graphs of other signatures exist: keep the region whole (eager)
         step = next((s for s in self.steps if s.runner is runner), None)
-        if step is None or hit.node not in step.region.nodes:
+        if step is None:
             return False
-        self._pending_splits.append((step, hit))
+        node = step.module.meta.get("cgbackend_origin", {}).get(hit.node)
+        if node is None or node not in step.region.nodes:
+            return False
+        self._pending_splits.append((step, type(hit)(node, hit.detail)))
         return True
 
     def _blocked_reason(self) -> Optional[str]:

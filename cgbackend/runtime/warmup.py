@@ -208,8 +208,16 @@ def warmup_call(runner: "RegionRunner", ins: list, shape_key: tuple, last: bool)
     return out
 
 
+def _where(node: Optional[torch.fx.Node]) -> str:
+    if node is None:
+        return ""
+    from ..fx_utils import op_name, source_location
+    source = source_location(node)[0]
+    return f" at {op_name(node)} (node {node.name}{', ' + source if source else ''})"
+
+
 def _synced(runner: "RegionRunner", hit: SyncHit) -> None:
-    where = f" at {hit.node.name}" if hit.node is not None else ""
+    where = _where(hit.node)
     if runner.config.strict:
         raise RuntimeError(f"cgbackend: region {runner.name} synchronizes with the host{where}: {hit.detail}")
     if hit.node is not None and runner.on_sync is not None and runner.on_sync(runner, hit):
