@@ -112,10 +112,13 @@ class _Entry:
     """Common part of inference and training entries."""
 
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
-                 "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes")
+                 "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds")
 
     def __init__(self) -> None:
         self.graph = None
+        self.copy_kinds: Optional[tuple[str, ...]] = None
+        """What each copied input is (copied_by_kind), found at the first replay: the isinstance
+        check against nn.Parameter costs more than the copy of a small input."""
         self.index = -1
         self.pad_dims: dict[int, int] = {}
         """Bucketed entries: copied input position -> the padded dimension (copied as a prefix)."""
@@ -477,8 +480,12 @@ class RegionRunner:
                 else:  # the actual rows, as the prefix of the padded buffer
                     static_ins[pos].narrow(dim, 0, value.shape[dim]).copy_(value)
             counters.copies_made += len(entry.copy_pos)
-            for pos in entry.copy_pos:
-                counters.copied_by_kind[self._copy_kind(ins[pos], pos)] += 1
+            copy_kinds = entry.copy_kinds
+            if copy_kinds is None:
+                copy_kinds = entry.copy_kinds = tuple(self._copy_kind(ins[pos], pos) for pos in entry.copy_pos)
+            by_kind = counters.copied_by_kind
+            for kind in copy_kinds:
+                by_kind[kind] += 1
         counters.copies_avoided += len(entry.handoff_pos)
 
     def _copy_kind(self, value: torch.Tensor, pos: int) -> str:
