@@ -31,7 +31,7 @@ from .fx_utils import fake_value
 from .runtime.capture import first_line
 from .runtime.region import no_donated_buffers
 
-__all__ = ["InnerFallback", "LazyInner", "inductor_compile", "inductor_inner", "resolve_inner"]
+__all__ = ["InnerFallback", "LazyInner", "inductor_compile", "resolve_inner"]
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +86,6 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
 
     call.needs_backward_prewarm = True
     return call
-
-
-def inductor_inner(config: Config) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
-    """Eager (non-lazy) Inductor compile of a region, kept for callers that compile up front."""
-    def compile_region(module: torch.fx.GraphModule, region: Any) -> Callable[..., Any]:
-        return inductor_compile(module)
-    return compile_region
 
 
 class LazyInner:

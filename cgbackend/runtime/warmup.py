@@ -187,7 +187,7 @@ def warmup_call(runner: "RegionRunner", ins: list, shape_key: tuple, last: bool)
             out, hit = _run_watched(lambda: lazy.first_call(fn, ins), detector)
             kept, out = out
             runner.fn = kept
-            if hit is not None and kept is not lazy.module:
+            if hit is not None and kept is not lazy.module and not runner.config.strict:
                 # The compiled code synchronized: keep eager's kernels for this region, and give it
                 # one more (eager) warm-up call, which finds the op so the region can be split.
                 runner.fn = lazy.fall_back(InnerFallback.HOST_SYNC, hit.detail)
