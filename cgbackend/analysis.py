@@ -11,6 +11,7 @@ from .config import Config
 from .passes import (Classification, Effects, Labels, Partition, Schedule, Shapes, analyze_effects,
                      classify, label, partition, schedule, shapes)
 from .passes.bucket import Buckets, buckets
+from .passes.constants import Constants, find_constants
 from .passes.dispatch import DispatchResult, rewrite_static_dispatch
 from .reasons import Reason
 
@@ -29,6 +30,7 @@ class Analysis:
     schedule: Schedule
     dispatch: DispatchResult = dataclasses.field(default_factory=DispatchResult)
     buckets: Buckets = dataclasses.field(default_factory=lambda: Buckets(regions={}))
+    constants: Constants = dataclasses.field(default_factory=Constants)
 
     def reason_of(self, node: torch.fx.Node) -> Optional[Reason]:
         return self.partition.reason_of(node, self.classification)
@@ -39,9 +41,10 @@ def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool
     dispatch = rewrite_static_dispatch(gm, config.static_dispatch)
     effects = analyze_effects(gm)
     classification = classify(gm, config, training=training, compute_device=compute_device)
-    part = partition(gm, classification, effects, config)
+    constants = find_constants(gm, effects)
+    part = partition(gm, classification, effects, config, set(constants.nodes))
     region_shapes = shapes(gm, part)
     return Analysis(gm=gm, config=config, effects=effects, classification=classification,
                     partition=part, labels=label(gm, part, effects), shapes=region_shapes,
                     schedule=schedule(part, classification, effects), dispatch=dispatch,
-                    buckets=buckets(part, region_shapes, effects, config))
+                    buckets=buckets(part, region_shapes, effects, config), constants=constants)

@@ -88,11 +88,9 @@ class CGBackend:
             break_info = graph_break_info(gm)
             if self._keep_analyses:
                 self._analyses.append((analysis, break_info))
-            inner = None
-            if self.config.inner == "inductor":
-                from .inner import inductor_inner  # imports Inductor only when asked for
-                inner = inductor_inner(self.config)
-            compiled = CompiledGraph(analysis, list(example_inputs), self.shared, index, inner=inner)
+            # Static regions are compiled by the inner compiler lazily, before their last warm-up
+            # call (inner.py): only regions that reach a capture are compiled.
+            compiled = CompiledGraph(analysis, list(example_inputs), self.shared, index)
             self._graphs.append(weakref.ref(compiled))
         part = analysis.partition
         ops = sum(1 for r in part.regions for n in r.nodes if n.op.startswith("call_"))

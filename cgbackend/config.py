@@ -15,7 +15,7 @@ __all__ = ["Config", "ConfigError", "ENV_PREFIX", "parse_value"]
 
 ENV_PREFIX = "CGBACKEND_"
 
-_INNER_COMPILERS = ("eager", "inductor")
+_INNER_COMPILERS = ("auto", "eager", "inductor")
 _GRAPH_CACHES = ("lru", "keep")
 
 DEFAULT_CAPTURE_SIZES: tuple[int, ...] = (
@@ -66,8 +66,12 @@ class Config:
     strict: bool = False
     """Raise instead of falling back to eager when a capture fails or a region cannot be replayed."""
 
-    inner: str = "eager"
-    """How static regions are compiled before capture: "eager" (the FX code as is) or "inductor"."""
+    inner: str = "auto"
+    """How static regions are compiled before capture: "inductor", "eager" (eager's kernels, results
+    bitwise equal to eager: the bitwise mode) or "auto": Inductor where regions are captured as CUDA
+    graphs, eager's kernels where nothing is captured (CPU, simulate_graphs, capture=False, warmup=0).
+    Compiled lazily, per region, before its last warm-up call; a region Inductor fails on runs eager's
+    kernels (counted in stats()["inner_fallbacks"]). See cgbackend/inner.py."""
 
     dynamic_ops: tuple[str, ...] = ()
     """Operator names ("mylib::op", "torch.nonzero", "Tensor.item") always kept out of graphs. Each

@@ -1,47 +1,154 @@
 """Inner compilers: what a static region's FX module becomes before it is captured.
 
-``inner="eager"`` keeps the module as is. ``inner="inductor"`` compiles it with Inductor (Inductor's
-own CUDA graphs off: cgbackend captures) using the fake values Dynamo recorded for the region's
-inputs. Training works through Inductor's AOT autograd; its backward is compiled lazily at the first
-backward, which the eager warm-up call provides, so nothing compiles during a capture.
+``inner="eager"`` keeps the module as is: eager's kernels, results bitwise equal to eager (the
+bitwise mode). ``inner="inductor"`` compiles it with Inductor (Inductor's own CUDA graphs off:
+cgbackend captures) using the fake values Dynamo recorded for the region's inputs. ``inner="auto"``
+(the default) is Inductor for graphs whose regions will be captured as CUDA graphs (a CUDA graph,
+CUDA available, ``capture=True``, not ``simulate_graphs``, ``warmup >= 1``) and eager's kernels where
+nothing is captured: a CPU graph, simulated graphs, ``capture=False``; there compiling would only cost
+time (:func:`resolve_inner`).
+
+Compilation is lazy and per region (:class:`LazyInner`): a region runs its FX module during its
+warm-up calls and is compiled just before its last one, so only regions that reach a capture are
+compiled, and the last warm-up call runs the compiled code once outside any capture (Inductor
+loads its kernels and, in training, compiles its backward there). A region whose compile or first
+compiled call fails runs eager's kernels from then on; the reason is counted
+(``stats()["inner_fallbacks"]``) and listed (``stats()["inner_failures"]``, the runtime report).
+Training works through Inductor's AOT autograd.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
 
 from .config import Config
 from .fx_utils import fake_value
+from .runtime.capture import first_line
 from .runtime.region import no_donated_buffers
 
-__all__ = ["inductor_inner"]
+__all__ = ["InnerFallback", "LazyInner", "inductor_compile", "resolve_inner"]
 
 log = logging.getLogger(__name__)
+
+
+class InnerFallback:
+    """Stable names of the reasons a region that should be compiled by Inductor runs eager's
+    kernels (keys of ``stats()["inner_fallbacks"]``)."""
+
+    COMPILE_FAILED = "inductor_compile_failed"
+    FIRST_CALL_FAILED = "inductor_first_call_failed"
+    OPAQUE_CALL = "opaque_call"
+    HOST_SYNC = "host_sync_in_compiled_code"
+
+    DESCRIPTIONS = {
+        COMPILE_FAILED: "Inductor raised while compiling the region; it runs eager's kernels",
+        FIRST_CALL_FAILED: "the region's Inductor code raised on its first call; it runs eager's kernels",
+        OPAQUE_CALL: "the region holds an opaque module call (Transformer Engine), which Inductor "
+                     "would trace as its shape only; it runs eager's kernels",
+        HOST_SYNC: "the region's Inductor code synchronized with the host in warm-up; it runs eager's "
+                   "kernels, so the synchronizing op can be found and split off",
+    }
+
+
+def resolve_inner(config: Config, compute_device: str) -> str:
+    """The inner compiler one graph's static regions get: "eager" or "inductor".
+
+    "auto" means Inductor exactly where regions will be captured as CUDA graphs; where nothing is
+    captured (CPU graphs, simulated graphs, capture=False) eager's kernels run, as with "eager"."""
+    if config.inner != "auto":
+        return config.inner
+    captured = (config.capture and not config.simulate_graphs and config.warmup >= 1
+                and compute_device == "cuda" and torch.cuda.is_available())
+    return "inductor" if captured else "eager"
 
 
 def _example_inputs(module: torch.fx.GraphModule) -> list[Any]:
     return [fake_value(n) for n in module.graph.nodes if n.op == "placeholder"]
 
 
-def inductor_inner(config: Config) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
-    from torch._inductor.compile_fx import compile_fx
+def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
+    """Compile one region's FX module with Inductor (no CUDA graphs of its own)."""
+    from torch._inductor.compile_fx import compile_fx  # imported only when a region is compiled
 
-    def compile_region(module: torch.fx.GraphModule, region: Any) -> Callable[..., Any]:
-        example_inputs = _example_inputs(module)
-        with no_donated_buffers():
-            compiled = compile_fx(module, example_inputs,
-                                  config_patches={"triton.cudagraphs": False, "triton.cudagraph_trees": False})
+    example_inputs = _example_inputs(module)
+    with no_donated_buffers():
+        compiled = compile_fx(module, example_inputs,
+                              config_patches={"triton.cudagraphs": False, "triton.cudagraph_trees": False})
 
-        def call(*args: Any) -> Any:  # Dynamo's calling convention: compiled(*args)
-            with no_donated_buffers():  # parts of AOT compile on first call
-                return compiled(*args)
+    def call(*args: Any) -> Any:  # Dynamo's calling convention: compiled(*args)
+        with no_donated_buffers():  # parts of AOT compile on first call
+            return compiled(*args)
 
-        call.needs_backward_prewarm = True
-        return call
+    call.needs_backward_prewarm = True
+    return call
 
-    return compile_region
 
+class LazyInner:
+    """One region's pending Inductor compile (owned by its RegionRunner).
+
+    ``compile()`` is called by the runner before the region's last warm-up call; it returns the
+    callable the region runs from then on: the compiled code, or the FX module after a counted
+    fallback. ``first_call(fn, ins)`` runs the first compiled call and falls back the same way if it
+    raises."""
+
+    __slots__ = ("module", "name", "counters", "strict", "compiler", "state", "reason", "detail",
+                 "seconds")
+
+    def __init__(self, module: torch.fx.GraphModule, name: str, counters: Any, strict: bool = False,
+                 compiler: Optional[Callable[[torch.fx.GraphModule], Callable[..., Any]]] = None) -> None:
+        self.module = module
+        self.strict = strict
+        self.name = name
+        self.counters = counters
+        self.compiler = compiler if compiler is not None else inductor_compile
+        self.state = "pending"
+        """pending -> compiled | eager (fallback, with reason and detail)."""
+        self.reason: Optional[str] = None
+        self.detail = ""
+        self.seconds = 0.0
+
+    def compile(self) -> Callable[..., Any]:
+        start = time.perf_counter()
+        try:
+            fn = self.compiler(self.module)
+        except Exception as exc:  # any Inductor error: this region keeps eager's kernels
+            return self.fall_back(InnerFallback.COMPILE_FAILED, first_line(exc))
+        finally:
+            self.seconds = time.perf_counter() - start
+            self.counters.inner_compile_s += self.seconds
+        self.state = "compiled"
+        self.counters.inner_compiled += 1
+        log.debug("cgbackend: %s compiled by Inductor in %.2f s", self.name, self.seconds)
+        return fn
+
+    def first_call(self, fn: Callable[..., Any], ins: list) -> tuple[Callable[..., Any], Any]:
+        """Run the first call of the compiled code; (the callable to keep, the outputs)."""
+        try:
+            return fn, fn(*ins)
+        except Exception as exc:
+            module = self.fall_back(InnerFallback.FIRST_CALL_FAILED, first_line(exc))
+            return module, module(*ins)
+
+    def fall_back(self, reason: str, detail: str) -> torch.fx.GraphModule:
+        if self.strict:
+            raise RuntimeError(f"cgbackend: region {self.name} cannot run Inductor's code ({reason}): "
+                               f"{detail}; strict=True forbids falling back to eager's kernels")
+        if self.state == "compiled":
+            self.counters.inner_compiled -= 1
+        self.state = "eager"
+        self.reason = reason
+        self.detail = detail
+        self.counters.inner_fallbacks[reason] += 1
+        self.counters.inner_failures.append({"region": self.name, "reason": reason, "detail": detail})
+        log.warning("cgbackend: region %s runs eager's kernels instead of Inductor's (%s): %s",
+                    self.name, reason, detail)
+        return self.module
+
+    def summary(self) -> dict[str, Any]:
+        return {"state": self.state, "reason": self.reason, "detail": self.detail,
+                "compile_s": round(self.seconds, 3)}

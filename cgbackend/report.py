@@ -349,7 +349,15 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
             lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")
         if r.get("thrashing"):
             lines.append(f"{'':<8}graph cache stopped evicting: {r['thrashing']}")
+        inner = r.get("inner") or {}
+        if inner.get("reason"):
+            lines.append(f"{'':<8}eager's kernels, not Inductor's: {inner['reason']} ({inner['detail']})")
         seen.update(r["eager_calls"])
+    if runtime.get("inner"):
+        lines.append(f"{'':<4}inner compiler: {runtime['inner']}")
+    for c in runtime.get("constants") or ():
+        where = f" at {c['source']}" if c["source"] else ""
+        lines.append(f"{'':<4}constant made once: {c['op']}{where} -> {c['shape']}@{c['dtype']}")
     for key in ("gather_rewrites",):
         if runtime.get(key):
             lines.append(f"{'':<4}gathers rewritten for a cheap backward: {runtime[key]}")

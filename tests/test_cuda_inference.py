@@ -129,18 +129,57 @@ class _OpModel(nn.Module):
         return self.b(F.gelu(self.op(self.a(x)) + 1))
 
 
-def test_host_sync_found_in_warmup_runs_eagerly():
+@pytest.mark.parametrize("inner", ["eager", "auto"])
+def test_host_sync_found_in_warmup_splits_the_region(inner):
+    """The region a -> hidden_sync -> gelu, b synchronizes in warm-up: it is split at hidden_sync
+    (found by CUDA's sync debug mode), which runs eagerly; the part after it is captured (the part
+    before, one linear, is below min_region_ops and runs eagerly too)."""
     model = _OpModel(hidden_sync).cuda().eval()
-    xs = [torch.randn(8, 32, device="cuda") for _ in range(4)]
-    compiled = cgbackend.compile(model, warmup=1)
+    xs = [torch.randn(8, 32, device="cuda") for _ in range(8)]
+    compiled = cgbackend.compile(model, warmup=1, inner=inner)
     with torch.no_grad():
         for x in xs:
-            assert_matches(compiled(x), model(x), torch.float32)
+            out, ref = compiled(x), model(x)
+            assert torch.equal(out, ref) if inner == "eager" else assert_matches(out, ref, torch.float32)
     st = cgbackend.stats(compiled)
-    assert st["capture_failures"] == []  # never attempted
-    assert st["eager_calls"].get("host_sync_in_warmup", 0) == len(xs) - 1
-    assert st["replays"] == 0
-    assert "host_sync_in_warmup" in cgbackend.report(compiled).to_text()
+    assert st["regions_split"] == 1, st["sync_splits"]
+    assert st["sync_splits"][0]["op"].endswith("hidden_sync")
+    assert st["capture_failures"] == []
+    assert st["graphs_captured"] == 1 and st["replays"] >= 4, st
+    assert "host_sync_in_warmup" not in st["eager_calls"]
+    assert "split_at_host_sync" in cgbackend.report(compiled).to_text()
+
+
+class _MaskModel(nn.Module):
+    """Builds device constants from Python scalars in its forward (Hugging Face's mask helper)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(32, 32)
+        self.b = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.a(x)
+        zero = torch.tensor(0.0, device=x.device)  # a host-to-device copy: a sync on every call
+        low = torch.full((), -1e4, device=x.device, dtype=x.dtype)
+        return self.b(F.gelu(torch.where(h > zero, h, low * 0 + h * 0.1)))
+
+
+@pytest.mark.parametrize("inner", ["eager", "auto"])
+def test_device_constants_from_python_scalars_are_hoisted_and_captured(inner):
+    model = _MaskModel().cuda().eval()
+    xs = [torch.randn(8, 32, device="cuda") for _ in range(6)]
+    compiled = cgbackend.compile(model, warmup=1, inner=inner)
+    with torch.no_grad():
+        for x in xs:
+            out, ref = compiled(x), model(x)
+            assert torch.equal(out, ref) if inner == "eager" else assert_matches(out, ref, torch.float32)
+    st = cgbackend.stats(compiled)
+    assert st["constants_hoisted"] == 2, st
+    assert st["static_regions"] == 1 and st["graphs_captured"] == 1 and st["replays"] == len(xs) - 1, st
+    assert st["eager_calls"] == {"warmup": 1}, st["eager_calls"]
+    assert st["regions_split"] == 0
+    assert st["inner_compiled"] == (1 if inner == "auto" else 0)
 
 
 def test_capture_failure_falls_back_with_reason():

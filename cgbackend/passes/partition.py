@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 import torch.fx
@@ -146,8 +146,10 @@ def _grad_mode_before(barriers: list[torch.fx.Node], initial: bool) -> dict[torc
 
 
 def partition(gm: torch.fx.GraphModule, classification: Classification, effects: Effects,
-              config: Config) -> Partition:
-    nodes = compute_nodes(gm)
+              config: Config, constants: Collection[torch.fx.Node] = ()) -> Partition:
+    """``constants``: nodes hoisted out of every region (passes/constants.py); they become region
+    inputs, like placeholders."""
+    nodes = [n for n in compute_nodes(gm) if n not in constants] if constants else compute_nodes(gm)
     order = {n: i for i, n in enumerate(nodes)}
     static = {n: classification.is_static(n) for n in nodes}
     extra: dict[torch.fx.Node, Reason] = {}

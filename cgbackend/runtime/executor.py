@@ -32,7 +32,10 @@ from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionR
 from ..passes.bucket import mutated_input_positions
 from ..passes.gather import rewrite_gathers
 from .outputs import INPUT, OutputBuilder, output_aliases
+from ..inner import InnerFallback, LazyInner, resolve_inner
+from ..passes.constants import make_constant
 from .split import build_region_module
+from .syncsplit import apply_splits
 from .stats import EagerReason
 
 __all__ = ["CompiledGraph", "CallState", "SlotTable", "run_step"]
@@ -115,14 +118,15 @@ class CallState:
 
 
 class _Step:
-    __slots__ = ("ins", "outs", "frees", "runner", "module")
+    __slots__ = ("ins", "outs", "frees", "runner", "module", "region")
 
-    def __init__(self, ins, outs, frees, runner, module) -> None:
+    def __init__(self, ins, outs, frees, runner, module, region) -> None:
         self.ins = ins
         self.outs = outs
         self.frees = frees
         self.runner = runner
         self.module = module
+        self.region = region
 
 
 class CompiledGraph:
@@ -130,6 +134,8 @@ class CompiledGraph:
 
     def __init__(self, analysis: Analysis, example_inputs: list, shared: RuntimeShared, index: int,
                  inner: Optional[Callable[[torch.fx.GraphModule, list], Callable]] = None) -> None:
+        """``inner``: compile every static region up front with this (tests, tools); without it the
+        option ``inner`` decides, and regions are compiled lazily (inner.py)."""
         self.analysis = analysis
         self.shared = shared
         self.index = index
@@ -142,8 +148,15 @@ class CompiledGraph:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)
         slot_of: dict[torch.fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
-        example_of = {n: example_inputs[i] if i < len(example_inputs) else None
-                      for i, n in enumerate(placeholders)}
+        self._example_of = {n: example_inputs[i] if i < len(example_inputs) else None
+                            for i, n in enumerate(placeholders)}
+        # Hoisted constants (passes/constants.py): made once, in slots right after the inputs.
+        self.constants = tuple(analysis.constants.nodes)
+        self._constant_set = set(self.constants)
+        self._constant_values: list = [make_constant(n) for n in self.constants]
+        for node in self.constants:
+            slot_of[node] = len(slot_of)
+        shared.counters.constants_hoisted += len(self.constants)
         for region in partition.regions:
             for node in region.outputs:
                 slot_of[node] = len(slot_of)
@@ -159,6 +172,7 @@ class CompiledGraph:
         graph_outputs |= {slot_of[n] for n in self.output_aliases.leaves}
         graph_outputs |= {slot_of[g.root] for g in self.output_aliases.groups
                           if g.kind == INPUT and self.output_aliases.unreplayable}
+        self._graph_outputs = graph_outputs
 
         last_use: dict[int, int] = {}
         for step_index, region in enumerate(partition.regions):
@@ -167,7 +181,13 @@ class CompiledGraph:
 
         blocked = self._blocked_reason()
         self.blocked = blocked
-        runner_of: dict[int, RegionRunner] = {}
+        self.inner_mode = "eager" if inner is not None else resolve_inner(
+            self.config, analysis.classification.compute_device)
+        """What the static regions of this graph are compiled with (inner.py): "eager" or "inductor"."""
+        self._inner = inner
+        self._runner_of: dict[torch.fx.Node, RegionRunner] = {}
+        """Node -> the runner of the static region computing it (hand-off producers)."""
+        self._pending_splits: list = []
         self.steps: list[_Step] = []
         self.runners: list[RegionRunner] = []
         self.gather_rewrites: dict[int, int] = {}
@@ -176,45 +196,17 @@ class CompiledGraph:
             module = build_region_module(gm, region, analysis.schedule.order.get(region.index))
             ins = tuple(slot_of[n] for n in region.inputs)
             outs = tuple(slot_of[n] for n in region.outputs)
-            frees = tuple(s for s in ins if last_use.get(s) == step_index and s not in graph_outputs)
+            frees = tuple(s for s in ins if last_use.get(s) == step_index and s not in self._graph_outputs)
             runner = None
             if region.is_static:
-                kinds, producers = [], []
-                for inp in region.inputs:
-                    value = fake_value(inp)
-                    producer_region = partition.region_of.get(inp)
-                    if not isinstance(value, torch.Tensor):
-                        kinds.append(VALUE)
-                        producers.append(None)
-                    elif inp.op == "placeholder":
-                        kinds.append(PARAM if is_static_address(example_of[inp]) else COPY)
-                        producers.append(None)
-                    elif producer_region is not None and producer_region.is_static:
-                        kinds.append(HANDOFF)
-                        producers.append(runner_of[producer_region.index])
-                    else:
-                        kinds.append(EAGER)
-                        producers.append(None)
-                hooks = region_hooks(region.nodes)
-                opaque_calls = any(opaque_info(n) is not None for n in region.nodes)
-                # Inductor would trace an opaque call with fake tensors and keep only its shape:
-                # regions holding one run their FX module as it is.
-                fn = module if inner is None or opaque_calls else inner(module, region)
                 bucketing = analysis.buckets.regions.get(region.index)
-                runner = RegionRunner(f"graph{index}.{region.name}", fn, kinds, producers,
-                                      mutated_input_positions(analysis.effects, region), shared,
-                                      bucket=bucketing.plan if bucketing is not None else None,
-                                      device=_region_device(region), hooks=hooks)
-                if blocked is not None:
-                    runner.disable(blocked, _BLOCKED_DETAIL.get(blocked, blocked))
-                runner_of[region.index] = runner
-                self.runners.append(runner)
+                runner = self._make_runner(region, module, bucketing.plan if bucketing is not None else None)
             else:
                 # Only pays off under autograd (its backward is the cheap part); in inference the
                 # two-index form costs one more launch.
                 if self.training_graph:
                     self.gather_rewrites[region.index] = rewrite_gathers(module)
-            self.steps.append(_Step(ins, outs, frees, runner, module))
+            self.steps.append(_Step(ins, outs, frees, runner, module, region))
 
         counters = shared.counters
         counters.compiled_graphs += 1
@@ -224,6 +216,71 @@ class CompiledGraph:
         self._lock = threading.RLock()
         self.calls = 0
         """Calls of this graph (each runs every dynamic region once): the runtime launch coverage."""
+
+    def _input_kinds(self, region) -> tuple[list[str], list[Optional[RegionRunner]]]:
+        """How a static region reads each input (region.py), and the runner producing hand-offs."""
+        kinds, producers = [], []
+        for inp in region.inputs:
+            value = fake_value(inp)
+            producer = self._runner_of.get(inp)
+            if not isinstance(value, torch.Tensor):
+                kinds.append(VALUE)
+                producers.append(None)
+            elif inp in self._constant_set:
+                kinds.append(PARAM)  # made once, never written: read in place like a parameter
+                producers.append(None)
+            elif inp.op == "placeholder":
+                kinds.append(PARAM if is_static_address(self._example_of[inp]) else COPY)
+                producers.append(None)
+            elif producer is not None:
+                kinds.append(HANDOFF)
+                producers.append(producer)
+            else:
+                kinds.append(EAGER)
+                producers.append(None)
+        return kinds, producers
+
+    def _make_runner(self, region, module: torch.fx.GraphModule, bucket) -> RegionRunner:
+        kinds, producers = self._input_kinds(region)
+        hooks = region_hooks(region.nodes)
+        opaque_calls = any(opaque_info(n) is not None for n in region.nodes)
+        name = f"graph{self.index}.{region.name}"
+        fn = module
+        lazy = None
+        if self._inner is not None:
+            # Inductor would trace an opaque call with fake tensors and keep only its shape:
+            # regions holding one run their FX module as it is.
+            fn = module if opaque_calls else self._inner(module, region)
+        elif self.inner_mode == "inductor" and self.blocked is None:
+            lazy = LazyInner(module, name, self.shared.counters, strict=self.config.strict)
+            if opaque_calls:  # a policy, not an error: counted, never raised under strict
+                lazy.strict = False
+                lazy.fall_back(InnerFallback.OPAQUE_CALL, "opaque module call in the region")
+                lazy = None
+        runner = RegionRunner(name, fn, kinds, producers,
+                              mutated_input_positions(self.analysis.effects, region), self.shared,
+                              bucket=bucket, device=_region_device(region), hooks=hooks)
+        runner.lazy_inner = lazy
+        runner.on_sync = self._request_split
+        if self.blocked is not None:
+            runner.disable(self.blocked, _BLOCKED_DETAIL.get(self.blocked, self.blocked))
+        for node in region.outputs:
+            self._runner_of[node] = runner
+        self.runners.append(runner)
+        return runner
+
+    def _request_split(self, runner: RegionRunner, hit: Any) -> bool:
+        """A runner saw its op ``hit.node`` synchronize in warm-up: split it after this call."""
+        if runner.entries or runner.n_graphs:
+            return False  # graphs of other signatures exist: keep the region whole (eager)
+        step = next((s for s in self.steps if s.runner is runner), None)
+        if step is None:
+            return False
+        node = step.module.meta.get("cgbackend_origin", {}).get(hit.node)
+        if node is None or node not in step.region.nodes:
+            return False
+        self._pending_splits.append((step, type(hit)(node, hit.detail)))
+        return True
 
     def _blocked_reason(self) -> Optional[str]:
         if not self.config.capture:
@@ -262,13 +319,20 @@ class CompiledGraph:
         finally:
             if not training or call.tokens == 0:
                 call.release()
+        if self._pending_splits:
+            apply_splits(self)
         if not self._capture_logged:
             self._log_capture_once()
         return result
 
-    def _run(self, args: tuple, call: CallState) -> Any:
+    def _env(self, args: tuple) -> list:
         env: list = list(args)
+        env.extend(self._constant_values)
         env.extend([None] * (self.n_values - len(env)))
+        return env
+
+    def _run(self, args: tuple, call: CallState) -> Any:
+        env = self._env(args)
         watch = self.shared.watch
         for position, step in enumerate(self.steps):
             ins = [env[i] for i in step.ins]
@@ -299,8 +363,7 @@ class CompiledGraph:
             values[node] = clone
 
     def _run_all_eager(self, args: tuple, reason: str) -> Any:
-        env: list = list(args)
-        env.extend([None] * (self.n_values - len(env)))
+        env = self._env(args)
         for step in self.steps:
             if step.runner is not None:
                 step.runner._count_eager(reason)
@@ -334,9 +397,13 @@ class CompiledGraph:
                          "thrashing": r.thrashing,
                          "replays": r.replays, "eager_calls": dict(r.eager_calls),
                          "disabled": r.disabled, "disabled_detail": r.disabled_detail,
-                         "capture_time_s": round(r.capture_time_s, 4)}
+                         "capture_time_s": round(r.capture_time_s, 4),
+                         "inner": (r.lazy_inner.summary() if r.lazy_inner is not None
+                                   else {"state": "eager" if self._inner is None else "compiled"})}
                 for r in self.runners
             },
+            "inner": self.inner_mode,
+            "constants": self.analysis.constants.to_dict(),
             "pending_forwards": self.slots.pending(),
             "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
         }

@@ -36,7 +36,6 @@ import contextlib
 import gc
 import logging
 import time
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -48,8 +47,10 @@ from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_ove
 from .pool import PoolSet, PoolState
 from .reach import reached_inputs, unreached
 from .stats import Counters, EagerReason
+from .warmup import SyncDetector, cuda_sync_detector, warmup_call
 
 if TYPE_CHECKING:
+    from ..inner import LazyInner
     from ..opaque import RegionHooks
     from ..passes.bucket import BucketPlan
 
@@ -78,6 +79,9 @@ class RuntimeShared:
         self.pools = PoolSet(simulate=simulate)
         self.capturer = Capturer(simulate=config.simulate_graphs)
         self.counters = Counters()
+        self.sync_detector: Optional[SyncDetector] = None if config.simulate_graphs else cuda_sync_detector()
+        """What watches warm-up calls for host synchronization (runtime/warmup.py): CUDA's sync debug
+        mode where CUDA graphs are captured; tests may set a stand-in for simulated graphs."""
         self.persistent_ptrs: set[int] = set()
         """data_ptr() of every static output of every graph: hand-off candidates."""
         self.persistent_storages: set[int] = set()
@@ -113,10 +117,13 @@ class _Entry:
     """Common part of inference and training entries."""
 
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
-                 "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes")
+                 "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds")
 
     def __init__(self) -> None:
         self.graph = None
+        self.copy_kinds: Optional[tuple[str, ...]] = None
+        """What each copied input is (copied_by_kind), found at the first replay: the isinstance
+        check against nn.Parameter costs more than the copy of a small input."""
         self.index = -1
         self.pad_dims: dict[int, int] = {}
         """Bucketed entries: copied input position -> the padded dimension (copied as a prefix)."""
@@ -193,6 +200,11 @@ class RegionRunner:
         self.replays = 0
         self.eager_calls: dict[str, int] = {}
         self.capture_time_s = 0.0
+        self.lazy_inner: Optional["LazyInner"] = None
+        """The region's pending Inductor compile (inner.py), done before its last warm-up call."""
+        self.on_sync: Optional[Callable[["RegionRunner", Any], bool]] = None
+        """Set by the executor: asked to split the region at an op that synchronized in warm-up
+        (runtime/syncsplit.py); False when it cannot, and the region then runs eagerly."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -204,32 +216,10 @@ class RegionRunner:
         self._count_eager(reason)
         return self.fn(*ins)
 
-    def _warmup_call(self, ins: list) -> Any:
-        """Eager call that also watches for host synchronization, which would break a capture."""
-        if self.shared.capturer.simulate or not torch.cuda.is_available():
-            return self.fn(*ins)
-        previous = torch.cuda.get_sync_debug_mode()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = self.fn(*ins)
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
-        # The warning PyTorch gives for each synchronizing call; not its one-time notice that the
-        # debug mode is a prototype.
-        sync = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
-        for w in caught:
-            if w not in sync:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        if sync:
-            detail = str(sync[0].message).strip().splitlines()[0]
-            log.warning("cgbackend: region %s synchronized with the host during warm-up (%s); "
-                        "it runs eagerly from now on", self.name, detail)
-            if self.config.strict:
-                raise RuntimeError(f"cgbackend: region {self.name} synchronizes with the host: {detail}")
-            self.disable(EagerReason.HOST_SYNC_SEEN, detail)
-        return out
+    def _warmup_call(self, ins: list, shape_key: tuple = (), last: bool = False) -> Any:
+        """Eager call that also watches for host synchronization, which would break a capture;
+        the last one of a region compiled lazily runs the compiled code (runtime/warmup.py)."""
+        return warmup_call(self, ins, shape_key, last)
 
     def disable(self, reason: str, detail: str) -> None:
         if self.disabled is None:
@@ -451,7 +441,7 @@ class RegionRunner:
         if warm < self.config.warmup:
             self._note_warm(shape_key, warm + 1)
             self._count_eager(EagerReason.WARMUP)
-            return self._warmup_call(ins)
+            return self._warmup_call(ins, shape_key, warm + 1 == self.config.warmup)
         if key is None:
             return self._eager(ins, EagerReason.PRODUCER_EAGER)
         if not self._make_room():
@@ -495,8 +485,12 @@ class RegionRunner:
                 else:  # the actual rows, as the prefix of the padded buffer
                     static_ins[pos].narrow(dim, 0, value.shape[dim]).copy_(value)
             counters.copies_made += len(entry.copy_pos)
-            for pos in entry.copy_pos:
-                counters.copied_by_kind[self._copy_kind(ins[pos], pos)] += 1
+            copy_kinds = entry.copy_kinds
+            if copy_kinds is None:
+                copy_kinds = entry.copy_kinds = tuple(self._copy_kind(ins[pos], pos) for pos in entry.copy_pos)
+            by_kind = counters.copied_by_kind
+            for kind in copy_kinds:
+                by_kind[kind] += 1
         counters.copies_avoided += len(entry.handoff_pos)
 
     def _copy_kind(self, value: torch.Tensor, pos: int) -> str:

@@ -38,6 +38,7 @@ def build_region_module(gm: torch.fx.GraphModule, region: Region,
                         order: Optional[Sequence[torch.fx.Node]] = None) -> torch.fx.GraphModule:
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    origin: dict[torch.fx.Node, torch.fx.Node] = {}
     for inp in region.inputs:
         placeholder = graph.placeholder(inp.name)
         placeholder.meta = dict(inp.meta)
@@ -47,8 +48,12 @@ def build_region_module(gm: torch.fx.GraphModule, region: Region,
         if not region.is_static and new.op == "call_function":
             new.target = _HOST_ONLY_REPLACEMENTS.get(new.target, new.target)
         env[node] = new
+        origin[new] = node
     graph.output(tuple(env[n] for n in region.outputs))
     graph.lint()
     # The root is the original module: get_attr targets (constants, nested graphs) resolve there.
-    return torch.fx.GraphModule(gm, graph, class_name=f"cgbackend_region_{region.name}")
+    module = torch.fx.GraphModule(gm, graph, class_name=f"cgbackend_region_{region.name}")
+    module.meta["cgbackend_origin"] = origin
+    """The region module's node -> the node of Dynamo's graph it copies (runtime/syncsplit.py)."""
+    return module
 

@@ -17,6 +17,7 @@ class EagerReason:
     CAPTURE_DISABLED = "capture_disabled"
     CAPTURE_FAILED = "capture_failed"
     HOST_SYNC_SEEN = "host_sync_in_warmup"
+    SPLIT_AT_SYNC = "split_at_host_sync"
     GRAPH_LIMIT = "graph_limit"
     CACHE_THRASH = "graph_cache_thrashing"
     PENDING_FORWARDS = "pending_forwards_limit"
@@ -31,7 +32,10 @@ class EagerReason:
         CAPTURE_DISABLED: "capture=False: partitioned but run eagerly",
         CAPTURE_FAILED: "capturing this region failed; it runs eagerly from now on",
         HOST_SYNC_SEEN: "the region synchronized with the host during an eager warm-up call "
-                        "(an op the classifier did not know); it runs eagerly from now on",
+                        "(an op the classifier did not know) and the op could not be located or split "
+                        "off; the region runs eagerly from now on",
+        SPLIT_AT_SYNC: "the region synchronized with the host during warm-up; it was split at that op "
+                       "(runtime/syncsplit.py): the op runs eagerly, the parts around it are captured",
         GRAPH_LIMIT: "the region already holds max_graphs_per_region graphs (all in use, or "
                  "graph_cache=\"keep\")",
         CACHE_THRASH: "the region's signatures churned through its graph cache (it evicted twice "
@@ -94,11 +98,31 @@ class Counters:
     graphs_recaptured: int = 0
     """Inference graphs captured again (replacing the old one) because a graph captured after them
     held live outputs: next to exact-keyed regions, a padded region's graph can be older than them."""
+    inner_compiled: int = 0
+    """Static regions whose code Inductor compiled (inner="inductor", or "auto" on CUDA graphs)."""
+    inner_compile_s: float = 0.0
+    """Time spent in those compiles (lazily, before each region's last warm-up call)."""
+    inner_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Regions that should have been compiled by Inductor but run eager's kernels, by reason
+    (cgbackend.inner.InnerFallback)."""
+    inner_failures: list = dataclasses.field(default_factory=list)
+    """One entry per inner fallback: {"region", "reason", "detail"}."""
+    constants_hoisted: int = 0
+    """Constant tensors made from Python values in the traced code (torch.tensor(0.0, device=...))
+    made once per compiled graph instead of on every call (passes/constants.py)."""
+    regions_split: int = 0
+    """Static regions split at an op that synchronized with the host during warm-up: the op runs
+    eagerly, the parts before and after it are captured (runtime/syncsplit.py)."""
+    sync_splits: list = dataclasses.field(default_factory=list)
+    """One entry per split: {"region", "node", "op", "source", "detail"}."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eager_calls"] = dict(self.eager_calls)
         d["copied_by_kind"] = dict(self.copied_by_kind)
         d["capture_failures"] = list(self.capture_failures)
+        d["inner_fallbacks"] = dict(self.inner_fallbacks)
+        d["inner_failures"] = list(self.inner_failures)
+        d["sync_splits"] = list(self.sync_splits)
         return d
 

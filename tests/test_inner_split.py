@@ -1,0 +1,278 @@
+"""Issue 17 runtime: the inner compiler by default (lazy, per region, counted fallbacks), device
+constants from Python scalars hoisted out of regions, and a region split at the op that
+synchronizes in warm-up. CPU with simulated graphs; an OpSyncDetector stands in for CUDA's sync
+debug mode. GPU versions: tests/test_cuda_inference.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cgbackend
+import cgbackend.inner
+from cgbackend.config import Config
+from cgbackend.inner import InnerFallback, resolve_inner
+from cgbackend.runtime.warmup import OpSyncDetector
+
+SIM = dict(simulate_graphs=True, warmup=1)
+
+
+class MaskModel(nn.Module):
+    """Builds device constants from Python scalars inside its forward, as Hugging Face's
+    attention-mask helper does (torch.tensor(0.0, device=...))."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        zero = torch.tensor(0.0, device=x.device)
+        low = torch.full((), -1e4, device=x.device, dtype=x.dtype)
+        h = torch.where(h > zero, h, low * 0 + h * 0.1)
+        return self.b(F.gelu(h))
+
+
+# torch.tensor(python number) reaches the dispatcher as lift_fresh: on CUDA its host-to-device copy
+# is what the sync debug mode reports.
+TENSOR_FROM_PYTHON = OpSyncDetector([torch.ops.aten.lift_fresh])
+
+
+def _detect(compiled, detector):
+    cgbackend.find_backend(compiled).shared.sync_detector = detector
+
+
+def _inputs(n, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 16, generator=g, dtype=dtype) for _ in range(n)]
+
+
+def test_device_constants_are_hoisted_and_the_region_is_captured_whole():
+    model = MaskModel().double().eval()
+    compiled = cgbackend.compile(copy.deepcopy(model), **SIM)
+    _detect(compiled, TENSOR_FROM_PYTHON)
+    with torch.no_grad():
+        for x in _inputs(5):
+            assert torch.equal(compiled(x), model(x))
+    st = cgbackend.stats(compiled)
+    assert st["constants_hoisted"] == 2, st
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0
+    assert st["graphs_captured"] == 1 and st["replays"] == 4
+    assert st["eager_calls"] == {"warmup": 1}
+    assert st["regions_split"] == 0
+    # The report names them.
+    runtime = cgbackend.report(compiled).graphs[0].runtime
+    assert sorted(c["op"] for c in runtime["constants"]) == ["full", "tensor"]
+
+
+def test_constants_written_in_place_or_returned_stay_in_their_region():
+    def f(x):
+        acc = torch.zeros(4, 16, dtype=x.dtype, device=x.device)
+        acc.add_(x)  # written: must be made fresh each call
+        ret = torch.ones(3, dtype=x.dtype, device=x.device)  # returned: the caller may write it
+        keep = torch.scalar_tensor(2.0, dtype=x.dtype, device=x.device)  # hoisted
+        return (acc * keep).relu() + 1, ret
+
+    compiled = cgbackend.compile(f, **SIM)
+    for x in _inputs(4, seed=1):
+        out, ret = compiled(x)
+        ref, ref_ret = f(x)
+        assert torch.equal(out, ref) and torch.equal(ret, ref_ret)
+        ret.add_(5)  # must not leak into the next call
+    st = cgbackend.stats(compiled)
+    assert st["constants_hoisted"] == 1, st
+
+
+class HiddenSync(nn.Module):
+    """A region whose middle op synchronizes with the host without the classifier knowing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = F.gelu(self.a(x)) * 2
+        s = torch.ops.cgbackend_test.cpu_scale(h)
+        return self.b(F.gelu(s) + 1)
+
+
+@torch.library.custom_op("cgbackend_test::cpu_scale", mutates_args=())
+def cpu_scale(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + x.abs().max().item())
+
+
+@cpu_scale.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _cpu_scale_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _cpu_scale_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad / (1 + x.abs().max())  # the scale as a constant: a test op, same formula both ways
+
+
+cpu_scale.register_autograd(_cpu_scale_backward, setup_context=_cpu_scale_setup)
+
+
+SCALE_SYNCS = OpSyncDetector([torch.ops.cgbackend_test.cpu_scale])
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_region_is_split_at_the_op_that_synchronizes(train):
+    base = HiddenSync().double().train(train)
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, **SIM)
+    _detect(compiled, SCALE_SYNCS)
+    for step, x in enumerate(_inputs(6, seed=2)):
+        if not train:
+            with torch.no_grad():
+                assert torch.equal(compiled(x), ref(x)), step
+            continue
+        x = x.requires_grad_(True)
+        x2 = x.detach().clone().requires_grad_(True)
+        for model in (ref, mine):
+            model.zero_grad()
+        compiled(x).pow(2).mean().backward()
+        ref(x2).pow(2).mean().backward()
+        assert torch.equal(x.grad, x2.grad), step
+        for a, b in zip(ref.parameters(), mine.parameters()):
+            assert torch.equal(a.grad, b.grad), step
+    st = cgbackend.stats(compiled)
+    assert st["regions_split"] == 1, st
+    split = st["sync_splits"][0]
+    assert split["op"].endswith("cpu_scale") and "test_inner_split.py" in split["source"]
+    assert [p.split(" ")[1] for p in split["parts"]] == ["(static)", "(dynamic)", "(static)"]
+    # Call 1: the whole region warms up and the op is found; call 2: each part warms up;
+    # calls 3..6: both parts replay.
+    assert st["eager_calls"] == {"warmup": 3}, st["eager_calls"]
+    assert st["graphs_captured"] == 2 * (2 if train else 1)
+    assert st["replays"] == 2 * 4 * (2 if train else 1)
+    assert "host_sync_in_warmup" not in st["eager_calls"]
+    text = cgbackend.report(compiled).to_text()
+    assert "split_at_host_sync" in text
+
+
+def test_compiled_code_that_synchronizes_falls_back_then_splits():
+    """inner="inductor", warmup=1: the one warm-up call runs the compiled code, which cannot say
+    which op synchronized; the region keeps eager's kernels (counted), warms up once more eagerly,
+    and that call finds the op and splits the region; its parts are compiled by Inductor."""
+    model = HiddenSync().double().eval()
+    compiled = cgbackend.compile(copy.deepcopy(model), inner="inductor", **SIM)
+    _detect(compiled, SCALE_SYNCS)
+    with torch.no_grad():
+        for x in _inputs(6, seed=5):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-9, atol=1e-9)
+    st = cgbackend.stats(compiled)
+    assert st["inner_fallbacks"] == {InnerFallback.HOST_SYNC: 1}, st["inner_fallbacks"]
+    assert st["regions_split"] == 1
+    assert st["inner_compiled"] == 2  # the two static parts
+    assert st["graphs_captured"] == 2 and "host_sync_in_warmup" not in st["eager_calls"]
+
+
+def test_strict_raises_at_the_synchronizing_op():
+    compiled = cgbackend.compile(HiddenSync().double().eval(), strict=True, **SIM)
+    _detect(compiled, SCALE_SYNCS)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"synchronizes with the host at cgbackend_test.cpu_scale \(node s, test_inner_split.py:\d+"):
+        compiled(_inputs(1)[0])
+
+
+# ------------------------------------------------------------------ inner compiler
+
+
+@pytest.mark.parametrize("options, device, expected", [
+    ({}, "cpu", "eager"),
+    ({"simulate_graphs": True}, "cuda", "eager"),
+    ({"capture": False}, "cuda", "eager"),
+    ({"inner": "eager"}, "cuda", "eager"),
+    ({"inner": "inductor"}, "cpu", "inductor"),
+])
+def test_auto_uses_eager_kernels_where_nothing_is_captured(options, device, expected):
+    assert resolve_inner(Config.from_options(options, environ={}), device) == expected
+
+
+def test_auto_is_inductor_for_captured_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_inner(Config.from_options({}, environ={}), "cuda") == "inductor"
+    assert resolve_inner(Config.from_options({"warmup": 0}, environ={}), "cuda") == "eager"
+
+
+def _dense():
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16)).double()
+
+
+def test_regions_compile_lazily_only_when_they_reach_capture(monkeypatch):
+    compiled_modules = []
+    real = cgbackend.inner.inductor_compile
+
+    def counting(module):
+        compiled_modules.append(module)
+        return real(module)
+
+    monkeypatch.setattr(cgbackend.inner, "inductor_compile", counting)
+    model = _dense().eval()
+    compiled = cgbackend.compile(copy.deepcopy(model), inner="inductor", simulate_graphs=True, warmup=3)
+    xs = _inputs(5, seed=3)
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-9, atol=1e-9)
+            st = cgbackend.stats(compiled)
+            # Compiled right before the last warm-up call (the third), once.
+            assert st["inner_compiled"] == (0 if i < 2 else 1), (i, st["inner_compiled"])
+    assert len(compiled_modules) == 1
+    st = cgbackend.stats(compiled)
+    assert st["graphs_captured"] == 1 and st["replays"] == 2 and st["inner_fallbacks"] == {}
+    assert cgbackend.report(compiled).graphs[0].runtime["regions"]["graph0.S0"]["inner"]["state"] == "compiled"
+
+
+def test_capture_false_compiles_nothing(monkeypatch):
+    monkeypatch.setattr(cgbackend.inner, "inductor_compile", lambda m: pytest.fail("compiled"))
+    compiled = cgbackend.compile(_dense().eval(), inner="inductor", capture=False, warmup=1)
+    with torch.no_grad():
+        for x in _inputs(3):
+            compiled(x)
+    assert cgbackend.stats(compiled)["inner_compiled"] == 0
+
+
+def _broken_compile(module):
+    raise NotImplementedError("lowering for this op is missing")
+
+
+def _broken_first_call(module):
+    def call(*args):
+        raise RuntimeError("triton kernel failed to load")
+    return call
+
+
+@pytest.mark.parametrize("compiler, reason", [(_broken_compile, InnerFallback.COMPILE_FAILED),
+                                              (_broken_first_call, InnerFallback.FIRST_CALL_FAILED)])
+def test_inductor_failure_runs_eager_kernels_with_counted_reason(monkeypatch, compiler, reason):
+    monkeypatch.setattr(cgbackend.inner, "inductor_compile", compiler)
+    model = _dense().eval()
+    compiled = cgbackend.compile(copy.deepcopy(model), inner="inductor", **SIM)
+    with torch.no_grad():
+        for x in _inputs(4, seed=4):
+            assert torch.equal(compiled(x), model(x))  # eager's kernels: bitwise
+    st = cgbackend.stats(compiled)
+    assert st["inner_fallbacks"] == {reason: 1}, st["inner_fallbacks"]
+    assert st["inner_compiled"] == 0
+    assert st["inner_failures"][0]["region"] == "graph0.S0"
+    assert st["graphs_captured"] == 1 and st["replays"] == 3  # still captured
+    text = cgbackend.report(compiled).to_text()
+    assert reason in text
+
+
+def test_inductor_failure_raises_under_strict(monkeypatch):
+    monkeypatch.setattr(cgbackend.inner, "inductor_compile", _broken_compile)
+    compiled = cgbackend.compile(_dense().eval(), inner="inductor", strict=True, **SIM)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="inductor_compile_failed"):
+        compiled(_inputs(1)[0])
