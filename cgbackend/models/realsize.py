@@ -265,8 +265,8 @@ def grouped_from(base: RealModel, device: torch.device | str | None = None) -> R
     ref = next(base.parameters())
     device = ref.device if device is None else torch.device(device)
     with torch.device("meta"):
-        model = RealModel(base.cfg, moe_impl="grouped", return_routing=base.return_routing)
-    model = model.to_empty(device=device).to(ref.dtype)
+        model = RealModel(base.cfg, moe_impl="grouped", return_routing=base.return_routing).to(ref.dtype)
+    model = model.to_empty(device=device)
     load_weights(model, base)
     model.train(base.training)
     return model
