@@ -136,7 +136,7 @@ class Judgement:
 
 def judge(errors: dict[str, tuple[float, str]], eager: dict[str, tuple[float, str]],
           dtype: torch.dtype, limit: float = LIMIT) -> Judgement:
-    floor = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    floor = torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0  # unit roundoff
     ratio, where = 0.0, ""
     for group, (err, name) in errors.items():
         base = max(eager.get(group, (0.0, ""))[0], floor)

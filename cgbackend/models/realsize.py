@@ -305,6 +305,11 @@ def grouped_mm_unsupported(device: torch.device | str, dtype: torch.dtype) -> Op
     except Exception as exc:  # the probe's failure is the answer
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         return f"torch._grouped_mm fails on {torch.device(device).type} in {dtype}: {type(exc).__name__}: {first}"
+    try:  # what torch.compile traces with: the meta kernel (bf16 only in torch 2.11-2.13)
+        torch._grouped_mm(a.detach().to("meta"), w.detach().to("meta").transpose(-2, -1), offs=offs.to("meta"))
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return f"torch._grouped_mm cannot be traced by torch.compile in {dtype}: {type(exc).__name__}: {first}"
     return None
 
 
