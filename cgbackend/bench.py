@@ -776,10 +776,11 @@ def skip_reason(contender: Contender, spec: Any, settings: Settings) -> Optional
 
 
 def timed_iterations(settings: Settings, warm_s: Sequence[float]) -> int:
-    """``--iters``, lowered to fit ``--time-budget`` seconds at the last warm-up calls' pace (at least 5)."""
+    """``--iters``, lowered to fit ``--time-budget`` seconds at the pace of the fastest of the last
+    three warm-up calls (at least 5)."""
     if not settings.time_budget or not warm_s:
         return settings.iters
-    pace = statistics.median(warm_s[-3:])
+    pace = min(warm_s[-3:])  # the fastest of the last warm-up calls: the first ones compile
     if pace <= 0:
         return settings.iters
     return max(min(5, settings.iters), min(settings.iters, int(settings.time_budget / pace)))
