@@ -11,12 +11,16 @@ For each model x mode x contender the harness
    and compiles it (``CONTENDERS[name].make``);
 2. runs ``--warmup`` calls (the first ones compile and, for CUDA-graph contenders, capture),
    timing each; ``compile_s`` is what they took beyond ``--warmup`` steady-state calls;
-3. checks accuracy against eager on ``--acc-batches`` batches (infer: logits; train: the loss and
-   every parameter gradient of one step from the seed weights);
-4. times ``--iters`` calls, each on its own (CUDA events on CUDA, perf_counter on CPU), and
-   reports median / p10 / p90.
+3. checks accuracy on ``--acc-batches`` batches (infer: the output; train: the loss and every
+   parameter gradient of one step from the seed weights) against eager and against a float64 run
+   of the same weights and inputs (``bench_accuracy``: at most 2x eager's own error);
+4. times ``--iters`` calls (fewer under ``--time-budget``), each on its own (CUDA events on CUDA,
+   perf_counter on CPU), and reports median / p10 / p90.
 
-Any exception inside one contender marks that row ``error`` and the run goes on.
+Models come from the registry in ``bench_models`` (reference models, real-size shapes with a
+``--tokens`` sweep, transformers decode models run by ``bench_decode``); contenders that rebuild a
+model in another form are in ``bench_contenders``. Any exception inside one contender marks that
+row ``error`` and the run goes on.
 """
 
 from __future__ import annotations
