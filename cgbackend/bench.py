@@ -46,7 +46,6 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .runtime.capture import clear_blas_workspaces
 
@@ -78,8 +77,9 @@ class Contender:
     call_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     backend_stats: Optional[Callable[[Any], Optional[dict]]] = None
     description: str = ""
-    convert: Optional[Callable[[nn.Module], nn.Module]] = None
-    """Rebuilds the contender's own module from the fresh copy (same weights, another structure)."""
+    convert: Optional[Callable[[nn.Module, torch.device], nn.Module]] = None
+    """convert(base, device): the contender's own module on ``device``, built from the seed weights
+    ``base`` in another structure (used instead of a plain copy of ``base``)."""
     applies_to: Optional[Callable[[Any], Optional[str]]] = None
     """BenchModel -> None, or why this contender does not apply to that model (row skipped)."""
     unsupported: Optional[Callable[[torch.device, torch.dtype], Optional[str]]] = None
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
-    from .models import MODEL_NAMES, SIZES
+    from .models import SIZES
 
     defaults = dict(RUN_DEFAULTS)
     if args.smoke:

@@ -174,7 +174,6 @@ def run_decode(spec: Any, s: Any, names: Sequence[str], log_row: Callable[[str, 
                ) -> list[dict[str, Any]]:
     """Rows (one per contender) of the decode benchmark of ``spec`` under settings ``s``."""
     from . import bench
-    from .bench_accuracy import judge, upcast_inputs  # noqa: F401  (upcast: the prompts are token ids)
     shape = DECODE_SHAPES[s.scale]
     device, dtype = s.device, s.dtype
     label = f"{spec.name}/decode"
