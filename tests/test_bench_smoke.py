@@ -97,6 +97,10 @@ def test_accuracy_failure_is_never_a_win():
     assert by["cgbackend-inductor"]["beats_best_stock"] is True
     assert by["cgbackend"]["ratio_to_eager"] == pytest.approx(0.4)
     assert by["cgbackend"]["ratio_to_floor"] == pytest.approx(4.0)
+    assert by["cgbackend"]["ratio_to_grouped"] is None and by["cgbackend"]["ratio_to_reduce_overhead"] is None
+    rows.append(row("grouped-reduce-overhead", 2.0, True))
+    bench.add_ratios(rows)
+    assert {r["contender"]: r["ratio_to_grouped"] for r in rows}["cgbackend-inductor"] == pytest.approx(2.5)
 
 
 def test_usage_errors_exit_2(tmp_path, capsys):
