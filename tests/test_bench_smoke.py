@@ -273,3 +273,31 @@ def test_time_budget_lowers_iterations():
     assert bench.timed_iterations(settings, [5.0, 0.1, 0.2]) == 10  # the compile call does not count
     assert bench.timed_iterations(settings, [5.0, 1.0, 1.0]) == 5  # never below 5
     assert bench.timed_iterations(settings, [5.0, 0.001]) == 50  # never above --iters
+
+
+@pytest.mark.cuda
+def test_cuda_tiny_scale_every_new_path(tmp_path):
+    """A cheap GPU check before the real-size runs: tiny widths, bf16, every new model family,
+    mode and contender; no row may fail (the grouped forms run: bf16 on sm90+)."""
+    out = tmp_path / "bench.json"
+    common = ["--scale", "tiny", "--device", "cuda", "--dtype", "bf16", "--warmup", "4", "--iters", "5",
+              "--batches", "2", "--acc-batches", "1", "--no-markdown", "--out", str(out)]
+    assert bench.main(["--models", "moe-dsv2lite-shape,moe-mixtral-shape,dense-llama8b-shape", "--contenders",
+                       "eager,cgbackend,cgbackend-static-dispatch,grouped-reduce-overhead", *common]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert bench.main(["--models", "hf-llama,hf-mixtral-eager-experts", "--modes", "decode", "--contenders",
+                       "eager,reduce-overhead,cgbackend,cgbackend-static-dispatch,hf-grouped-mm-reduce-overhead",
+                       *common]) == 0
+    rows += json.loads(out.read_text())["rows"]
+    for r in rows:
+        expected_skip = r["contender"].endswith("grouped-reduce-overhead") and r["model"] == "dense-llama8b-shape" \
+            or r["contender"] == "hf-grouped-mm-reduce-overhead" and r["model"] == "hf-llama"
+        if expected_skip:
+            assert r["skip_reason"], r
+            continue
+        assert r["error"] is None, (r["model"], r["mode"], r["contender"], r["error"])
+        assert r["median_ms"] > 0 and r["peak_mem_bytes"] > 0
+        assert r["accuracy_rule"] == "fp64"
+    grouped = [r for r in rows if r["contender"] in bench.GROUPED_CONTENDERS and not r["skip_reason"]]
+    assert len(grouped) == 5 and all(r["accuracy_ok"] for r in grouped)
+    assert all(r["graphs"] >= 1 for r in grouped)  # reduce-overhead recorded CUDA graphs
