@@ -1216,7 +1216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if args.list_contenders:
         for name, c in CONTENDERS.items():
-            flags = ("stock" if c.stock else "cgbackend") + (", needs CUDA" if c.needs_cuda else "")
+            kind = "stock" if c.stock else ("model rewritten by hand" if c.convert else "cgbackend")
+            flags = kind + (", needs CUDA" if c.needs_cuda else "")
             print(f"{name:24s} {c.description} ({flags})")
         return 0
     try:
