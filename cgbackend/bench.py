@@ -11,12 +11,16 @@ For each model x mode x contender the harness
    and compiles it (``CONTENDERS[name].make``);
 2. runs ``--warmup`` calls (the first ones compile and, for CUDA-graph contenders, capture),
    timing each; ``compile_s`` is what they took beyond ``--warmup`` steady-state calls;
-3. checks accuracy against eager on ``--acc-batches`` batches (infer: logits; train: the loss and
-   every parameter gradient of one step from the seed weights);
-4. times ``--iters`` calls, each on its own (CUDA events on CUDA, perf_counter on CPU), and
-   reports median / p10 / p90.
+3. checks accuracy on ``--acc-batches`` batches (infer: the output; train: the loss and every
+   parameter gradient of one step from the seed weights) against eager and against a float64 run
+   of the same weights and inputs (``bench_accuracy``: at most 2x eager's own error);
+4. times ``--iters`` calls (fewer under ``--time-budget``), each on its own (CUDA events on CUDA,
+   perf_counter on CPU), and reports median / p10 / p90.
 
-Any exception inside one contender marks that row ``error`` and the run goes on.
+Models come from the registry in ``bench_models`` (reference models, real-size shapes with a
+``--tokens`` sweep, transformers decode models run by ``bench_decode``); contenders that rebuild a
+model in another form are in ``bench_contenders``. Any exception inside one contender marks that
+row ``error`` and the run goes on.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .runtime.capture import clear_blas_workspaces
 
@@ -74,6 +77,18 @@ class Contender:
     call_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
     backend_stats: Optional[Callable[[Any], Optional[dict]]] = None
     description: str = ""
+    convert: Optional[Callable[[nn.Module, torch.device], nn.Module]] = None
+    """convert(base, device): the contender's own module on ``device``, built from the seed weights
+    ``base`` in another structure (used instead of a plain copy of ``base``)."""
+    applies_to: Optional[Callable[[Any], Optional[str]]] = None
+    """BenchModel -> None, or why this contender does not apply to that model (row skipped)."""
+    unsupported: Optional[Callable[[torch.device, torch.dtype], Optional[str]]] = None
+    """Feature probe: None, or why this torch/device/dtype cannot run it (row skipped with the reason)."""
+    restore: Optional[Callable[[nn.Module, nn.Module], None]] = None
+    """restore(model, base): copy the seed weights back into a converted module."""
+    named_grads: Optional[Callable[[nn.Module], Any]] = None
+    """(name, grad) pairs under the base model's parameter names, for a converted module."""
+    modes: tuple[str, ...] = ("infer", "train", "decode")
 
 
 def _eager(model: nn.Module) -> Callable[..., Any]:
@@ -112,6 +127,8 @@ CONTENDERS: dict[str, Contender] = {}
 """name -> Contender, in the default run order (eager first: everything is compared to it)."""
 
 STOCK_CONTENDERS = ("eager", "inductor", "reduce-overhead", "reduce-overhead-dynops", "cudagraphs")
+GROUPED_CONTENDERS = ("grouped-reduce-overhead", "hf-grouped-mm-reduce-overhead")
+"""The hand-written grouped-GEMM forms (bench_contenders) that ``ratio_to_grouped`` divides by."""
 
 
 def register_contender(contender: Contender) -> Contender:
@@ -142,6 +159,8 @@ for _c in (
 ):
     register_contender(_c)
 del _c
+
+from . import bench_contenders  # noqa: E402  (registers the contenders that rebuild a model: grouped forms)
 
 # ------------------------------------------------------------------------------------- settings
 
@@ -199,6 +218,12 @@ class Settings:
     smoke: bool
     verbose: bool
     threads: Optional[int] = None
+    scale: str = "full"
+    tokens: Optional[tuple[int, ...]] = None
+    reference: str = "fp64"
+    time_budget: Optional[float] = None
+    explicit: frozenset = frozenset()
+    """Settings given on the command line: a model's own defaults (bench_models) never override them."""
 
     def to_meta(self) -> dict[str, Any]:
         return {
@@ -208,7 +233,23 @@ class Settings:
             "floor_steps": self.floor_steps, "device": str(self.device), "dtype": _dtype_name(self.dtype),
             "tolerance": self.tol, "seed": self.seed, "lr": self.lr, "smoke": self.smoke,
             "threads": self.threads if self.threads is not None else torch.get_num_threads(),
+            "scale": self.scale, "tokens": list(self.tokens) if self.tokens else None,
+            "reference": self.reference, "time_budget_s": self.time_budget,
         }
+
+    def for_model(self, spec: Any) -> "Settings":
+        """These settings with the model's own defaults (``BenchModel.defaults``) where the command
+        line did not set them."""
+        defaults = dict(spec.defaults)
+        if self.scale == "tiny" and "tiny_tokens" in defaults:
+            defaults["tokens"] = defaults["tiny_tokens"]
+        changes = {k: v for k, v in defaults.items() if k not in self.explicit and hasattr(self, k)}
+        if "tokens" in changes:
+            changes["tokens"] = tuple(changes["tokens"])
+        if "acc_batches" in changes or "batches" in changes:
+            batches = changes.get("batches", self.batches)
+            changes["acc_batches"] = min(changes.get("acc_batches", self.acc_batches), batches)
+        return dataclasses.replace(self, **changes)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -224,11 +265,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m cgbackend bench",
         description="Side-by-side benchmark of cgbackend against eager and stock torch.compile modes "
                     "(see benchmarks/README.md).")
-    p.add_argument("--models", help="comma-separated reference models (default dense,moe)")
-    p.add_argument("--modes", help="comma-separated: infer, train (default both)")
+    p.add_argument("--models", help="comma-separated models (default dense,moe; see --list-models)")
+    p.add_argument("--list-models", action="store_true", help="print the models and exit")
+    p.add_argument("--modes", help="comma-separated: infer, train, decode (default infer,train; a model "
+                                   "runs the modes it supports)")
     p.add_argument("--contenders", help="comma-separated subset (default all: %s)" % ",".join(CONTENDERS))
     p.add_argument("--list-contenders", action="store_true", help="print the contenders and exit")
     p.add_argument("--size", help="base size from cgbackend.models.SIZES (default bench; smoke: tiny)")
+    p.add_argument("--scale", choices=("full", "tiny"),
+                   help="real-size (shape) and decode models: full (default) or tiny (smoke: tiny)")
+    p.add_argument("--tokens", help="shape models: comma-separated token counts, one row group each "
+                                    "(default 4096; above 4096, sequences of 4096)")
+    p.add_argument("--reference", choices=("fp64", "eager"),
+                   help="accuracy rule: fp64 (default: error against a float64 run at most 2x eager's own) "
+                        "or eager (error against eager at most --tol)")
+    p.add_argument("--time-budget", type=float,
+                   help="seconds of timed calls per row: --iters is lowered to fit, never below 5 "
+                        "(default: none for the reference models, 3 s for shape and decode models)")
     p.add_argument("--d-model", type=int, help="override d_model")
     p.add_argument("--layers", type=int, help="override n_layers")
     p.add_argument("--heads", type=int, help="override n_heads")
@@ -263,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
-    from .models import MODEL_NAMES, SIZES
+    from .models import SIZES
 
     defaults = dict(RUN_DEFAULTS)
     if args.smoke:
@@ -273,14 +326,15 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         value = getattr(args, name)
         return defaults.get(name) if value is None else value
 
+    from .bench_models import MODELS
     models = _csv(pick("models"))
     for m in models:
-        if m not in MODEL_NAMES:
-            raise UsageError(f"unknown model {m!r}; choose from {', '.join(MODEL_NAMES)}")
+        if m not in MODELS:
+            raise UsageError(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
     modes = _csv(pick("modes"))
     for m in modes:
-        if m not in ("infer", "train"):
-            raise UsageError(f"unknown mode {m!r}; choose infer and/or train")
+        if m not in ("infer", "train", "decode"):
+            raise UsageError(f"unknown mode {m!r}; choose from infer, train, decode")
     contenders = _csv(pick("contenders")) if pick("contenders") else list(CONTENDERS)
     for c in contenders:
         if c not in CONTENDERS:
@@ -316,6 +370,19 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     if ints["seq"] > max_seq:
         overrides["max_seq"] = ints["seq"]
 
+    tokens = None
+    if args.tokens:
+        try:
+            tokens = tuple(int(t) for t in _csv(args.tokens))
+        except ValueError:
+            raise UsageError(f"--tokens takes comma-separated integers, got {args.tokens!r}") from None
+        if not tokens or any(t < 1 for t in tokens):
+            raise UsageError(f"--tokens must name positive counts, got {args.tokens!r}")
+    if args.time_budget is not None and args.time_budget <= 0:
+        raise UsageError(f"--time-budget must be > 0, got {args.time_budget}")
+    explicit = frozenset(name for name in ("batches", "warmup", "iters", "acc_batches", "time_budget", "tokens",
+                                           "contenders")
+                         if getattr(args, name) is not None or (args.smoke and name in SMOKE_DEFAULTS))
     threads = pick("threads")
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be >= 1, got {threads}")
@@ -336,7 +403,9 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
                     iters=ints["iters"], acc_batches=min(ints["acc_batches"], ints["batches"]),
                     floor_steps=ints["floor_steps"], device=device, dtype=dtype,
                     tol=args.tol if args.tol is not None else TOLERANCE[dtype], seed=args.seed, lr=args.lr,
-                    out=out, markdown=markdown, smoke=args.smoke, verbose=args.verbose, threads=threads)
+                    out=out, markdown=markdown, smoke=args.smoke, verbose=args.verbose, threads=threads,
+                    scale=args.scale or ("tiny" if args.smoke else "full"), tokens=tokens,
+                    reference=args.reference or "fp64", time_budget=args.time_budget, explicit=explicit)
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -368,13 +437,11 @@ def _error_text(exc: BaseException, limit: int = 600) -> str:
 
 
 def lm_loss(model_name: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The training loss, computed in float32 outside the compiled model: next-token cross entropy
-    for the language models (logits[:, :-1] vs tokens[:, 1:]), mean square of the output otherwise."""
-    from .models import is_language_model
-    if is_language_model(model_name):
-        logits = out[:, :-1].float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-    return out.float().pow(2).mean()
+    """The training loss, computed in float32 (float64 for the reference) outside the compiled model:
+    next-token cross entropy for the language models (logits[:, :-1] vs tokens[:, 1:]), mean square
+    of the output otherwise (``BenchModel.loss``)."""
+    from .bench_models import MODELS
+    return MODELS[model_name].loss(out, x)
 
 
 def _graph_breaks() -> dict[str, int]:
@@ -474,7 +541,8 @@ def _sanitize(value: Any) -> Any:
 
 @dataclasses.dataclass
 class Case:
-    """One model x mode: the seed weights (on CPU), the inputs and eager's reference results."""
+    """One model x mode (x token count): the seed weights (on CPU), the inputs and the references
+    (eager in the run dtype; float64 with ``--reference fp64``, see bench_accuracy)."""
 
     model_name: str
     mode: str
@@ -485,10 +553,25 @@ class Case:
     floor_ms: Optional[float] = None
     floor_device_events: Optional[float] = None
     floor_error: Optional[str] = None
+    spec: Any = None
+    tokens: Optional[int] = None
+    ref64: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    eager64: dict[str, tuple[float, str]] = dataclasses.field(default_factory=dict)
+    """Eager's own error against the float64 reference, per group (worst over the batches)."""
+    eager_flips: Optional[float] = None
+    ref64_s: Optional[float] = None
+    ref64_error: Optional[str] = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.model_name}/{self.mode}" + (f"/{self.tokens}" if self.tokens is not None else "")
 
 
-def _new_model(case: Case, settings: Settings) -> nn.Module:
-    model = copy.deepcopy(case.base).to(settings.device)
+def _new_model(case: Case, settings: Settings, contender: Optional[Contender] = None) -> nn.Module:
+    if contender is not None and contender.convert is not None:
+        model = contender.convert(case.base, settings.device)
+    else:
+        model = copy.deepcopy(case.base).to(settings.device)
     model.train(case.mode == "train")
     return model
 
@@ -521,6 +604,9 @@ class Runner:
         with self.contender.call_context():
             return self.fn(x)
 
+    def loss(self, out: Any, x: torch.Tensor) -> torch.Tensor:
+        return self.case.spec.loss(out, x)
+
     def step(self, index: Optional[int] = None) -> None:
         """One timed unit: an inference call, or a full training step (forward, loss, backward, SGD)."""
         if index is None:
@@ -530,28 +616,36 @@ class Runner:
         if self.train:
             self.opt.zero_grad(set_to_none=True)
             out = self.call(x)
-            loss = lm_loss(self.case.model_name, out, x)
+            loss = self.loss(out, x)
             loss.backward()
             self.opt.step()
         else:
             with torch.no_grad():
                 self.call(x)
 
-    def results_for(self, index: int) -> dict[str, Any]:
-        """What accuracy compares, for batch ``index``; training: from the seed weights, no SGD step."""
-        x = self.case.inputs[index]
+    def results_for(self, index: int, x: Optional[torch.Tensor] = None) -> dict[str, Any]:
+        """What accuracy compares, for batch ``index`` (or the given ``x``): the output, or the loss
+        and every gradient of one step from the seed weights (no SGD step); and the MoE routing.
+        The tensors stay on the device, uncopied: compare or store them before the next call."""
+        spec = self.case.spec
+        x = self.case.inputs[index] if x is None else x
         if not self.train:
             with torch.no_grad():
                 out = self.call(x)
-                return {"output": out.detach().float().cpu().clone()}
-        _restore_weights(self.model, self.case.base)
+                return {"output": spec.output(out).detach(), "routing": spec.routing(out)}
+        if self.contender.restore is not None:
+            self.contender.restore(self.model, self.case.base)
+        else:
+            _restore_weights(self.model, self.case.base)
         self.opt.zero_grad(set_to_none=True)
         out = self.call(x)
-        loss = lm_loss(self.case.model_name, out, x)
+        loss = self.loss(out, x)
         loss.backward()
-        grads = {name: (None if p.grad is None else p.grad.detach().float().cpu().clone())
-                 for name, p in self.model.named_parameters()}
-        return {"loss": loss.detach().float().cpu().clone(), "grads": grads}
+        named = (self.contender.named_grads(self.model) if self.contender.named_grads is not None
+                 else ((n, p.grad) for n, p in self.model.named_parameters()))
+        grads = {name: (None if g is None else g.detach()) for name, g in named}
+        routing = spec.routing(out)
+        return {"loss": loss.detach(), "grads": grads, "routing": None if routing is None else routing.detach()}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -562,32 +656,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = b.abs().max().item() if b.numel() else 0.0
     err = diff / scale if scale > 0 else diff
     return math.inf if math.isnan(err) else err
-
-
-def _compare(got: dict[str, Any], ref: dict[str, Any]) -> tuple[float, str]:
-    """max over compared tensors of max|got - ref| / max|ref| (absolute when ref is all zeros)."""
-    worst, where = 0.0, ""
-
-    def one(name: str, a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> None:
-        nonlocal worst, where
-        if a is None and b is None:
-            return
-        if a is None or b is None:
-            err, note = math.inf, f"{name}: gradient {'missing' if a is None else 'unexpected'}"
-        elif a.shape != b.shape:
-            err, note = math.inf, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-        else:
-            err, note = rel_err(a, b), name
-        if not where or err > worst:
-            worst, where = err, note
-
-    for key in ("output", "loss"):
-        if key in ref:
-            one(key, got.get(key), ref[key])
-    if "grads" in ref:
-        for name, b in ref["grads"].items():
-            one(f"grad {name}", got["grads"].get(name), b)
-    return worst, where
 
 
 def _eager_floor(case: Case, settings: Settings) -> tuple[Optional[float], Optional[float]]:
@@ -619,42 +687,82 @@ def _eager_floor(case: Case, settings: Settings) -> tuple[Optional[float], Optio
         _cleanup(settings.device)
 
 
-def prepare_case(model_name: str, mode: str, settings: Settings) -> Case:
-    from .models import build_model, make_inputs
-    base = build_model(model_name, size=settings.size, device="cpu", dtype=settings.dtype, seed=settings.seed,
-                       **settings.overrides)
-    inputs = make_inputs(model_name, base, batch=settings.batch, seq=settings.seq, n=settings.batches,
-                         device=settings.device, dtype=settings.dtype, seed=settings.seed + 1)
+def _reference64(case: Case, settings: Settings) -> None:
+    """The float64 run: a copy of the seed weights in float64 on the run device, the accuracy
+    batches upcast; fills ``case.ref64``, eager's own errors against it and eager's routing flips."""
+    from .bench_accuracy import flip_fraction, group_errors, merge, store, upcast_inputs
+    t0 = time.perf_counter()
+    model = copy.deepcopy(case.base).to(device=settings.device, dtype=torch.float64)
+    model.train(case.mode == "train")
+    runner = Runner(CONTENDERS["eager"], case, model, model, settings)
+    flips = []
+    try:
+        for j, i in enumerate(case.acc_indices):
+            got = runner.results_for(i, upcast_inputs(case.inputs[i]))
+            merge(case.eager64, group_errors(case.ref[j], got))
+            flips.append(flip_fraction(case.ref[j].get("routing"), got.get("routing")))
+            case.ref64.append(store(got, settings.dtype))
+            del got
+    finally:
+        del runner, model
+        _cleanup(settings.device)
+    case.eager_flips = max(flips) if flips and None not in flips else None
+    case.ref64_s = time.perf_counter() - t0
+
+
+def prepare_case(spec: Any, mode: str, settings: Settings, tokens: Optional[int] = None) -> Case:
+    from .bench_accuracy import store
+    if isinstance(spec, str):
+        from .bench_models import MODELS
+        spec = MODELS[spec]
+    base = spec.build(settings)
+    inputs = spec.inputs(base, settings, tokens)
     step = max(1, len(inputs) // max(settings.acc_batches, 1))
     acc_indices = [i * step for i in range(settings.acc_batches)]
-    case = Case(model_name, mode, base, inputs, acc_indices, ref=[])
+    case = Case(spec.name, mode, base, inputs, acc_indices, ref=[], spec=spec, tokens=tokens)
     _cleanup(settings.device)
     model = _new_model(case, settings)
     runner = Runner(CONTENDERS["eager"], case, model, model, settings)
-    case.ref = [runner.results_for(i) for i in acc_indices]
+    case.ref = [store(runner.results_for(i), settings.dtype) for i in acc_indices]
     del runner, model
     _cleanup(settings.device)
+    if settings.reference == "fp64" and acc_indices:
+        try:
+            _reference64(case, settings)
+            _log(f"{case.key}: float64 reference in {case.ref64_s:.1f}s; eager's error against it "
+                 + ", ".join(f"{g} {e:.1e}" for g, (e, _) in case.eager64.items())
+                 + ("" if case.eager_flips is None else f", routing flips {case.eager_flips:.2%}"))
+        except Exception as exc:  # judged against eager instead, and said so in every row
+            case.ref64, case.eager64 = [], {}
+            case.ref64_error = _error_text(exc)
+            _log(f"{case.key}: float64 reference failed ({case.ref64_error}); accuracy falls back to --tol")
     try:
         case.floor_ms, case.floor_device_events = _eager_floor(case, settings)
     except Exception as exc:  # the floor is informative; never fatal
         case.floor_error = _error_text(exc)
-        _log(f"{model_name}/{mode}: floor failed: {case.floor_error}")
+        _log(f"{case.key}: floor failed: {case.floor_error}")
     return case
 
 
 def _empty_row(case: Case, contender: Contender, settings: Settings) -> dict[str, Any]:
     return {
         "model": case.model_name, "mode": case.mode, "contender": contender.name, "stock": contender.stock,
+        "family": case.spec.family if case.spec is not None else None, "tokens": case.tokens,
         "median_ms": None, "p10_ms": None, "p90_ms": None, "mean_ms": None, "floor_ms": case.floor_ms,
-        "floor_device_events_per_step": case.floor_device_events,
+        "floor_device_events_per_step": case.floor_device_events, "timed_iters": None,
         "accuracy_ok": None, "accuracy_err": None, "accuracy_worst": None, "accuracy_tol": settings.tol,
+        "accuracy_rule": "fp64" if case.ref64 else "eager-tol",
+        "ref64_err": None, "ref64_ratio": None, "ref64_worst": None, "ref64_limit": None,
+        "eager_ref64_err": ({g: e for g, (e, _) in case.eager64.items()} if case.ref64 else None),
+        "ref64_error": case.ref64_error, "routing_flip_frac": None,
         "peak_mem_bytes": None, "peak_reserved_bytes": None, "mem_baseline_bytes": None,
+        "peak_mem_over_baseline_bytes": None,
         "compile_s": None, "first_call_s": None,
         "graphs": None, "graph_breaks": None, "graph_break_reasons": None, "recompiles": None,
         "rerecords": None, "dynamo_graphs": None,
         "cudagraph_skips": None, "backend_stats": None,
         "ratio_to_eager": None, "ratio_to_best_stock": None, "ratio_to_floor": None, "beats_best_stock": None,
-        "error": None, "error_stage": None,
+        "error": None, "error_stage": None, "skip_reason": None,
     }
 
 
@@ -662,11 +770,57 @@ _STATS_KEYS = ("graphs_captured", "static_regions", "dynamic_regions", "replays"
                "capture_time_s", "capture_failures", "pool_bytes", "nothing_captured_reason")
 
 
+def skip_reason(contender: Contender, spec: Any, settings: Settings) -> Optional[str]:
+    """Why ``contender`` does not run on this model/device/dtype, or None."""
+    if spec is not None and contender.applies_to is not None:
+        reason = contender.applies_to(spec)
+        if reason:
+            return reason
+    if contender.unsupported is not None:
+        return contender.unsupported(settings.device, settings.dtype)
+    return None
+
+
+def timed_iterations(settings: Settings, warm_s: Sequence[float]) -> int:
+    """``--iters``, lowered to fit ``--time-budget`` seconds at the pace of the fastest of the last
+    three warm-up calls (at least 5)."""
+    if not settings.time_budget or not warm_s:
+        return settings.iters
+    pace = min(warm_s[-3:])  # the fastest of the last warm-up calls: the first ones compile
+    if pace <= 0:
+        return settings.iters
+    return max(min(5, settings.iters), min(settings.iters, int(settings.time_budget / pace)))
+
+
+def _judge_row(row: dict[str, Any], case: Case, settings: Settings, errs: dict, errs64: dict,
+               flips: list[Optional[float]]) -> None:
+    from .bench_accuracy import LIMIT, judge, worst
+    if not case.acc_indices:
+        row["accuracy_ok"] = None
+        return
+    err, where = worst(errs)
+    row["accuracy_err"], row["accuracy_worst"] = err, where
+    if case.ref64:
+        verdict = judge(errs64, case.eager64, settings.dtype)
+        row["ref64_err"], row["ref64_ratio"], row["ref64_worst"] = verdict.errors, verdict.ratio, verdict.worst
+        row["ref64_limit"] = LIMIT
+        row["accuracy_ok"] = verdict.ok
+    else:
+        row["accuracy_ok"] = bool(err <= settings.tol)
+    if flips and None not in flips:
+        row["routing_flip_frac"] = max(flips)
+
+
 def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[str, Any]:
+    from .bench_accuracy import flip_fraction, group_errors, merge
     row = _empty_row(case, contender, settings)
     device = settings.device
     if contender.needs_cuda and device.type != "cuda":
         row["error"], row["error_stage"] = "needs CUDA", "setup"
+        return row
+    reason = skip_reason(contender, case.spec, settings)
+    if reason:
+        row["error"], row["error_stage"], row["skip_reason"] = f"skipped: {reason}", "setup", reason
         return row
     stage = "setup"
     runner = model = fn = None
@@ -680,7 +834,7 @@ def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[
             torch.cuda.reset_peak_memory_stats(device)
             row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
         stage = "compile"
-        model = _new_model(case, settings)
+        model = _new_model(case, settings, contender)
         fn = contender.make(model)
         runner = Runner(contender, case, model, fn, settings)
 
@@ -695,20 +849,24 @@ def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[
         row["graph_breaks"], row["graph_break_reasons"] = _graph_break_delta(breaks0)
 
         stage = "accuracy"
-        errors = [_compare(runner.results_for(i), ref) for i, ref in zip(case.acc_indices, case.ref)]
-        if errors:
-            err, where = max(errors, key=lambda e: e[0])
-            row["accuracy_err"] = err
-            row["accuracy_worst"] = where
-            row["accuracy_ok"] = bool(err <= settings.tol)
-        else:
-            row["accuracy_ok"] = None
+        errs: dict[str, tuple[float, str]] = {}
+        errs64: dict[str, tuple[float, str]] = {}
+        flips: list[Optional[float]] = []
+        for j, i in enumerate(case.acc_indices):
+            got = runner.results_for(i)
+            merge(errs, group_errors(got, case.ref[j]))
+            if case.ref64:
+                merge(errs64, group_errors(got, case.ref64[j]))
+                flips.append(flip_fraction(got.get("routing"), case.ref64[j].get("routing")))
+            del got
+        _judge_row(row, case, settings, errs, errs64, flips)
 
         stage = "timing"
         times: list[float] = []
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(settings.iters):
+        row["timed_iters"] = iters = timed_iterations(settings, warm)
+        for _ in range(iters):
             if cuda:
                 torch.cuda.synchronize(device)
                 start.record()
@@ -733,6 +891,7 @@ def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[
         if cuda:
             row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
             row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+            row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - row["mem_baseline_bytes"]
         row["dynamo_graphs"] = _counter("stats", "unique_graphs") - unique0
         row["cudagraph_skips"] = _counter("inductor", "cudagraph_skips") - skips0
         row["recompiles"] = _recompiles()
@@ -754,11 +913,11 @@ def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """ratio_to_X = median_ms / X's median (below 1: faster than X). best stock: the fastest stock
-    contender of the same model x mode that ran and passed accuracy. Rows that failed accuracy get
-    no ratio_to_best_stock and never count as a win."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    contender of the same model x mode (x token count) that ran and passed accuracy. Rows that
+    failed accuracy get no ratio_to_best_stock and never count as a win."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["model"], row["mode"]), []).append(row)
+        groups.setdefault((row["model"], row["mode"], row.get("tokens")), []).append(row)
     for group in groups.values():
         ok = [r for r in group if r["error"] is None and r["median_ms"] is not None]
         eager = next((r for r in ok if r["contender"] == "eager"), None)
@@ -772,11 +931,17 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 continue
             if eager is not None and eager["median_ms"] > 0:
                 r["ratio_to_eager"] = r["median_ms"] / eager["median_ms"]
-            if r["floor_ms"]:
+            if r.get("floor_ms"):
                 r["ratio_to_floor"] = r["median_ms"] / r["floor_ms"]
             if best is not None and r["accuracy_ok"] is not False and best["median_ms"] > 0:
                 r["ratio_to_best_stock"] = r["median_ms"] / best["median_ms"]
                 r["beats_best_stock"] = bool(r["ratio_to_best_stock"] < 1.0 and r["contender"] != best["contender"])
+        # The yardsticks of issues 16 and 17: the hand-written grouped form and reduce-overhead.
+        for key, names in (("ratio_to_grouped", GROUPED_CONTENDERS), ("ratio_to_reduce_overhead", ("reduce-overhead",))):
+            other = next((o for o in ok if o["contender"] in names and o["median_ms"] > 0), None)
+            for r in group:
+                r[key] = (r["median_ms"] / other["median_ms"]
+                          if other is not None and any(r is o for o in ok) else None)
 
 
 # ------------------------------------------------------------------------------------- output
@@ -798,7 +963,11 @@ def _command_line(argv: Sequence[str]) -> str:
     return shlex.join(["python", "-m", "cgbackend", "bench", *argv]) + "  # called in-process"
 
 
-def build_meta(settings: Settings, argv: Sequence[str], cases: list[Case]) -> dict[str, Any]:
+def build_meta(settings: Settings, argv: Sequence[str], cases: list[Case],
+               skipped: Optional[list[dict[str, Any]]] = None, rows: Sequence[dict[str, Any]] = ()
+               ) -> dict[str, Any]:
+    from .bench_models import MODELS
+    _ran = {r["contender"] for r in rows}
     try:
         import cgbackend
         version = cgbackend.__version__
@@ -820,8 +989,14 @@ def build_meta(settings: Settings, argv: Sequence[str], cases: list[Case]) -> di
         "timing": ("CUDA events around each call, synchronized before and after" if settings.device.type == "cuda"
                    else "time.perf_counter around each call"),
         "compile_s": "sum of the --warmup call times minus --warmup x median_ms",
-        "floor": {f"{c.model_name}/{c.mode}": {"floor_ms": c.floor_ms, "error": c.floor_error} for c in cases},
-        "contenders": {name: CONTENDERS[name].description for name in settings.contenders},
+        "floor": {c.key: {"floor_ms": c.floor_ms, "error": c.floor_error} for c in cases},
+        "reference64": {c.key: {"seconds": c.ref64_s, "eager_err": {g: e for g, (e, _) in c.eager64.items()},
+                                "eager_routing_flip_frac": c.eager_flips, "error": c.ref64_error}
+                        for c in cases if c.ref64 or c.ref64_error},
+        "contenders": {name: c.description for name, c in CONTENDERS.items()
+                       if name in settings.contenders or name in _ran},
+        "models": {name: MODELS[name].description for name in settings.models},
+        "skipped": list(skipped or []),
     }
 
 
@@ -842,10 +1017,20 @@ def _mib(value: Optional[int]) -> str:
 
 
 def _acc(row: dict[str, Any]) -> str:
+    """"ok 1.3x64" (fp64 rule: worst error against float64 over eager's own), or "ok 3.0e-03" (error
+    against eager, --tol rule); ", flips 0.4%" for MoE routing that differs from float64's."""
+    flips = row.get("routing_flip_frac")
+    tail = "" if flips is None else f", flips {flips:.1%}"
+    if row.get("tokens_equal_frac") is not None:
+        tail += f", tokens {row['tokens_equal_frac']:.0%}"
     if row["accuracy_ok"] is None:
-        return "-"
+        return "-" + tail
+    verdict = "ok" if row["accuracy_ok"] else "FAIL"
+    if row.get("accuracy_rule") == "fp64":
+        ratio = row.get("ref64_ratio")
+        return f"{verdict} {'inf' if ratio is None or math.isinf(ratio) else format(ratio, '.2f')}x64" + tail
     err = "inf" if row["accuracy_err"] is None else f"{row['accuracy_err']:.1e}"
-    return f"{'ok' if row['accuracy_ok'] else 'FAIL'} {err}"
+    return f"{verdict} {err}" + tail
 
 
 _COLUMNS = ("contender", "median ms", "p10", "p90", "x eager", "x best stock", "x floor", "accuracy",
@@ -861,11 +1046,16 @@ def _cells(row: dict[str, Any]) -> list[str]:
             (row["error"] or "")[:80]]
 
 
-def _groups(rows: list[dict[str, Any]]) -> list[tuple[tuple[str, str], list[dict[str, Any]]]]:
-    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(title, rows) per model x mode (x token count for the shape models)."""
+    out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
-        out.setdefault((row["model"], row["mode"]), []).append(row)
-    return list(out.items())
+        out.setdefault((row["model"], row["mode"], row.get("tokens")), []).append(row)
+    titles = []
+    for (model, mode, tokens), group in out.items():
+        shown = tokens is not None and group[0].get("family") == "shape"
+        titles.append((f"{model} / {mode}" + (f" / {tokens} tokens" if shown else ""), group))
+    return titles
 
 
 def render_table(results: dict[str, Any]) -> str:
@@ -873,11 +1063,11 @@ def render_table(results: dict[str, Any]) -> str:
     meta = results["meta"]
     lines = [f"device: {meta['device']}  torch {meta['torch']}  {meta['date']}",
              f"command: {meta['command']}"]
-    for (model, mode), rows in _groups(results["rows"]):
+    for title, rows in _groups(results["rows"]):
         floor = rows[0]["floor_ms"]
         best = rows[0].get("best_stock")
         lines.append("")
-        lines.append(f"== {model} / {mode}   floor {_fmt(floor)} ms   best stock: {best or '-'}")
+        lines.append(f"== {title}   floor {_fmt(floor)} ms   best stock: {best or '-'}")
         table = [list(_COLUMNS)] + [_cells(r) for r in rows]
         widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
         for i, cells in enumerate(table):
@@ -887,7 +1077,8 @@ def render_table(results: dict[str, Any]) -> str:
                 lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     lines.append("x = median / reference median (below 1 is faster); * = faster than the best stock "
-                 "contender with accuracy ok")
+                 "contender with accuracy ok; accuracy 'ok 1.3x64' = worst error against the float64 run "
+                 "over eager's own (limit 2); decode rows: ms per token")
     return "\n".join(lines)
 
 
@@ -908,8 +1099,8 @@ def render_markdown(results: dict[str, Any]) -> str:
            f"{s.get('size')} {s.get('size_overrides') or ''}".rstrip(),
            f"- timing: {meta.get('timing')}; ratios are median / reference median (below 1 is faster)",
            ""]
-    for (model, mode), rows in _groups(results["rows"]):
-        out.append(f"## {model} / {mode}")
+    for title, rows in _groups(results["rows"]):
+        out.append(f"## {title}")
         out.append("")
         out.append(f"Eager kernel-time floor: {_fmt(rows[0]['floor_ms'])} ms/step. "
                    f"Best stock contender: {rows[0].get('best_stock') or '-'}.")
@@ -927,7 +1118,10 @@ def render_markdown(results: dict[str, Any]) -> str:
                      _fmt(r["compile_s"], ".2f"), _fmt(r["graphs"]), _fmt(r["graph_breaks"]), err]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
-    out.append("Bold: faster than the best stock contender, with accuracy ok.")
+    out.append("Bold: faster than the best stock contender, with accuracy ok. Accuracy `ok 1.31x64`: worst error "
+               "against the float64 run over eager's own (limit 2); `ok 3.0e-03`: error against eager "
+               "(--reference eager); flips: MoE routing that differs from float64's; tokens: decode tokens "
+               "equal to eager's. Decode rows: ms per token.")
     out.append("")
     return "\n".join(out)
 
@@ -943,33 +1137,69 @@ def write_json(results: dict[str, Any], path: Path) -> None:
 # ------------------------------------------------------------------------------------- main
 
 
+def _contenders_for(spec: Any, mode: str, settings: Settings) -> list[str]:
+    """The command line's contenders, else the model's own list (every contender when it has none)."""
+    if "contenders" in settings.explicit:
+        names = settings.contenders
+    else:  # the defaults: contenders that do not apply to this model are left out without a row
+        names = list(spec.contenders) if spec.contenders is not None else [
+            n for n in settings.contenders
+            if CONTENDERS[n].applies_to is None or CONTENDERS[n].applies_to(spec) is None]
+    return [n for n in names if mode in CONTENDERS[n].modes]
+
+
+def _log_row(key: str, row: dict[str, Any], seconds: float) -> None:
+    name = row["contender"]
+    if row["error"]:
+        _log(f"{key} {name}: ERROR ({row['error_stage']}) {row['error'][:200]} [{seconds:.1f}s]")
+    else:
+        _log(f"{key} {name}: compile {_fmt(row['compile_s'], '.2f')}s, median {_fmt(row['median_ms'])} ms "
+             f"({_fmt(row.get('timed_iters'))} calls), accuracy {_acc(row)}, graphs {_fmt(row['graphs'])}, "
+             f"breaks {_fmt(row['graph_breaks'])}, peak {_mib(row['peak_mem_bytes'])} MiB [{seconds:.1f}s]")
+
+
 def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
+    from .bench_models import MODELS
     rows: list[dict[str, Any]] = []
     cases: list[Case] = []
+    skipped: list[dict[str, Any]] = []
     for model_name in settings.models:
+        spec = MODELS[model_name]
+        ms = settings.for_model(spec)
         for mode in settings.modes:
-            _log(f"{model_name}/{mode}: preparing inputs, eager reference and floor")
-            case = prepare_case(model_name, mode, settings)
-            cases.append(case)
-            if case.floor_ms is not None:
-                _log(f"{model_name}/{mode}: floor {case.floor_ms:.3f} ms/step")
-            for name in settings.contenders:
-                contender = CONTENDERS[name]
-                t0 = time.perf_counter()
-                row = run_contender(case, contender, settings)
-                rows.append(row)
-                if row["error"]:
-                    _log(f"{model_name}/{mode} {name}: ERROR ({row['error_stage']}) {row['error'][:200]}"
-                         f" [{time.perf_counter() - t0:.1f}s]")
-                else:
-                    _log(f"{model_name}/{mode} {name}: compile {_fmt(row['compile_s'], '.2f')}s, median "
-                         f"{_fmt(row['median_ms'])} ms, accuracy {_acc(row)}, graphs {_fmt(row['graphs'])}, "
-                         f"breaks {_fmt(row['graph_breaks'])} [{time.perf_counter() - t0:.1f}s]")
-            # Free the case's device inputs before the next one.
-            case.inputs = []
-            _cleanup(settings.device)
+            if mode not in spec.modes:
+                skipped.append({"model": model_name, "mode": mode,
+                                "reason": f"{model_name} runs modes {', '.join(spec.modes)}"})
+                _log(f"{model_name}/{mode}: skipped ({skipped[-1]['reason']})")
+                continue
+            names = _contenders_for(spec, mode, settings)
+            if spec.family == "decode":
+                from .bench_decode import run_decode
+                t_case = time.perf_counter()
+                rows.extend(run_decode(spec, ms, names, log_row=_log_row))
+                _log(f"{model_name}/{mode}: done [{time.perf_counter() - t_case:.1f}s]")
+                continue
+            for tokens in (ms.tokens or (4096,)) if spec.family == "shape" else (None,):
+                t_case = time.perf_counter()
+                label = f"{model_name}/{mode}" + (f"/{tokens}" if tokens is not None else "")
+                _log(f"{label}: preparing inputs, eager reference and floor")
+                case = prepare_case(spec, mode, ms, tokens)
+                cases.append(case)
+                if case.floor_ms is not None:
+                    _log(f"{label}: floor {case.floor_ms:.3f} ms/step")
+                for name in names:
+                    contender = CONTENDERS[name]
+                    t0 = time.perf_counter()
+                    row = run_contender(case, contender, ms)
+                    rows.append(row)
+                    _log_row(label, row, time.perf_counter() - t0)
+                # Free the case's device inputs before the next one.
+                case.inputs = []
+                case.base = None
+                _cleanup(settings.device)
+                _log(f"{label}: done [{time.perf_counter() - t_case:.1f}s]")
     add_ratios(rows)
-    return {"meta": build_meta(settings, argv, cases), "rows": rows}
+    return {"meta": build_meta(settings, argv, cases, skipped, rows), "rows": rows}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -979,9 +1209,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error (argparse already printed it)
         return int(exc.code or 0)
+    if args.list_models:
+        from .bench_models import MODELS
+        for name, spec in MODELS.items():
+            print(f"{name:26s} {spec.family:9s} {','.join(spec.modes):12s} {spec.description}")
+        return 0
     if args.list_contenders:
         for name, c in CONTENDERS.items():
-            flags = ("stock" if c.stock else "cgbackend") + (", needs CUDA" if c.needs_cuda else "")
+            kind = "stock" if c.stock else ("model rewritten by hand" if c.convert else "cgbackend")
+            flags = kind + (", needs CUDA" if c.needs_cuda else "")
             print(f"{name:24s} {c.description} ({flags})")
         return 0
     try:

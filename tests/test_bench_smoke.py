@@ -97,6 +97,10 @@ def test_accuracy_failure_is_never_a_win():
     assert by["cgbackend-inductor"]["beats_best_stock"] is True
     assert by["cgbackend"]["ratio_to_eager"] == pytest.approx(0.4)
     assert by["cgbackend"]["ratio_to_floor"] == pytest.approx(4.0)
+    assert by["cgbackend"]["ratio_to_grouped"] is None and by["cgbackend"]["ratio_to_reduce_overhead"] is None
+    rows.append(row("grouped-reduce-overhead", 2.0, True))
+    bench.add_ratios(rows)
+    assert {r["contender"]: r["ratio_to_grouped"] for r in rows}["cgbackend-inductor"] == pytest.approx(2.5)
 
 
 def test_usage_errors_exit_2(tmp_path, capsys):
@@ -135,3 +139,165 @@ def test_relative_error_never_hides_a_nan_or_a_shape_mismatch():
     assert rel_err(torch.tensor([float("nan"), -2.0]), ref) == math.inf
     assert rel_err(torch.ones(3), ref) == math.inf
     assert rel_err(torch.tensor([0.5, 0.0]), torch.zeros(2)) == 0.5  # absolute when ref is zero
+
+
+# ------------------------------------------------------------------ issues 16/17: new models, modes, rules
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", *args, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    return results, {(r["model"], r["mode"], r["contender"], r["tokens"]): r for r in results["rows"]}
+
+
+def test_shape_models_judged_against_float64(tmp_path):
+    """The real-size MoE shape at tiny scale, infer and train: every row judged against the float64
+    run (error at most 2x eager's own), routing flips counted; the grouped contender is skipped on
+    CPU in float32 with the probe's reason (torch._grouped_mm traces only in bf16)."""
+    from cgbackend.models.realsize import grouped_mm_unsupported
+    results, rows = _run(tmp_path, "--models", "moe-mixtral-shape", "--contenders",
+                         "eager,cgbackend-static-dispatch,grouped-reduce-overhead")
+    assert results["meta"]["settings"]["scale"] == "tiny"
+    assert set(results["meta"]["reference64"]) == {"moe-mixtral-shape/infer/64", "moe-mixtral-shape/train/64"}
+    reason = grouped_mm_unsupported("cpu", torch.float32)
+    for mode, groups in (("infer", {"output"}), ("train", {"loss", "grads"})):
+        eager = rows[("moe-mixtral-shape", mode, "eager", 64)]
+        sd = rows[("moe-mixtral-shape", mode, "cgbackend-static-dispatch", 64)]
+        for row in (eager, sd):
+            assert row["error"] is None, row["error"]
+            assert row["family"] == "shape" and row["accuracy_rule"] == "fp64"
+            assert set(row["ref64_err"]) == groups and set(row["eager_ref64_err"]) == groups
+            assert row["accuracy_ok"] is True and row["ref64_ratio"] <= row["ref64_limit"] == 2.0
+            assert 0.0 <= row["routing_flip_frac"] <= 1.0
+            assert row["timed_iters"] == 3
+        # eager against float64 is eager's own error: the ratio is 1 unless under the floor (unit roundoff)
+        assert eager["ref64_ratio"] <= 1.0 + 1e-6
+        assert sd["backend_stats"]["dynamic_regions"] == 0
+        grouped = rows[("moe-mixtral-shape", mode, "grouped-reduce-overhead", 64)]
+        if reason is not None:
+            assert grouped["skip_reason"] == reason and grouped["error"] == f"skipped: {reason}"
+            assert "bf16" in reason.lower() or "bfloat16" in reason.lower() or "BF16" in reason
+        else:
+            assert grouped["error"] is None and grouped["accuracy_ok"] is True
+
+
+def test_grouped_contender_same_weights_in_bf16(tmp_path):
+    """In bf16 the hand-written grouped-GEMM form traces (torch.compile backend="eager" on CPU) and
+    matches the float64 reference as well as eager does, gradients mapped to the loop model's names
+    (a missing one would be an infinite error)."""
+    from cgbackend.models.realsize import grouped_mm_unsupported
+    reason = grouped_mm_unsupported("cpu", torch.bfloat16)
+    _, rows = _run(tmp_path, "--dtype", "bf16", "--models", "moe-dsv2lite-shape", "--contenders",
+                   "eager,grouped-reduce-overhead")
+    for mode in ("infer", "train"):
+        row = rows[("moe-dsv2lite-shape", mode, "grouped-reduce-overhead", 64)]
+        if reason is not None:
+            assert row["skip_reason"] == reason
+            continue
+        assert row["error"] is None, row["error"]
+        assert row["accuracy_ok"] is True, (row["ref64_err"], row["eager_ref64_err"])
+        assert row["graph_breaks"] == 0
+        assert row["routing_flip_frac"] is not None
+
+
+def test_token_sweep_rows_and_mode_selection(tmp_path):
+    """--tokens gives one row group per count under the same model name; --reference eager keeps
+    the old rule; a mode a model does not run is skipped and listed in meta."""
+    results, rows = _run(tmp_path, "--models", "dense-llama8b-shape", "--modes", "infer,decode",
+                         "--tokens", "16,32", "--contenders", "eager,cgbackend", "--reference", "eager")
+    assert sorted((r["tokens"], r["contender"]) for r in results["rows"]) == [
+        (16, "cgbackend"), (16, "eager"), (32, "cgbackend"), (32, "eager")]
+    for tokens in (16, 32):
+        eager = rows[("dense-llama8b-shape", "infer", "eager", tokens)]
+        assert eager["ratio_to_eager"] == pytest.approx(1.0)
+        assert eager["accuracy_rule"] == "eager-tol" and eager["ref64_err"] is None
+        assert rows[("dense-llama8b-shape", "infer", "cgbackend", tokens)]["accuracy_ok"] is True
+    assert results["meta"]["skipped"] == [
+        {"model": "dense-llama8b-shape", "mode": "decode", "reason": "dense-llama8b-shape runs modes infer, train"}]
+    assert "dense-llama8b-shape / infer / 32 tokens" in bench.render_markdown(results)
+
+
+def test_decode_mode_tokens_and_logits(tmp_path):
+    """Greedy decode with a StaticCache: ms per token, generated tokens compared with eager's
+    (cgbackend runs eager's kernels on CPU: all equal), teacher-forced logits judged against a
+    float64 run."""
+    results, rows = _run(tmp_path, "--models", "hf-llama", "--modes", "decode", "--contenders", "eager,cgbackend")
+    for name in ("eager", "cgbackend"):
+        row = rows[("hf-llama", "decode", name, None)]
+        assert row["error"] is None, row["error"]
+        assert row["family"] == "decode" and row["decode_batch"] == 2 and row["new_tokens"] == 6
+        assert row["ms_per_token"] == row["median_ms"] > 0
+        assert row["tokens_equal_frac"] == 1.0
+        assert row["accuracy_rule"] == "fp64" and row["accuracy_ok"] is True
+        assert 0.0 <= row["argmax_agree_frac"] <= 1.0
+        assert row["timed_iters"] % 5 == 0 and 10 <= row["timed_iters"] <= 15  # rounds x (new_tokens - 1)
+    assert rows[("hf-llama", "decode", "cgbackend", None)]["backend_stats"]["static_regions"] >= 1
+
+
+def test_decode_hf_grouped_mm_contender(tmp_path):
+    """transformers' grouped_mm experts from the same weights, in decode (bf16: what torch.compile
+    can trace); skipped with the probe's reason where torch._grouped_mm cannot run."""
+    from cgbackend.models.realsize import grouped_mm_unsupported
+    reason = grouped_mm_unsupported("cpu", torch.bfloat16)
+    _, rows = _run(tmp_path, "--dtype", "bf16", "--models", "hf-mixtral-eager-experts", "--modes", "decode",
+                   "--contenders", "eager,hf-grouped-mm-reduce-overhead,grouped-reduce-overhead")
+    row = rows[("hf-mixtral-eager-experts", "decode", "hf-grouped-mm-reduce-overhead", None)]
+    assert ("hf-mixtral-eager-experts", "decode", "grouped-reduce-overhead", None) not in rows  # infer/train only
+    if reason is not None:
+        assert row["skip_reason"] == reason
+    else:
+        assert row["error"] is None, row["error"]
+        assert row["ms_per_token"] > 0 and 0.0 <= row["tokens_equal_frac"] <= 1.0
+        assert row["accuracy_ok"] is True, (row["ref64_err"], row["eager_ref64_err"])
+
+
+def test_fp64_rule_and_routing_flips():
+    from cgbackend.bench_accuracy import flip_fraction, judge
+    eager = {"output": (0.01, "output"), "grads": (0.02, "grad w")}
+    assert judge({"output": (0.015, "output"), "grads": (0.039, "grad w")}, eager, torch.bfloat16).ok
+    bad = judge({"output": (0.015, "output"), "grads": (0.041, "grad v")}, eager, torch.bfloat16)
+    assert not bad.ok and bad.worst == "grad v" and bad.ratio == pytest.approx(2.05)
+    # eager exact: the floor is the dtype's unit roundoff, not zero
+    floor = torch.finfo(torch.float32).eps / 2
+    assert judge({"output": (1.5 * floor, "output")}, {"output": (0.0, "output")}, torch.float32).ok
+    assert not judge({"output": (float("inf"), "output")}, eager, torch.bfloat16).ok
+    a = torch.tensor([[[0, 1], [2, 3]]])
+    assert flip_fraction(a, torch.tensor([[[1, 0], [2, 3]]])) == 0.0  # order within the top-k is no flip
+    assert flip_fraction(a, torch.tensor([[[1, 0], [2, 0]]])) == 0.5
+
+
+def test_time_budget_lowers_iterations():
+    settings = bench.resolve_settings(bench.build_parser().parse_args(["--smoke", "--iters", "50",
+                                                                      "--time-budget", "1.0"]))
+    assert bench.timed_iterations(settings, [5.0, 0.1, 0.2]) == 10  # the compile call does not count
+    assert bench.timed_iterations(settings, [5.0, 1.0, 1.0]) == 5  # never below 5
+    assert bench.timed_iterations(settings, [5.0, 0.001]) == 50  # never above --iters
+
+
+@pytest.mark.cuda
+def test_cuda_tiny_scale_every_new_path(tmp_path):
+    """A cheap GPU check before the real-size runs: tiny widths, bf16, every new model family,
+    mode and contender; no row may fail (the grouped forms run: bf16 on sm90+)."""
+    out = tmp_path / "bench.json"
+    common = ["--scale", "tiny", "--device", "cuda", "--dtype", "bf16", "--warmup", "4", "--iters", "5",
+              "--batches", "2", "--acc-batches", "1", "--no-markdown", "--out", str(out)]
+    assert bench.main(["--models", "moe-dsv2lite-shape,moe-mixtral-shape,dense-llama8b-shape", "--contenders",
+                       "eager,cgbackend,cgbackend-static-dispatch,grouped-reduce-overhead", *common]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert bench.main(["--models", "hf-llama,hf-mixtral-eager-experts", "--modes", "decode", "--contenders",
+                       "eager,reduce-overhead,cgbackend,cgbackend-static-dispatch,hf-grouped-mm-reduce-overhead",
+                       *common]) == 0
+    rows += json.loads(out.read_text())["rows"]
+    for r in rows:
+        expected_skip = r["contender"].endswith("grouped-reduce-overhead") and r["model"] == "dense-llama8b-shape" \
+            or r["contender"] == "hf-grouped-mm-reduce-overhead" and r["model"] == "hf-llama"
+        if expected_skip:
+            assert r["skip_reason"], r
+            continue
+        assert r["error"] is None, (r["model"], r["mode"], r["contender"], r["error"])
+        assert r["median_ms"] > 0 and r["peak_mem_bytes"] > 0
+        assert r["accuracy_rule"] == "fp64"
+    grouped = [r for r in rows if r["contender"] in bench.GROUPED_CONTENDERS and not r["skip_reason"]]
+    assert len(grouped) == 5 and all(r["accuracy_ok"] for r in grouped)
+    assert all(r["graphs"] >= 1 for r in grouped)  # reduce-overhead recorded CUDA graphs

@@ -1,0 +1,326 @@
+"""Benchmark mode ``decode``: greedy decoding with a transformers ``StaticCache``, ms per token.
+
+Models (``bench_models``): ``hf-llama`` (transformers Llama) and ``hf-mixtral-eager-experts``
+(transformers Mixtral with ``set_experts_implementation("eager")``), random weights from a small
+config. What each contender compiles is one decode step (:class:`DecodeStep`: one token per
+sequence through the model with the static cache, the last position's logits), not ``generate``:
+the step has fixed shapes, so every compiler sees the same single graph. The prompt's prefill runs
+eagerly for every contender (the same kernels, so every contender decodes from the same cache).
+
+Per contender:
+1. ``--warmup`` free-running rounds (prompt, then ``new_tokens`` greedy steps), the first compiles;
+2. a free-running round on the accuracy prompt: ``tokens_equal_frac`` = the share of generated
+   tokens equal to eager's (greedy tokens diverge for good once one differs);
+3. a teacher-forced round on that prompt (each step fed eager's token), so the logits of every
+   step compare with eager's and with a float64 run fed the same tokens (the fp64 rule of
+   bench_accuracy on the group ``output``); ``argmax_agree_frac`` = the share of steps whose
+   argmax equals the float64 run's;
+4. timed rounds (each step timed on its own, CUDA events around call + argmax), as many as
+   ``--iters`` or ``--time-budget`` allow (at least 2). ``median_ms`` is per token.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+__all__ = ["DECODE_SHAPES", "DecodeStep", "build_hf", "make_static_cache", "run_decode"]
+
+DECODE_SHAPES: dict[str, dict[str, Any]] = {
+    "full": dict(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, expert_ffn=1024, experts=8, top_k=2,
+                 vocab=32000, batch=8, prompt=16, new_tokens=32),
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, expert_ffn=64, experts=4, top_k=2,
+                 vocab=256, batch=2, prompt=4, new_tokens=6),
+}
+
+
+def build_hf(name: str, s: Any) -> nn.Module:
+    """The transformers model behind ``name`` from a small config, random weights from ``s.seed``,
+    on CPU in ``s.dtype``, in eval mode."""
+    import transformers
+    shape = DECODE_SHAPES[s.scale]
+    common = dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+                  num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                  max_position_embeddings=max(256, shape["prompt"] + shape["new_tokens"]))
+    torch.manual_seed(s.seed)
+    if name == "hf-llama":
+        cfg = transformers.LlamaConfig(intermediate_size=shape["ffn"], **common)
+        cfg._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(cfg)
+    elif name == "hf-mixtral-eager-experts":
+        cfg = transformers.MixtralConfig(intermediate_size=shape["expert_ffn"], num_local_experts=shape["experts"],
+                                         num_experts_per_tok=shape["top_k"], **common)
+        cfg._attn_implementation = "sdpa"
+        model = transformers.MixtralForCausalLM(cfg)
+        model.set_experts_implementation("eager")
+    else:
+        raise ValueError(f"no decode model {name!r}")
+    return model.to(dtype=s.dtype).eval()
+
+
+def make_static_cache(model: nn.Module, max_len: int, batch: int, device: torch.device, dtype: torch.dtype) -> Any:
+    """A transformers StaticCache for ``model`` (newer transformers size it lazily at the first
+    update; older ones take the batch, device and dtype)."""
+    from transformers import StaticCache
+    params = inspect.signature(StaticCache.__init__).parameters
+    kwargs: dict[str, Any] = dict(config=model.config, max_cache_len=max_len)
+    for key, value in (("max_batch_size", batch), ("device", device), ("dtype", dtype)):
+        if key in params:
+            kwargs[key] = value
+    return StaticCache(**kwargs)
+
+
+class DecodeStep(nn.Module):
+    """One greedy decode step: ``ids [B, 1]`` at ``positions [B, 1]`` through ``model`` with its
+    static cache; returns the logits ``[B, vocab]``. ``prefill`` runs the prompt eagerly."""
+
+    def __init__(self, model: nn.Module, cache: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.cache = cache
+        self._cache_position = "cache_position" in inspect.signature(model.forward).parameters
+
+    def _kwargs(self, positions: torch.Tensor) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(position_ids=positions, past_key_values=self.cache, use_cache=True,
+                                      logits_to_keep=1)
+        if self._cache_position:  # older transformers index the static cache by it
+            kwargs["cache_position"] = positions[0]
+        return kwargs
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, **self._kwargs(positions)).logits[:, -1, :]
+
+    @torch.no_grad()
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        self.cache.reset()
+        b, p = prompt.shape
+        positions = torch.arange(p, device=prompt.device).expand(b, p)
+        return self.model(input_ids=prompt, **self._kwargs(positions)).logits[:, -1, :]
+
+
+class _Session:
+    """One model (one contender's copy) with its cache and compiled step."""
+
+    def __init__(self, model: nn.Module, fn_of: Callable[[nn.Module], Callable[..., Any]], shape: dict[str, Any],
+                 device: torch.device, dtype: torch.dtype, mark_step: bool = False,
+                 call_context: Callable[[], Any] = None) -> None:
+        self.new_tokens = shape["new_tokens"]
+        cache = make_static_cache(model, shape["prompt"] + shape["new_tokens"], shape["batch"], device, dtype)
+        self.step = DecodeStep(model, cache)
+        self.fn = fn_of(self.step)
+        self.mark_step = mark_step
+        self.call_context = call_context
+        self.prompt_len = shape["prompt"]
+        self.positions = [torch.full((shape["batch"], 1), self.prompt_len + i, device=device, dtype=torch.long)
+                          for i in range(self.new_tokens)]
+
+    def call(self, ids: torch.Tensor, i: int) -> torch.Tensor:
+        if self.mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.call_context is not None:
+            with self.call_context():
+                return self.fn(ids, self.positions[i])
+        return self.fn(ids, self.positions[i])
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, forced: Optional[torch.Tensor] = None, keep_logits: bool = False,
+                 times: Optional[list[float]] = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Greedy tokens ``[B, new_tokens]`` (the first from the prefill); with ``forced``, each
+        step is fed ``forced[:, i]`` instead of its own token. ``keep_logits``: each step's logits
+        (CPU). ``times``: each step's ms is appended."""
+        cuda = prompt.device.type == "cuda"
+        ids = self.step.prefill(prompt).argmax(-1, keepdim=True)
+        tokens, logits = [ids], []
+        if cuda and times is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for i in range(self.new_tokens - 1):
+            feed = ids if forced is None else forced[:, i:i + 1]
+            if times is not None:
+                if cuda:
+                    torch.cuda.synchronize()
+                    start.record()
+                else:
+                    t0 = time.perf_counter()
+            out = self.call(feed, i)
+            ids = out.argmax(-1, keepdim=True)
+            if times is not None:
+                if cuda:
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                else:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            if keep_logits:
+                logits.append(out.detach().float().cpu())
+            tokens.append(ids)
+        return torch.cat(tokens, dim=1), logits
+
+
+def _logits_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, tuple[float, str]]:
+    from .bench_accuracy import rel_err
+    err = max((rel_err(a, b) for a, b in zip(got, ref)), default=0.0)
+    if len(got) != len(ref):
+        err = float("inf")
+    return {"output": (err, "logits")}
+
+
+def run_decode(spec: Any, s: Any, names: Sequence[str], log_row: Callable[[str, dict, float], None]
+               ) -> list[dict[str, Any]]:
+    """Rows (one per contender) of the decode benchmark of ``spec`` under settings ``s``."""
+    from . import bench
+    shape = DECODE_SHAPES[s.scale]
+    device, dtype = s.device, s.dtype
+    label = f"{spec.name}/decode"
+    bench._log(f"{label}: batch {shape['batch']}, prompt {shape['prompt']}, {shape['new_tokens']} tokens; "
+               "eager and float64 references")
+    base = spec.build(s)
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    prompts = [torch.randint(0, shape["vocab"], (shape["batch"], shape["prompt"]), generator=gen).to(device)
+               for _ in range(max(1, s.batches))]
+    case = bench.Case(spec.name, "decode", base, prompts, [0], ref=[], spec=spec)
+
+    eager = bench.CONTENDERS["eager"]
+    model = copy.deepcopy(base).to(device)
+    session = _Session(model, eager.make, shape, device, dtype)
+    ref_tokens, ref_logits = session.generate(prompts[0], keep_logits=True)
+    ref_tokens = ref_tokens.clone()
+    del session, model
+    bench._cleanup(device)
+    ref64: Optional[list[torch.Tensor]] = None
+    if s.reference == "fp64":
+        try:
+            t0 = time.perf_counter()
+            model = copy.deepcopy(base).to(device=device, dtype=torch.float64)
+            session = _Session(model, eager.make, shape, device, torch.float64)
+            _, ref64 = session.generate(prompts[0], forced=ref_tokens, keep_logits=True)
+            ref64 = [t.double() for t in ref64]
+            del session, model
+            case.eager64 = _logits_errors(ref_logits, ref64)
+            case.ref64 = [{"logits": ref64}]
+            case.ref64_s = time.perf_counter() - t0
+            bench._log(f"{label}: float64 reference in {case.ref64_s:.1f}s; eager's logits error against it "
+                       f"{case.eager64['output'][0]:.1e}")
+        except Exception as exc:
+            case.ref64, case.eager64, ref64 = [], {}, None
+            case.ref64_error = bench._error_text(exc)
+            bench._log(f"{label}: float64 reference failed ({case.ref64_error}); accuracy falls back to --tol")
+        finally:
+            bench._cleanup(device)
+
+    rows = []
+    for name in names:
+        contender = bench.CONTENDERS[name]
+        t_row = time.perf_counter()
+        row = _run_one(case, contender, s, shape, prompts, ref_tokens, ref_logits, ref64)
+        rows.append(row)
+        log_row(label, row, time.perf_counter() - t_row)
+    return rows
+
+
+def _run_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], prompts: list[torch.Tensor],
+             ref_tokens: torch.Tensor, ref_logits: list[torch.Tensor], ref64: Optional[list[torch.Tensor]]
+             ) -> dict[str, Any]:
+    from . import bench
+    from .bench_accuracy import LIMIT, judge
+    device = s.device
+    row = bench._empty_row(case, contender, s)
+    row.update(decode_batch=shape["batch"], prompt_len=shape["prompt"], new_tokens=shape["new_tokens"],
+               tokens_equal_frac=None, argmax_agree_frac=None)
+    if contender.needs_cuda and device.type != "cuda":
+        row["error"], row["error_stage"] = "needs CUDA", "setup"
+        return row
+    reason = bench.skip_reason(contender, case.spec, s)
+    if reason:
+        row["error"], row["error_stage"], row["skip_reason"] = f"skipped: {reason}", "setup", reason
+        return row
+    cuda = device.type == "cuda"
+    stage = "setup"
+    session = model = None
+    try:
+        bench._cleanup(device)
+        breaks0 = bench._graph_breaks()
+        unique0 = bench._counter("stats", "unique_graphs")
+        skips0 = bench._counter("inductor", "cudagraph_skips")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
+        stage = "compile"
+        if contender.convert is not None:
+            model = contender.convert(case.base, device)
+        else:
+            model = copy.deepcopy(case.base).to(device)
+        model.eval()
+        session = _Session(model, contender.make, shape, device, s.dtype, contender.mark_step,
+                           contender.call_context)
+        warm: list[float] = []
+        for r in range(max(1, s.warmup)):
+            bench._sync(device)
+            t0 = time.perf_counter()
+            session.generate(prompts[r % len(prompts)])
+            bench._sync(device)
+            warm.append(time.perf_counter() - t0)
+        row["graph_breaks"], row["graph_break_reasons"] = bench._graph_break_delta(breaks0)
+
+        stage = "accuracy"
+        tokens, _ = session.generate(prompts[0])
+        row["tokens_equal_frac"] = float((tokens == ref_tokens).float().mean().item())
+        _, logits = session.generate(prompts[0], forced=ref_tokens, keep_logits=True)
+        errs = _logits_errors(logits, ref_logits)
+        row["accuracy_err"], row["accuracy_worst"] = errs["output"][0], "logits"
+        if ref64 is not None:
+            verdict = judge(_logits_errors(logits, ref64), case.eager64, s.dtype)
+            row.update(ref64_err=verdict.errors, ref64_ratio=verdict.ratio, ref64_worst=verdict.worst,
+                       ref64_limit=LIMIT, accuracy_ok=verdict.ok)
+            agree = [(a.argmax(-1) == b.argmax(-1)).float().mean().item() for a, b in zip(logits, ref64)]
+            row["argmax_agree_frac"] = float(sum(agree) / len(agree)) if agree else None
+        else:
+            row["accuracy_ok"] = bool(errs["output"][0] <= s.tol)
+
+        stage = "timing"
+        per_round = min(warm[-3:]) if warm else 0.0  # the first rounds compile
+        rounds = s.iters
+        if s.time_budget and per_round > 0:
+            rounds = max(min(2, s.iters), min(s.iters, int(s.time_budget / per_round)))
+        times: list[float] = []
+        for r in range(rounds):
+            session.generate(prompts[r % len(prompts)], times=times)
+        bench._sync(device)
+        row["timed_iters"] = len(times)
+        row["median_ms"] = statistics.median(times)
+        row["p10_ms"] = bench._percentile(times, 0.10)
+        row["p90_ms"] = bench._percentile(times, 0.90)
+        row["mean_ms"] = statistics.fmean(times)
+        row["ms_per_token"] = row["median_ms"]
+        row["first_call_s"] = warm[0]
+        steps = shape["new_tokens"] - 1
+        row["compile_s"] = max(0.0, sum(warm) - len(warm) * steps * row["median_ms"] / 1e3)
+
+        stage = "counters"
+        if cuda:
+            row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
+            row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+            row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - row["mem_baseline_bytes"]
+        row["dynamo_graphs"] = bench._counter("stats", "unique_graphs") - unique0
+        row["cudagraph_skips"] = bench._counter("inductor", "cudagraph_skips") - skips0
+        row["recompiles"] = bench._recompiles()
+        if contender.backend_stats is not None:
+            stats = contender.backend_stats(session.fn) or {}
+            row["backend_stats"] = {k: stats[k] for k in bench._STATS_KEYS if k in stats}
+            row["graphs"] = stats.get("graphs_captured")
+        else:
+            row["graphs"], row["rerecords"] = bench._cudagraph_tree_counts(device)
+    except Exception as exc:
+        row["error"], row["error_stage"] = bench._error_text(exc), stage
+        if s.verbose:
+            import traceback
+            traceback.print_exc()
+    finally:
+        del session, model
+        bench._cleanup(device)
+    return row

@@ -1,0 +1,162 @@
+"""The benchmark's model registry: each entry is data (how to build the model and its inputs, its
+loss, which modes and contenders it runs by default, and per-model settings defaults).
+
+Families:
+- ``reference``: the small reference models of ``cgbackend.models`` (``--size`` and the size flags).
+- ``shape``: real-size decoder stacks (``cgbackend/models/realsize.py``), ``--scale full|tiny``,
+  ``--tokens`` (a sweep gives one row group per token count, same model name).
+- ``decode``: transformers models from small configs, greedy decode with a StaticCache
+  (``cgbackend/bench_decode.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["BenchModel", "MODELS", "register_model", "upcast_float"]
+
+
+def upcast_float(t: torch.Tensor) -> torch.Tensor:
+    """float32 for 16-bit floats; float64 stays float64 (the reference's loss is computed in it)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchModel:
+    """One benchmark model.
+
+    build(settings) -> module on CPU in settings.dtype, weights from settings.seed.
+    inputs(base, settings, tokens) -> list of input batches on settings.device (distinct routing).
+    loss(out, x) -> scalar, computed outside the compiled model in float32 (float64 for the reference).
+    output(out) -> the tensor compared for accuracy; routing(out) -> [..., top_k] expert ids or None.
+    contenders: the default contender list (None: every registered contender); modes: those it runs.
+    defaults: settings this model uses unless given on the command line (warmup, iters, batches,
+    acc_batches, time_budget, tokens). moe: it has MoE layers (routing flips are counted).
+    grouped: the grouped-GEMM contender can rebuild it (cgbackend.models.realsize.grouped_from).
+    """
+
+    name: str
+    family: str
+    modes: tuple[str, ...]
+    build: Callable[[Any], nn.Module]
+    inputs: Callable[[nn.Module, Any, Optional[int]], list]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    output: Callable[[Any], torch.Tensor] = lambda out: out
+    routing: Callable[[Any], Optional[torch.Tensor]] = lambda out: None
+    contenders: Optional[tuple[str, ...]] = None
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    moe: bool = False
+    grouped: bool = False
+    description: str = ""
+
+
+MODELS: dict[str, BenchModel] = {}
+
+
+def register_model(spec: BenchModel) -> BenchModel:
+    MODELS[spec.name] = spec
+    return spec
+
+
+# ---------------------------------------------------------------------------------- reference
+
+
+def _reference(name: str) -> BenchModel:
+    from .models import is_language_model
+
+    def build(s: Any) -> nn.Module:
+        from .models import build_model
+        return build_model(name, size=s.size, device="cpu", dtype=s.dtype, seed=s.seed, **s.overrides)
+
+    def inputs(base: nn.Module, s: Any, tokens: Optional[int]) -> list:
+        from .models import make_inputs
+        return make_inputs(name, base, batch=s.batch, seq=s.seq, n=s.batches, device=s.device, dtype=s.dtype,
+                           seed=s.seed + 1)
+
+    def loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if is_language_model(name):
+            logits = upcast_float(out[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        return upcast_float(out).pow(2).mean()
+
+    return BenchModel(name=name, family="reference", modes=("infer", "train"), build=build, inputs=inputs,
+                      loss=loss, moe=name in ("moe", "moe_sort"), description=f"cgbackend.models {name!r}")
+
+
+for _name in ("dense", "moe", "moe_sort", "item", "cpu_op", "dropout"):
+    register_model(_reference(_name))
+
+# ---------------------------------------------------------------------------------- real-size shapes
+
+SHAPE_MAX_SEQ = 4096
+"""A token count above this is split into sequences of this length (batch = tokens / 4096)."""
+
+_MOE_SHAPE_CONTENDERS = ("eager", "cgbackend", "cgbackend-static-dispatch", "grouped-reduce-overhead")
+_DENSE_SHAPE_CONTENDERS = ("eager", "reduce-overhead", "cgbackend", "cgbackend-inductor")
+_SHAPE_DEFAULTS = dict(batches=4, warmup=6, iters=40, acc_batches=1, time_budget=3.0, tokens=(4096,),
+                       tiny_tokens=(64,))
+
+
+def _shape(name: str, contenders: tuple[str, ...], description: str) -> BenchModel:
+    from .models import realsize
+
+    def cfg(s: Any) -> "realsize.RealConfig":
+        return realsize.SHAPES[name][s.scale]
+
+    def build(s: Any) -> nn.Module:
+        # Drawn on the run device (fast at 3B parameters), kept on CPU between contenders.
+        torch.manual_seed(s.seed)
+        with torch.device(s.device):
+            model = realsize.RealModel(cfg(s))
+        return model.to(dtype=s.dtype).to("cpu")
+
+    def inputs(base: nn.Module, s: Any, tokens: Optional[int]) -> list:
+        return realsize.make_hidden_inputs(cfg(s), tokens=tokens, n=s.batches, device=s.device, dtype=s.dtype,
+                                           seed=s.seed + 1, max_seq=SHAPE_MAX_SEQ)
+
+    moe = bool(realsize.SHAPES[name]["full"].experts)
+    return BenchModel(
+        name=name, family="shape", modes=("infer", "train"), build=build, inputs=inputs,
+        loss=lambda out, x: upcast_float(out[0] if isinstance(out, tuple) else out).pow(2).mean(),
+        output=lambda out: out[0] if isinstance(out, tuple) else out,
+        routing=lambda out: out[1] if isinstance(out, tuple) else None,
+        contenders=contenders, defaults=_SHAPE_DEFAULTS, moe=moe, grouped=moe, description=description)
+
+
+register_model(_shape("moe-dsv2lite-shape", _MOE_SHAPE_CONTENDERS,
+                      "hidden 2048, 64 routed experts top-6 + 2 shared, expert ffn 1408, 16 heads, 2 layers, "
+                      "per-expert ModuleList loop"))
+register_model(_shape("moe-mixtral-shape", _MOE_SHAPE_CONTENDERS,
+                      "hidden 4096, 8 experts top-2, expert ffn 14336, 32 heads / 8 KV heads, 2 layers, "
+                      "per-expert ModuleList loop"))
+register_model(_shape("dense-llama8b-shape", _DENSE_SHAPE_CONTENDERS,
+                      "hidden 4096, 32 heads / 8 KV heads, SwiGLU ffn 14336, 2 layers"))
+
+# ---------------------------------------------------------------------------------- decode
+
+_DECODE_DEFAULTS = dict(batches=1, warmup=1, iters=4, acc_batches=1, time_budget=3.0)
+
+
+def _decode(name: str, contenders: tuple[str, ...], moe: bool, description: str) -> BenchModel:
+    def build(s: Any) -> nn.Module:
+        from .bench_decode import build_hf
+        return build_hf(name, s)
+
+    return BenchModel(name=name, family="decode", modes=("decode",), build=build,
+                      inputs=lambda base, s, tokens: [], loss=lambda out, x: out, contenders=contenders,
+                      defaults=_DECODE_DEFAULTS, moe=moe, description=description)
+
+
+register_model(_decode("hf-llama", ("eager", "reduce-overhead", "cgbackend", "cgbackend-static-dispatch"), False,
+                       "transformers Llama, 4 layers, hidden 512, random weights"))
+register_model(_decode("hf-mixtral-eager-experts",
+                       ("eager", "reduce-overhead", "cgbackend", "cgbackend-static-dispatch",
+                        "hf-grouped-mm-reduce-overhead"), True,
+                       'transformers Mixtral, 4 layers, hidden 512, 8 experts top-2, '
+                       'set_experts_implementation("eager")'))
+del _name
