@@ -71,6 +71,9 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     instance = CGBackend(**options)
     if instance.config.opaque_modules and isinstance(model, torch.nn.Module):
         instance.opaque = opaque.install(model)
+    if isinstance(model, torch.nn.Module):
+        from .distributed import track_fsdp
+        track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward

@@ -19,6 +19,7 @@ import torch.fx
 
 from .analysis import Analysis, analyze
 from .config import Config
+from .distributed import finalizer
 from .opaque import InstallResult
 from .report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
@@ -59,6 +60,9 @@ class CGBackend:
         self.opaque: Optional[InstallResult] = None
         """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
         self.__name__ = "cgbackend"
+        # Graphs go before the process group at exit: a CUDA graph holding NCCL resources would
+        # make the communicator's destruction wait (cgbackend.distributed).
+        self._release_at_exit = finalizer(self, self._graphs, self.config.simulate_graphs)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         with self._lock:
@@ -85,6 +89,12 @@ class CGBackend:
             log.info("cgbackend: nothing is captured: the model computes on %s and CUDA graphs need "
                      "CUDA tensors; the split graph runs eagerly", analysis.classification.compute_device)
         return compiled
+
+    def release(self) -> int:
+        """Drop every graph this instance holds (later calls capture again); returns how many
+        entries were dropped. Done at process exit too."""
+        from .distributed import release_graphs
+        return release_graphs(self._graphs, self.config.simulate_graphs)
 
     # ------------------------------------------------------------------ introspection
 
