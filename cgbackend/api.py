@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Optional
 
@@ -77,10 +78,12 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward
+        from .distributed import WholeGraphUnderDDP, is_ddp
+        whole = WholeGraphUnderDDP if is_ddp(model) else contextlib.nullcontext
 
         @functools.wraps(traced_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with dynamic_ops_config():
+            with dynamic_ops_config(), whole():
                 return traced_forward(*args, **kwargs)
 
         compiled.forward = forward

@@ -17,7 +17,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["Scenario", "SETUPS", "run_scenario", "init_process", "spawn_env", "wrap"]
+__all__ = ["Scenario", "SETUPS", "run_scenario", "init_process", "spawn_env", "wrap", "rank_main", "spawn_run",
+           "SpawnResult"]
 
 SETUPS = {"ddp": ("dense", "moe"), "fsdp2": ("dense", "moe"), "ep": ("moe-ep",)}
 """Distributed setup -> the models it runs."""
@@ -38,6 +39,12 @@ class Scenario:
     local_dispatch: str = "loop"
     """moe-ep only: "loop" or "padded" (models/ep.py)."""
     lr: float = 0.05
+    layers: Optional[int] = None
+    """Override of the model size's layer count (CPU tests use 1)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.setup}:{self.model}" + (f":{self.local_dispatch}" if self.model == "moe-ep" else "")
 
 
 def spawn_env(backend: str) -> None:
@@ -66,8 +73,11 @@ def _build(sc: Scenario, rank: int, world: int, device: torch.device, dtype: tor
     if sc.model == "moe-ep":
         kw = {"tiny": dict(d_model=64, n_layers=2, n_heads=4, n_experts=4),
               "bench": dict(d_model=512, n_layers=4, n_heads=8, n_experts=8, vocab=1024, max_seq=512)}[sc.size]
+        if sc.layers is not None:
+            kw["n_layers"] = sc.layers
         return build_ep_model(rank, world, device=device, dtype=dtype, local_dispatch=sc.local_dispatch, **kw)
-    return build_model(sc.model, size=sc.size, device=device, dtype=dtype)
+    extra = {"n_layers": sc.layers} if sc.layers is not None else {}
+    return build_model(sc.model, size=sc.size, device=device, dtype=dtype, **extra)
 
 
 def wrap(sc: Scenario, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -121,7 +131,7 @@ def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, d
     opts = {name: torch.optim.SGD(m.parameters(), lr=sc.lr) for name, m, _ in runs}
     batches = _inputs(sc, base, rank, device)
     losses: dict[str, list] = {name: [] for name, _, _ in runs}
-    grad_diff, loss_diff = 0.0, 0.0
+    grad_diff, loss_diff, grad_scale = 0.0, 0.0, 0.0
     graphs: list[int] = []
     eager_calls: list[dict] = []
 
@@ -137,7 +147,7 @@ def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, d
         results = {}
         for name, module, fn in runs:
             results[name] = step(name, module, fn, x)
-            losses[name].append(float(results[name]))
+            losses[name].append(float(results[name].detach()))
         if len(runs) == 2:
             loss_diff = max(loss_diff, abs(losses["cgbackend"][-1] - losses["eager"][-1]))
             ga, gb = _grads(runs[0][1]), _grads(runs[1][1])
@@ -146,6 +156,7 @@ def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, d
                                      "exist on one side only")
             for key in ga:
                 grad_diff = max(grad_diff, float((ga[key].double() - gb[key].double()).abs().max()))
+                grad_scale = max(grad_scale, float(gb[key].double().abs().max()))
         for name, _, _ in runs:
             opts[name].step()
         stats = cgbackend.stats(compiled)
@@ -166,7 +177,8 @@ def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, d
             times.sort()
             timing[name] = 1000 * times[len(times) // 2]
     stats = cgbackend.stats(compiled)
-    return {"rank": rank, "losses": losses, "grad_diff": grad_diff, "loss_diff": loss_diff,
+    return {"rank": rank, "scenario": sc.name, "losses": losses, "grad_diff": grad_diff,
+            "grad_scale": grad_scale, "loss_diff": loss_diff,
             "graphs": graphs, "eager_calls": eager_calls, "timing_ms": timing,
             "stats": {k: stats.get(k) for k in ("graphs_captured", "replays", "fwd_replays", "bwd_replays",
                                                "static_regions", "dynamic_regions", "capture_failures")},
@@ -176,3 +188,81 @@ def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, d
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def rank_main(rank: int, world: int, backend: str, port: int, scenarios: list, out_dir: str,
+              dtype_name: str, time_steps: int = 0) -> None:
+    """One rank of a spawned run (tests, benchmark): every scenario in turn, one JSON file per
+    rank in ``out_dir``; ``finished`` is the time after destroy_process_group, so the parent can
+    tell how long the interpreter took to exit."""
+    import json
+
+    device = init_process(rank, world, backend, port)
+    dtype = getattr(torch, dtype_name)
+    results, error = [], None
+    try:
+        for sc in scenarios:
+            torch._dynamo.reset()
+            results.append(run_scenario(sc, rank, world, device, dtype=dtype, simulate=backend == "gloo",
+                                        time_steps=time_steps))
+    except Exception as exc:  # written for the parent, then raised so the rank fails
+        import traceback
+        error = traceback.format_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"results": results, "error": error, "finished": time.time()}, f)
+
+
+@dataclasses.dataclass
+class SpawnResult:
+    ranks: list
+    """Per rank: {"results": [run_scenario dicts], "error", "finished"}."""
+    exit_s: float
+    """Seconds from the last rank's destroy_process_group to the last process's exit."""
+    exitcodes: list
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_run(scenarios: list, *, world: int = 2, backend: str = "gloo", dtype: str = "float64",
+              time_steps: int = 0, timeout_s: float = 600.0) -> SpawnResult:
+    """Run ``scenarios`` on ``world`` spawned ranks (torch.multiprocessing) and collect their results.
+    Ranks still alive ``timeout_s`` after the start are killed and reported with exit code None."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    spawn_env(backend)  # inherited by the children
+    with tempfile.TemporaryDirectory(prefix="cgbackend-dist-") as out_dir:
+        ctx = mp.start_processes(rank_main, args=(world, backend, free_port(), scenarios, out_dir, dtype,
+                                                  time_steps),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if all(not p.is_alive() for p in ctx.processes):
+                break
+            time.sleep(0.2)
+        exited = time.time()
+        codes = []
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+                codes.append(None)
+            else:
+                codes.append(p.exitcode)
+        ranks = []
+        for r in range(world):
+            path = os.path.join(out_dir, f"rank{r}.json")
+            ranks.append(json.load(open(path)) if os.path.exists(path) else None)
+    finished = [r["finished"] for r in ranks if r is not None]
+    exit_s = exited - max(finished) if finished else float("inf")
+    return SpawnResult(ranks=ranks, exit_s=exit_s, exitcodes=codes)

@@ -166,3 +166,32 @@ def release(obj: Any = None) -> int:
 def finalizer(owner: Any, graph_refs: list, simulate: bool) -> Callable[[], Any]:
     """A weakref.finalize releasing ``owner``'s graphs when it dies or the process exits."""
     return weakref.finalize(owner, release_graphs, graph_refs, simulate)
+
+
+def is_ddp(model: Any) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+    return isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel)
+
+
+class WholeGraphUnderDDP:
+    """Dynamo's ``optimize_ddp`` off around a call of a DDP model compiled by cgbackend.compile
+    (scoped, restored after the call; nothing is written when it is already off).
+
+    Dynamo's DDP optimizer splits the graph at gradient-bucket boundaries so that a compiled
+    backward (AOT autograd) can let buckets all-reduce early. cgbackend's backward is already one
+    autograd node per static region, so DDP's hooks fire region by region anyway; the split only
+    cuts regions in two. It also gave wrong gradients with ``static_dispatch`` (a MoE whose
+    dispatch was cut by the split, tests/test_distributed.py), so cgbackend.compile keeps the graph
+    whole. ``torch.compile(ddp_model, backend="cgbackend")`` keeps Dynamo's setting."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> None:
+        cfg = torch._dynamo.config
+        self._saved = cfg.optimize_ddp
+        if self._saved:
+            cfg.optimize_ddp = False
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved:
+            torch._dynamo.config.optimize_ddp = self._saved
