@@ -117,10 +117,14 @@ def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, d
     ``time_steps``) the median time of that many further steps of each."""
     import cgbackend
 
+    base = _build(sc, rank, world, device, dtype)
     options = dict(sc.options)
+    if sc.setup == "fsdp2":
+        # each fully_shard'ed block is its own Dynamo graph, so one call (and one pending forward)
+        # per block until the backward: room for all of them (README, "Distributed training")
+        options.setdefault("max_pending_forwards", len(base.layers) + 2)
     if simulate:
         options["simulate_graphs"] = True
-    base = _build(sc, rank, world, device, dtype)
     twin = copy.deepcopy(base) if compare else None
     model = wrap(sc, base, device)
     compiled = cgbackend.compile(model, **options)
