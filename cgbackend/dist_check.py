@@ -214,6 +214,7 @@ def rank_main(rank: int, world: int, backend: str, port: int, scenarios: list, o
         error = traceback.format_exc()
         raise
     finally:
+        torch._dynamo.reset()  # the compiled graphs and their backends go first (README: exit)
         dist.destroy_process_group()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump({"results": results, "error": error, "finished": time.time()}, f)
