@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Optional
 
@@ -116,13 +117,19 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         instance.loops = loop_source.install(model)
         if instance.config.static_dispatch in ("auto", "grouped"):
             instance.relayouts = stack_expert_params(model)
+    if isinstance(model, torch.nn.Module):
+        from .distributed import track_fsdp
+        track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward
+        from .distributed import WholeGraphUnderDDP, is_ddp
+        whole = WholeGraphUnderDDP if is_ddp(model) else contextlib.nullcontext
 
         @functools.wraps(traced_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
+            with whole():
+                return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
 
         compiled.forward = forward
         # On the wrapper itself: torch's OptimizedModule forwards other attribute writes to the

@@ -21,6 +21,7 @@ from .analysis import Analysis, analyze
 from .config import Config
 from .coverage import runtime_launches
 from .hints import build_hints
+from .distributed import finalizer
 from .opaque import InstallResult
 from .profile import RegionTimer
 from .report import Report, build_report, graph_report, summarize
@@ -71,6 +72,9 @@ class CGBackend:
         """Per-region timing (option profile)."""
         self.shared.watch = self.timer
         self.__name__ = "cgbackend"
+        # Graphs go before the process group at exit: a CUDA graph holding NCCL resources would
+        # make the communicator's destruction wait (cgbackend.distributed).
+        self._release_at_exit = finalizer(self, self._graphs, self.config.simulate_graphs)
 
     def note_trace_fallback(self, cause: BaseException) -> None:
         first = str(cause).strip().splitlines()
@@ -104,6 +108,12 @@ class CGBackend:
             log.info("cgbackend: nothing is captured: the model computes on %s and CUDA graphs need "
                      "CUDA tensors; the split graph runs eagerly", analysis.classification.compute_device)
         return compiled
+
+    def release(self) -> int:
+        """Drop every graph this instance holds (later calls capture again); returns how many
+        entries were dropped. Done at process exit too."""
+        from .distributed import release_graphs
+        return release_graphs(self._graphs, self.config.simulate_graphs)
 
     # ------------------------------------------------------------------ introspection
 

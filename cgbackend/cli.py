@@ -136,10 +136,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     serve = sub.add_parser("serve-bench", help="serving loop, random batch sizes (benchmarks/README.md)",
                            add_help=False)
     serve.set_defaults(func=None)
+    dist_bench = sub.add_parser("bench-dist", help="DDP / FSDP2 / expert-parallel training, run with torchrun "
+                                "(benchmarks/README.md)", add_help=False)
+    dist_bench.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main
         return bench_main(rest)
+    if args.command == "bench-dist":
+        from .bench_dist import main as bench_dist_main
+        return bench_dist_main(rest)
     if args.command == "serve-bench":
         from .serving import main as serving_main
         return serving_main(rest)

@@ -38,6 +38,8 @@ class Rule(str, enum.Enum):
     """getitem on a tuple made by an eager op: regions pass tensors, not tuples."""
     SMALL_REGION = "small_region"
     """A static region too small to be worth a graph (min_region_ops); folded into eager."""
+    COLLECTIVE = "collective"
+    """A collective (all-to-all, all-gather, reduce-scatter, ...): kept eager (passes/collectives.py)."""
 
     def __str__(self) -> str:  # shows the JSON name in text and f-strings
         return self.value

@@ -10,9 +10,15 @@ import cgbackend
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "multigpu: needs 2 CUDA GPUs (skipped without them)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if torch.cuda.device_count() < 2:
+        two = pytest.mark.skip(reason="needs 2 CUDA GPUs")
+        for item in items:
+            if "multigpu" in item.keywords:
+                item.add_marker(two)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -104,6 +104,8 @@ def _unbacked(value) -> set:
     except Exception:  # values free_unbacked_symbols does not understand (opaque objects)
         return set()
 
+from .collectives import rule_collective  # noqa: E402  (a rule kept in its own file)
+
 
 # --------------------------------------------------------------------------- rules
 
@@ -299,6 +301,7 @@ Rule_ = Callable[[torch.fx.Node, ClassifyContext], Optional[Reason]]
 
 RULES: tuple[Rule_, ...] = (
     rule_user_marked,
+    rule_collective,
     rule_unsafe_tag,
     rule_host_sync,
     rule_device_move,

@@ -39,9 +39,12 @@ class SimulatedGraph:
     huge integers). Code that respects the replay-order rule (runtime/pool.py) never reads them;
     code that breaks it fails tests on a CPU."""
 
-    def __init__(self, fn: Callable[[], Any], outputs: Any, inputs: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, fn: Callable[[], Any], outputs: Any, inputs: Sequence[torch.Tensor] = (),
+                 reads: Sequence[torch.Tensor] = ()) -> None:
         self._fn = fn
         self.outputs = outputs
+        self._reads = [(t, t.data_ptr(), t.untyped_storage().nbytes()) for t in (reads or inputs) if t.numel()]
+        """Inputs with the address and storage size a CUDA graph would have baked in."""
         self._input_storages = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
         """Outputs that alias an input (a parameter's view) live outside the pool: never scribbled."""
         self.last = outputs
@@ -65,7 +68,21 @@ class SimulatedGraph:
                 elif t.dtype != torch.bool:
                     t.fill_(2 ** 30 if t.dtype in (torch.int32, torch.int64) else 100)
 
+    def check_addresses(self) -> None:
+        """A CUDA graph reads the addresses it was captured with: replaying after an input's storage
+        was freed (``resize_(0)``) or moved is an illegal memory access or silent corruption on a
+        GPU. The stand-in fails loudly instead of re-running on the storage's new place."""
+        for t, ptr, nbytes in self._reads:
+            storage = t.untyped_storage()
+            if t.data_ptr() != ptr or storage.nbytes() != nbytes:
+                raise RuntimeError(
+                    f"cgbackend (simulated graph): replay reads a tensor whose storage moved or was "
+                    f"freed since capture (captured at {ptr:#x} with {nbytes} bytes, now at "
+                    f"{t.data_ptr():#x} with {storage.nbytes()} bytes); a CUDA graph would read "
+                    "stale memory here")
+
     def replay(self) -> None:
+        self.check_addresses()
         if self.pool is not None:
             for other in self.pool.graphs:
                 if other.index > self.index:
@@ -199,20 +216,23 @@ class Capturer:
         self.simulate = simulate
 
     def capture(self, fn: Callable[[], Any], pool: PoolState,
-                restore: Sequence[torch.Tensor] = (), hooks: Optional["RegionHooks"] = None) -> tuple[Any, Any]:
+                restore: Sequence[torch.Tensor] = (), hooks: Optional["RegionHooks"] = None,
+                reads: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
         """Capture ``fn`` into a graph drawing memory from ``pool``; raise CaptureError on failure.
 
         ``restore``: tensors ``fn`` may write in place. A CUDA capture executes nothing, so they
         keep their values; the simulated capture runs ``fn`` and puts their values back.
         ``hooks``: the region's opaque-call hooks (opaque.py): their context is entered around the
-        capture and their generators are registered with the graph."""
+        capture and their generators are registered with the graph.
+        ``reads``: tensors the graph reads by address (default: ``restore``); a simulated graph
+        refuses to replay once one of them moved."""
         if hooks is not None:
             with hooks.capturing():
-                return self._capture(fn, pool, restore, hooks)
-        return self._capture(fn, pool, restore, None)
+                return self._capture(fn, pool, restore, hooks, reads)
+        return self._capture(fn, pool, restore, None, reads)
 
     def _capture(self, fn: Callable[[], Any], pool: PoolState, restore: Sequence[torch.Tensor],
-                 hooks: Optional["RegionHooks"]) -> tuple[Any, Any]:
+                 hooks: Optional["RegionHooks"], reads: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
         if self.simulate:
             saved = [t.detach().clone() for t in restore]
             try:
@@ -228,7 +248,7 @@ class Capturer:
                         # that eager autograd graphs saved.
                         if not torch.equal(t, value):
                             t.copy_(value)
-            return SimulatedGraph(fn, outputs, inputs=restore), outputs
+            return SimulatedGraph(fn, outputs, inputs=restore, reads=reads), outputs
 
         try:
             stream = capture_stream(pool.device)

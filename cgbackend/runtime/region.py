@@ -44,6 +44,7 @@ import torch
 from ..config import Config
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
+from .params import ParamPolicy
 from .pool import PoolSet, PoolState
 from .reach import reached_inputs, unreached
 from .stats import Counters, EagerReason
@@ -82,6 +83,8 @@ class RuntimeShared:
         self.sync_detector: Optional[SyncDetector] = None if config.simulate_graphs else cuda_sync_detector()
         """What watches warm-up calls for host synchronization (runtime/warmup.py): CUDA's sync debug
         mode where CUDA graphs are captured; tests may set a stand-in for simulated graphs."""
+        self.params = ParamPolicy()
+        """How parameter inputs are keyed, checked and (for volatile ones) copied: runtime/params.py."""
         self.persistent_ptrs: set[int] = set()
         """data_ptr() of every static output of every graph: hand-off candidates."""
         self.persistent_storages: set[int] = set()
@@ -117,7 +120,8 @@ class _Entry:
     """Common part of inference and training entries."""
 
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
-                 "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds")
+                 "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds",
+                 "param_addrs", "volatile_pos")
 
     def __init__(self) -> None:
         self.graph = None
@@ -131,6 +135,10 @@ class _Entry:
         """Bucketed entries: actual sizes -> the static outputs sliced to them."""
         self.nbytes = 0
         """Growth of reserved memory while capturing this entry's graphs (the pool's share)."""
+        self.param_addrs: tuple = ()
+        """(pos, data_ptr, nbytes) of parameters read in place, at capture (runtime/params.py)."""
+        self.volatile_pos: tuple = ()
+        """Volatile parameters (FSDP2's): positions copied before every forward and backward replay."""
 
     def in_use(self) -> bool:
         return bool(self.pool.live.get(self.index))
@@ -241,7 +249,7 @@ class RegionRunner:
         for pos, value in enumerate(ins):
             kind = kinds[pos]
             if kind is PARAM:
-                addr_parts.append(value.data_ptr())
+                addr_parts.append(self.shared.params.key(value))
             elif kind is VALUE:
                 shape_parts.append(_freeze(value))
             elif self._tensor_key(pos, value, grad_path, shape_parts, addr_parts):
@@ -306,7 +314,7 @@ class RegionRunner:
         for pos, value in enumerate(ins):
             kind = self.kinds[pos]
             if kind is PARAM:
-                addr_parts.append(value.data_ptr())
+                addr_parts.append(self.shared.params.key(value))
                 continue
             if kind is VALUE:
                 if pos not in plan.value_inputs:
@@ -376,8 +384,12 @@ class RegionRunner:
         log.info("cgbackend: %s evicted its least recently used graph (%d held, bound %d)", self.name,
                  len(self.entries), self.config.max_graphs_per_region)
 
-    def _release(self, entry: _Entry) -> None:
-        if torch.cuda.is_available() and not self.shared.capturer.simulate:
+    def release_entry(self, entry: _Entry) -> None:
+        """Drop one entry's graphs and buffers (the caller synchronized; cgbackend.distributed)."""
+        self._release(entry, sync=False)
+
+    def _release(self, entry: _Entry, sync: bool = True) -> None:
+        if sync and torch.cuda.is_available() and not self.shared.capturer.simulate:
             torch.cuda.synchronize()  # no replay of it may still be running
         for graph in (entry.graph, getattr(entry, "bwd_graph", None)):
             if isinstance(graph, SimulatedGraph) and graph in entry.pool.graphs:
@@ -521,7 +533,7 @@ class RegionRunner:
     def _prepare_static_inputs(self, ins: list, grad_path: bool, entry: _Entry,
                                pad: Optional[_Pad] = None) -> None:
         static_ins: list = []
-        copy_pos, handoff_pos = [], []
+        copy_pos, handoff_pos, volatile_pos = [], [], []
         persistent = self.shared.persistent_ptrs
         plan = self.bucket if pad is not None else None
         for pos, value in enumerate(ins):
@@ -544,10 +556,13 @@ class RegionRunner:
                 copy_pos.append(pos)
                 entry.pad_dims[pos] = dim
                 continue
-            if kind == VALUE or (kind == PARAM and not (grad_path and value.requires_grad)):
+            volatile = kind == PARAM and self.shared.params.is_volatile(value)
+            if volatile:
+                volatile_pos.append(pos)  # read from a static copy, refreshed before each replay
+            elif kind == VALUE or (kind == PARAM and not (grad_path and value.requires_grad)):
                 static_ins.append(value)
                 continue
-            if kind == PARAM:
+            elif kind == PARAM:
                 # A leaf alias (same storage): the capture then builds its own autograd nodes on the
                 # capture stream instead of reusing the parameter's AccumulateGrad node, which was
                 # made on the default stream and would tie that stream to the capture.
@@ -556,13 +571,13 @@ class RegionRunner:
                 static_ins.append(torch.nn.Parameter(value.detach(), requires_grad=True)
                                   if isinstance(value, torch.nn.Parameter) else value.detach().requires_grad_(True))
                 continue
-            if value.numel() == 0:
+            if value.numel() == 0 and not volatile:
                 empty = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
                 static_ins.append(empty.requires_grad_(True) if grad_path and value.requires_grad else empty)
                 continue
             producer = self.producers[pos]
             handoff = kind == EAGER or (kind == HANDOFF and producer is not None and producer.disabled is None)
-            if handoff and value.data_ptr() in persistent:
+            if handoff and not volatile and value.data_ptr() in persistent:
                 alias = value.detach()
                 if grad_path and value.requires_grad:
                     alias.requires_grad_(True)
@@ -581,6 +596,9 @@ class RegionRunner:
         entry.copy_pos = tuple(copy_pos)
         entry.handoff_pos = tuple(handoff_pos)
         entry.copy_back_pos = tuple(p for p in copy_pos if p in self.mutated)
+        entry.volatile_pos = tuple(volatile_pos)
+        entry.param_addrs = ParamPolicy.record(
+            static_ins, [p for p, k in enumerate(self.kinds) if k == PARAM and p not in entry.volatile_pos])
 
     def _capture(self, ins: list, grad_path: bool, call: Any, pad: Optional[_Pad] = None) -> Optional[_Entry]:
         device = next((v.device for v, k in zip(ins, self.kinds) if k != VALUE), self.device)
@@ -710,7 +728,9 @@ class RegionRunner:
         reserved_before = _reserved(device)
         start = time.perf_counter()
         try:
-            graph, static_grad_ins = self.shared.capturer.capture(run, entry.pool, hooks=self.hooks)
+            graph, static_grad_ins = self.shared.capturer.capture(
+                run, entry.pool, hooks=self.hooks,
+                reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
         except CaptureError as exc:
             self._backward_capture_failed(str(exc), entry)
             return
@@ -886,6 +906,8 @@ class _RegionFunction(torch.autograd.Function):
         ctx.runner, ctx.entry, ctx.call = runner, entry, call
         ctx.generation = call.generation
         ctx.leaves = [t for t in tensors if t.requires_grad and t.is_leaf]
+        # Volatile parameters (FSDP2's) by position: copied into the entry again before backward.
+        ctx.volatile = [(p, full[p]) for p in entry.volatile_pos]
         call.add_token()
         ctx.set_materialize_grads(False)
         # Fresh aliases each call: autograd attaches this call's history to the returned objects,
@@ -913,12 +935,22 @@ class _RegionFunction(torch.autograd.Function):
         counters = runner.shared.counters
         if entry.reach is None:  # which inputs each output reaches, from the forward's autograd graph
             entry.reach = reached_inputs(entry.autograd_outputs(), [entry.static_ins[p] for p in entry.diff_in])
-        if entry.bwd_graph is None and entry.bwd_failed is None:
+        if ctx.volatile:
+            copied = ParamPolicy.refresh(entry.static_ins, ctx.volatile)
+            counters.copies_made += copied
+            counters.copied_by_kind["param"] += copied
+        moved = ParamPolicy.moved(entry.static_ins, entry.param_addrs) if entry.param_addrs else None
+        if moved is None and entry.bwd_graph is None and entry.bwd_failed is None:
             runner.capture_backward(entry, grads)
             fresh = True
         else:
             fresh = False
-        if entry.bwd_graph is None:
+        if moved is not None:
+            # An engine re-allocated a parameter since the forward was captured (FSDP2 without
+            # cgbackend.distributed.track_fsdp): a graph would read the old address.
+            log.debug("cgbackend: %s backward: parameter moved (%s)", runner.name, moved)
+            reason = EagerReason.PARAM_MOVED
+        elif entry.bwd_graph is None:
             reason = "backward_capture_failed"
         elif entry.pool.hazard(entry.bwd_index):
             reason = EagerReason.REPLAY_ORDER

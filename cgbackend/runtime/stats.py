@@ -25,6 +25,7 @@ class EagerReason:
     REPLAY_ORDER = "replay_order_hazard"
     MODE_CHANGE = "grad_mode_change"
     GRAD_HELD = "gradient_still_held"
+    PARAM_MOVED = "param_moved"
 
     DESCRIPTIONS = {
         WARMUP: "eager warm-up call before capture (option warmup)",
@@ -48,6 +49,10 @@ class EagerReason:
         GRAD_HELD: "a gradient the previous backward handed out is still referenced (a saved .grad, "
                    "torch.autograd.grad results); this backward runs through the captured forward "
                    "instead of overwriting it",
+        PARAM_MOVED: "a parameter's storage was freed or re-allocated since the graph was captured "
+                     "(FSDP2 reshards and gathers again); this backward runs through the captured "
+                     "forward instead of replaying on the old address (cgbackend.distributed.track_fsdp "
+                     "keeps FSDP2's parameters graphed)",
     }
 
 

@@ -1,0 +1,197 @@
+"""cgbackend under PyTorch's distributed engines: DDP, FSDP2 (``fully_shard``), expert parallelism.
+
+* DDP needs nothing: parameters keep their storage, DDP's all-reduce runs in its autograd hooks,
+  outside the graphs, and Dynamo's DDP optimizer splits the graph at bucket boundaries.
+* FSDP2 frees each unsharded parameter's storage after use (``storage.resize_(0)``) and
+  all-gathers it again before the next forward or backward, wherever the caching allocator puts
+  it. :func:`track_fsdp` marks those parameters *volatile* for a backend (runtime/params.py):
+  graphs read static copies refreshed before every replay, so graph counts do not depend on
+  addresses. Without it, graphs are keyed on parameter addresses and a backward whose parameter
+  moved runs eagerly (``param_moved``): correct, never a replay on freed storage, but slower.
+* Collectives (``all_to_all_single`` with host-read splits, all-gathers, reduce-scatters) are
+  dynamic regions (passes/collectives.py): they run eagerly between graphs.
+* Exit: a CUDA graph that captured NCCL work keeps its communicator alive, and
+  ``destroy_process_group`` (or the process group's destructor at interpreter exit) then waits for
+  the graph to be destroyed. cgbackend captures no collectives, and every backend releases its
+  graphs when the process exits (a ``weakref.finalize``, run at exit) or when :func:`release` is
+  called. Call ``release(model)`` and then ``torch.distributed.destroy_process_group()`` at the
+  end of a distributed script.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+__all__ = ["track_fsdp", "release", "fsdp_modules", "release_graphs", "FSDPParamSet", "NVLS_ENV",
+           "set_nvls_env"]
+
+log = logging.getLogger(__name__)
+
+NVLS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast off (the GPU machines this project runs on require it)."""
+
+
+def set_nvls_env(env: Optional[dict] = None) -> dict:
+    """Set NVLS_ENV's variables in ``env`` (default os.environ) where they are absent."""
+    env = os.environ if env is None else env
+    for key, value in NVLS_ENV.items():
+        env.setdefault(key, value)
+    return env
+
+
+def _fsdp_module_class() -> Optional[type]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    return FSDPModule
+
+
+def fsdp_modules(model: Any) -> list[torch.nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` was applied to."""
+    cls = _fsdp_module_class()
+    if cls is None or not isinstance(model, torch.nn.Module):
+        return []
+    return [m for m in model.modules() if isinstance(m, cls)]
+
+
+def _fsdp_params(module: torch.nn.Module) -> Iterable[Any]:
+    """FSDPParam objects of one fully_shard'ed module (private API, feature-tested)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    except ImportError:
+        return ()
+    state = _get_module_fsdp_state(module)
+    if state is None:
+        return ()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [p for g in groups for p in getattr(g, "fsdp_params", ())]
+
+
+class FSDPParamSet:
+    """Predicate: is this tensor one of FSDP2's unsharded parameters (in the tracked modules)?
+
+    FSDP2 makes each unsharded parameter once, at its first all-gather, and keeps the object
+    (only its storage comes and goes), so the set of ids is refreshed only until every tracked
+    parameter has one."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self._modules = [weakref.ref(m) for m in modules]
+        self._ids: set[int] = set()
+        self._keep: list[Any] = []  # the unsharded parameters themselves: their ids stay unique
+        self._complete = False
+
+    def _refresh(self) -> None:
+        ids, keep, complete = set(), [], True
+        for ref in self._modules:
+            module = ref()
+            if module is None:
+                continue
+            for fsdp_param in _fsdp_params(module):
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is None:
+                    complete = False
+                    continue
+                ids.add(id(unsharded))
+                keep.append(unsharded)
+        self._ids, self._keep, self._complete = ids, keep, complete
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        if id(t) in self._ids:
+            return True
+        if self._complete:
+            return False
+        self._refresh()
+        return id(t) in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def track_fsdp(backend_or_model: Any, model: Optional[torch.nn.Module] = None) -> int:
+    """Make a backend treat FSDP2's unsharded parameters of ``model`` as volatile (copied into
+    static buffers before each replay). ``cgbackend.compile`` does this itself; call it after
+    ``torch.compile(model, backend=instance)`` as ``track_fsdp(instance, model)``. Returns how many
+    fully_shard'ed modules were found (0: nothing changes)."""
+    from .api import find_backend
+
+    backend = find_backend(backend_or_model)
+    target = model if model is not None else backend_or_model
+    target = getattr(target, "_orig_mod", target)
+    modules = fsdp_modules(target)
+    if not modules:
+        return 0
+    backend.shared.params.volatile = FSDPParamSet(modules)
+    log.info("cgbackend: %d fully_shard modules: their parameters are copied into the graphs", len(modules))
+    return len(modules)
+
+
+def release_graphs(graph_refs: list, simulate: bool) -> int:
+    """Drop every graph and static buffer of the compiled graphs in ``graph_refs`` (weak
+    references); returns how many graph entries were dropped. Later calls capture again."""
+    dropped = 0
+    if torch.cuda.is_available() and not simulate:
+        try:
+            torch.cuda.synchronize()  # no replay may still run
+        except Exception:  # a broken context at exit: dropping the Python objects is all we can do
+            log.debug("cgbackend: synchronize before releasing graphs failed", exc_info=True)
+    for ref in list(graph_refs):
+        graph = ref()
+        if graph is None:
+            continue
+        for runner in graph.runners:
+            for entry in list(runner.entries.values()):
+                runner.release_entry(entry)
+                dropped += 1
+            runner.entries.clear()
+        graph.shared.handed.clear()
+    return dropped
+
+
+def release(obj: Any = None) -> int:
+    """Release the graphs of the backend behind ``obj`` now (before destroy_process_group)."""
+    from .api import find_backend
+
+    return find_backend(obj).release()
+
+
+def finalizer(owner: Any, graph_refs: list, simulate: bool) -> Callable[[], Any]:
+    """A weakref.finalize releasing ``owner``'s graphs when it dies or the process exits."""
+    return weakref.finalize(owner, release_graphs, graph_refs, simulate)
+
+
+def is_ddp(model: Any) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+    return isinstance(getattr(model, "_orig_mod", model), DistributedDataParallel)
+
+
+class WholeGraphUnderDDP:
+    """Dynamo's ``optimize_ddp`` off around a call of a DDP model compiled by cgbackend.compile
+    (scoped, restored after the call; nothing is written when it is already off).
+
+    Dynamo's DDP optimizer splits the graph at gradient-bucket boundaries so that a compiled
+    backward (AOT autograd) can let buckets all-reduce early. cgbackend's backward is already one
+    autograd node per static region, so DDP's hooks fire region by region anyway; the split only
+    cuts regions in two. It also gave wrong gradients with ``static_dispatch`` (a MoE whose
+    dispatch was cut by the split, tests/test_distributed.py), so cgbackend.compile keeps the graph
+    whole. ``torch.compile(ddp_model, backend="cgbackend")`` keeps Dynamo's setting."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> None:
+        cfg = torch._dynamo.config
+        self._saved = cfg.optimize_ddp
+        if self._saved:
+            cfg.optimize_ddp = False
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved:
+            torch._dynamo.config.optimize_ddp = self._saved

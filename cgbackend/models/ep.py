@@ -1,0 +1,118 @@
+"""Expert-parallel dropless MoE: experts split over the ranks, tokens exchanged with all-to-all.
+
+Each rank routes its own tokens (router replicated), sends every routed copy to the rank owning
+its expert with ``all_to_all_single`` whose split sizes are read on the host (``.tolist()``),
+runs its local experts on what it received, and sends the results back the same way. The
+exchange is data-dependent: it is a dynamic region between static ones (router before, combine
+after). ``local_dispatch="loop"`` runs the local experts as a per-expert ``torch.where`` loop on the
+received rows (dynamic); ``"padded"`` first places the received rows into a buffer of fixed
+capacity (every routed copy of every rank could come here), so the local experts see fixed shapes
+and ``static_dispatch`` can turn their loop into static code.
+
+``build_ep_model(rank, world_size, ...)`` builds the same weights on every rank (the full model's
+experts ``rank * E/W .. (rank+1) * E/W - 1`` are local); :func:`eager_reference_grads` in the tests
+compare against the same computation without cgbackend.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .gpt import GPT
+from .layers import Expert
+
+__all__ = ["EPMoE", "build_ep_model"]
+
+
+def _all_to_all(x: torch.Tensor, out_splits: Optional[list], in_splits: Optional[list], group: Any,
+                differentiable: bool) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+    if differentiable:
+        return funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
+    return funcol.all_to_all_single(x, out_splits, in_splits, group)
+
+
+class EPMoE(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, n_experts: int, top_k: int, rank: int, world_size: int,
+                 group: Any = None, local_dispatch: str = "loop") -> None:
+        super().__init__()
+        if n_experts % world_size:
+            raise ValueError(f"n_experts ({n_experts}) must be a multiple of the world size ({world_size})")
+        if local_dispatch not in ("loop", "padded"):
+            raise ValueError(f"local_dispatch must be 'loop' or 'padded', got {local_dispatch!r}")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.rank, self.world_size = rank, world_size
+        self.n_local = n_experts // world_size
+        self.group = group
+        self.local_dispatch = local_dispatch
+        self.gate = nn.Linear(d_model, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(d_model, d_ff) for _ in range(self.n_local))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        ws, n_local = self.world_size, self.n_local
+        group = self.group if self.group is not None else torch.distributed.group.WORLD
+        h = x.reshape(-1, c)
+        probs = F.softmax(self.gate(h), dim=-1, dtype=torch.float)
+        weights, selected = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(h.dtype)
+        flat = selected.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # routed copies grouped by expert, so by rank
+        token_idx = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.n_experts)[: self.n_experts]
+        # Counts of every (source rank, local expert) this rank receives: a fixed-size exchange.
+        recv_counts = _all_to_all(counts, None, None, group, differentiable=False)
+        send_splits = counts.view(ws, n_local).sum(1).tolist()
+        recv_matrix = recv_counts.view(ws, n_local)
+        recv_splits = recv_matrix.sum(1).tolist()
+        sent = h[token_idx]
+        received = _all_to_all(sent, recv_splits, send_splits, group, differentiable=True)
+        n_recv = sum(recv_splits)
+        local_ids = torch.repeat_interleave(
+            torch.arange(n_local, device=h.device).repeat(ws), recv_matrix.reshape(-1), output_size=n_recv)
+        if self.local_dispatch == "padded":
+            out = self._padded_experts(received, local_ids, n_recv, b * t * self.top_k * ws)
+        else:
+            out = torch.zeros_like(received)
+            for e in range(n_local):
+                (rows,) = torch.where(local_ids == e)
+                out = out.index_add(0, rows, self.experts[e](received[rows]))
+        back = _all_to_all(out, send_splits, recv_splits, group, differentiable=True)
+        y = back * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(h).index_add(0, token_idx, y).reshape(b, t, c)
+
+    def _padded_experts(self, received: torch.Tensor, local_ids: torch.Tensor, n_recv: int,
+                        capacity: int) -> torch.Tensor:
+        """Local experts on a fixed-capacity buffer: shapes no longer depend on the routing."""
+        pad = capacity - n_recv
+        rows = F.pad(received, (0, 0, 0, pad))
+        ids = F.pad(local_ids, (0, pad), value=-1)
+        out = torch.zeros_like(rows)
+        for e in range(self.n_local):
+            mask = (ids == e).unsqueeze(-1)
+            out = out + torch.where(mask, self.experts[e](rows), 0.0)
+        return out[:n_recv]
+
+
+def build_ep_model(rank: int, world_size: int, *, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
+                   n_experts: int = 4, top_k: int = 2, vocab: int = 128, max_seq: int = 64,
+                   device: Any = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+                   local_dispatch: str = "loop") -> GPT:
+    """A GPT whose feed-forward layers are EPMoE; identical weights for the shared parts on every
+    rank, and each rank's local experts equal to that slice of one full set drawn from ``seed``."""
+    torch.manual_seed(seed)
+    model = GPT(vocab=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, max_seq=max_seq,
+                ffn="mlp", n_experts=n_experts, top_k=top_k)
+    d_ff = 2 * d_model
+    n_local = n_experts // world_size
+    for block in model.layers:
+        moe = EPMoE(d_model, d_ff, n_experts, top_k, rank, world_size, local_dispatch=local_dispatch)
+        full = [Expert(d_model, d_ff) for _ in range(n_experts)]  # same draw on every rank
+        for j in range(n_local):
+            moe.experts[j].load_state_dict(full[rank * n_local + j].state_dict())
+        block.ffn = moe
+    return model.to(device=device, dtype=dtype)

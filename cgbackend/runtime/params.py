@@ -1,0 +1,88 @@
+"""Parameter storage a graph may rely on: addresses in the key, checks before backward, and
+parameters whose storage an engine moves on purpose (FSDP2's unsharded parameters).
+
+A CUDA graph bakes in the address of every tensor it reads. Parameters are read in place, so a
+graph is only valid while each parameter's storage is where it was at capture, with the bytes it
+had. Three cases:
+
+* An ordinary parameter: its ``(data_ptr, storage nbytes)`` is part of the forward key (a
+  replaced or resized storage means another graph), and a training entry records it at capture;
+  before a backward replay :meth:`ParamPolicy.moved` compares again, because an engine may free
+  and re-allocate the storage between forward and backward (FSDP2 with
+  ``reshard_after_forward=True`` resizes it to 0 after the forward and all-gathers it again,
+  often elsewhere, before the backward). A moved parameter makes that backward run through the
+  captured forward's autograd graph (its saved aliases share the parameter's storage object, so
+  they read the current bytes), counted as ``param_moved``.
+* A *volatile* parameter (``ParamPolicy.volatile`` says so; cgbackend.distributed registers
+  FSDP2's unsharded parameters): its address is not part of the key at all. The graph reads a
+  static copy, refreshed from the parameter before every forward replay and again before every
+  backward replay (the engine has gathered it again by then). Graph counts then do not depend on
+  where the allocator puts the storage; the price is one copy of the parameter per graph entry.
+* A parameter whose storage has no bytes (FSDP2 resharded it): never replayed on; the key differs
+  from every captured one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["ParamPolicy", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """Where a tensor's bytes are and how many its storage holds (0 after ``resize_(0)``)."""
+    return t.data_ptr(), t.untyped_storage().nbytes()
+
+
+class ParamPolicy:
+    """How one backend instance treats parameter inputs of its graphs (see the module docstring)."""
+
+    __slots__ = ("volatile",)
+
+    def __init__(self) -> None:
+        self.volatile: Optional[Callable[[torch.Tensor], bool]] = None
+        """Predicate: parameters whose storage an engine frees and re-allocates between calls
+        (cgbackend.distributed.track_fsdp sets it). None: no such parameters."""
+
+    def is_volatile(self, t: torch.Tensor) -> bool:
+        return self.volatile is not None and self.volatile(t)
+
+    def key(self, t: torch.Tensor) -> Any:
+        """A parameter's part of a graph key."""
+        if self.volatile is not None and self.volatile(t):
+            return "copied"
+        return storage_key(t)
+
+    @staticmethod
+    def record(static_ins: Sequence[Any], positions: Sequence[int]) -> tuple:
+        """At capture: ``(pos, data_ptr, nbytes)`` of the parameters read in place."""
+        return tuple((p,) + storage_key(static_ins[p]) for p in positions
+                     if isinstance(static_ins[p], torch.Tensor) and static_ins[p].numel() > 0)
+
+    @staticmethod
+    def moved(static_ins: Sequence[Any], recorded: tuple) -> Optional[str]:
+        """Before a backward replay: the first parameter (read in place) whose storage is no longer
+        where it was at capture, or None. The static inputs of a training entry are aliases that
+        share the parameters' storage objects, so they see a resize or re-allocation."""
+        for pos, ptr, nbytes in recorded:
+            now = storage_key(static_ins[pos])
+            if now != (ptr, nbytes):
+                return (f"input {pos}: storage at {now[0]:#x} with {now[1]} bytes, captured at "
+                        f"{ptr:#x} with {nbytes} bytes")
+        return None
+
+    @staticmethod
+    def refresh(static_ins: Sequence[Any], sources: Sequence[tuple[int, torch.Tensor]]) -> int:
+        """Copy volatile parameters into the entry's static copies; returns how many were copied.
+        Raises if a source holds no bytes (the engine has not gathered it for this pass)."""
+        with torch.no_grad():
+            for pos, src in sources:
+                if src.untyped_storage().nbytes() == 0:
+                    raise RuntimeError(
+                        f"cgbackend: parameter input {pos} has no storage (size 0) when a graph needs "
+                        "it: the distributed engine freed it (FSDP2 reshard) and did not gather it "
+                        "again before this forward or backward")
+                static_ins[pos].detach().copy_(src)
+        return len(sources)
