@@ -212,6 +212,8 @@ class CompiledGraph:
         counters.dynamic_regions += len(self.steps) - len(self.runners)
         self._capture_logged = blocked is not None
         self._lock = threading.RLock()
+        self._mirror = getattr(shared, "mirror", None)
+        """runtime/mirror.py: pushes the counters into torch._dynamo.utils.counters after each call."""
 
     def _blocked_reason(self) -> Optional[str]:
         if not self.config.capture:
@@ -252,6 +254,8 @@ class CompiledGraph:
                 call.release()
         if not self._capture_logged:
             self._log_capture_once()
+        if self._mirror is not None:
+            self._mirror.push(self.shared.counters)
         return result
 
     def _run(self, args: tuple, call: CallState) -> Any:

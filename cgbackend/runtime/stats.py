@@ -84,6 +84,12 @@ class Counters:
     """Inference graphs captured again (replacing the old one) because a graph captured after them
     held live outputs: next to exact-keyed regions, a padded region's graph can be older than them."""
 
+    def clear(self) -> None:
+        """Back to zero, in place (runners hold this object)."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING
+                    else f.default)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eager_calls"] = dict(self.eager_calls)
