@@ -6,6 +6,7 @@
     cgbackend.stats(compiled_model)                  # counters
 """
 
+from ._version import __version__
 from .api import backend, compile, find_backend, prepare, report, reset, stats
 from .backend import CGBackend
 from .config import Config, ConfigError
@@ -14,7 +15,6 @@ from .marks import mark_dynamic
 from .reasons import Reason, Rule
 from .report import Report
 
-__version__ = "0.1.0"
 
 __all__ = ["CGBackend", "Config", "ConfigError", "ExplainError", "Reason", "Report", "Rule", "backend",
            "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "__version__"]

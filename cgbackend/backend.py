@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from .analysis import Analysis, analyze
+from .breaks import break_text, source_of_stack
 from .config import Config, ConfigError
 from .opaque import InstallResult
 from .report import Report, build_report, graph_report, summarize
@@ -39,13 +40,8 @@ def graph_break_info(gm: torch.fx.GraphModule) -> Optional[dict[str, str]]:
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
-    stack = getattr(reason, "user_stack", None) or []
-    source = ""
-    if stack:
-        frame = stack[-1]
-        source = f"{str(frame.filename).replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
-    text = str(getattr(reason, "reason", "")).strip().splitlines()
-    return {"reason": text[0] if text else "", "source": source}
+    source = source_of_stack(getattr(reason, "user_stack", None))
+    return {"reason": break_text(str(getattr(reason, "reason", ""))), "source": source}
 
 
 class CGBackend:
@@ -140,8 +136,12 @@ class CGBackend:
     def _opaque_dict(self) -> dict[str, Any]:
         return self.opaque.to_dict() if self.opaque is not None else {}
 
-    def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str]) -> Report:
-        report = build_report(self._analyses, extra_breaks, self.config.to_dict(), notes)
+    def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str],
+                     analyses: Optional[list] = None, calls: Optional[dict[int, int]] = None) -> Report:
+        """The ahead-of-time report of ``analyses`` (default: those kept); ``calls``: graph index ->
+        how often it ran in the traced model call (per-call figures count those runs)."""
+        report = build_report(self._analyses if analyses is None else analyses, extra_breaks,
+                              self.config.to_dict(), notes, runs=calls)
         report.opaque_modules = self._opaque_dict()
         return report
 

@@ -212,6 +212,8 @@ class CompiledGraph:
         counters.dynamic_regions += len(self.steps) - len(self.runners)
         self._capture_logged = blocked is not None
         self._lock = threading.RLock()
+        self.calls = 0
+        """How often this graph ran (explain counts the runs of one model call with it)."""
         self._mirror = getattr(shared, "mirror", None)
         """runtime/mirror.py: pushes the counters into torch._dynamo.utils.counters after each call."""
 
@@ -231,6 +233,7 @@ class CompiledGraph:
         # Static buffers, graphs and slots are shared by every call: calls from several threads run
         # one after the other (a graph's backward runs on autograd's thread, outside this lock).
         with self._lock:
+            self.calls += 1
             return self._call(args)
 
     def _call(self, args: tuple) -> Any:
