@@ -28,7 +28,8 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
-_USER_CODE_RE = re.compile(r'from user code:\s*\n\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
+_USER_CODE_RE = re.compile(r'(?:from user code|User stack):\s*\n\s*File "(?P<file>[^"]+)", line (?P<line>\d+), '
+                           r'in (?P<name>\S+)')
 
 
 def tracing_failure(exc: BaseException) -> str:
@@ -48,9 +49,18 @@ def tracing_failure(exc: BaseException) -> str:
             where = (f" at {match.group('file').replace(chr(92), '/').rsplit('/', 1)[-1]}:"
                      f"{match.group('line')} in {match.group('name')}")
             break
-    text = break_text(str(root)) if "Explanation:" in str(root) else _first_line(root)
+    message = str(root)
+    text = break_text(message) if "Explanation:" in message else _first_line(message)
+    bullet = next((line.strip()[2:] for line in message.splitlines()[1:] if line.strip().startswith("- ")), "")
+    if bullet:
+        text = f"{text} {bullet}"
+    if type(root).__name__ == "ConstraintViolationError":
+        fix = ("mark the dimensions that must stay equal to it dynamic too ("
+               "torch._dynamo.mark_dynamic on each; CLI: --dynamic NAME:DIM for each), or leave it static")
+    else:
+        fix = "check that the model runs eagerly on these inputs"
     wrapped = f" (inside {type(exc).__name__})" if root is not exc else ""
-    return f"tracing the model failed{where}: {type(root).__name__}: {text}{wrapped}"
+    return f"tracing the model failed{where}: {type(root).__name__}: {text}{wrapped}; {fix}"
 
 
 def _mode_reason(training: Optional[bool], traced: set[bool]) -> dict[str, Any]:
