@@ -1,6 +1,8 @@
 """The partition report: plain dataclasses filled from the analyses, rendered by one function.
 
-JSON schema ``cgbackend.report/1`` (stable; fields are only added):
+JSON schema ``cgbackend.report/1`` (stable; fields are only added). The machine-readable schema is
+``cgbackend/report.schema.json`` (checked against real reports by tests/test_report_schema.py;
+``cgbackend.report_schema.validate_report(report)`` checks one); in short:
 
 ``{"schema", "config", "notes": [str], "graph_breaks": [{"reason", "source"}],
 "summary": {...}, "graphs": [{"index", "ops", "static_ops", "compute_device", "training",
@@ -102,6 +104,20 @@ class GraphReport:
 
 @dataclasses.dataclass
 class Report:
+    """What cgbackend did (or would do) with a model: from ``cgbackend.explain(model, *inputs)``
+    (ahead of time, nothing captured) or ``cgbackend.report(compiled)`` (with runtime counters).
+
+    ``print(report)`` / ``report.to_text()`` renders it for people; ``report.to_json()`` /
+    ``to_dict()`` give the data, whose every field is described by the JSON Schema
+    ``cgbackend/report.schema.json`` (``cgbackend.report_schema.load_schema()``; schema name in
+    ``report.schema``). Fields: ``graphs`` (one GraphReport per Dynamo graph, each with its
+    ``regions``: id, kind static|dynamic, role, ops, estimated kernels, inputs/outputs as
+    shape@dtype, symbols, reasons with source lines), ``graph_breaks`` (``{"reason", "source"}``),
+    ``summary`` (counts and per-call estimates), ``config`` (the options), ``notes``,
+    ``traced_as`` (explain: inference or training, and why) and ``opaque_modules``.
+    ``report.regions()`` lists the regions of all graphs in execution order.
+    """
+
     graphs: list[GraphReport]
     graph_breaks: list[dict[str, str]]
     summary: dict[str, Any]
