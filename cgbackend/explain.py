@@ -96,6 +96,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     require grad), False under ``torch.no_grad()`` (inference), None (default) in the caller's grad
     mode. The module's own ``train()``/``eval()`` mode is left as it is. The report's
     ``traced_as`` says which it was and why.
+    Returns a :class:`cgbackend.Report` (``help(cgbackend.Report)``). This function hides the module
+    of the same name; ``import cgbackend.explain`` (or ``sys.modules``) reaches it.
     Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing (which also
     zeroes the counters of every cgbackend instance). The model's buffers (batch-norm statistics)
     and the RNG state are restored afterwards.
