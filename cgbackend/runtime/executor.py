@@ -112,14 +112,25 @@ class CallState:
 
 
 class _Step:
-    __slots__ = ("ins", "outs", "frees", "runner", "module")
+    __slots__ = ("ins", "outs", "frees", "runner", "module", "range_name")
 
-    def __init__(self, ins, outs, frees, runner, module) -> None:
+    def __init__(self, ins, outs, frees, runner, module, range_name="") -> None:
         self.ins = ins
         self.outs = outs
         self.frees = frees
         self.runner = runner
         self.module = module
+        self.range_name = range_name
+        """Profiler range of this region: "cgbackend g0.S0 attention" (report id and role)."""
+
+
+def _profiler_enabled() -> bool:
+    """Is an autograd/Kineto profiler (or emit_nvtx) recording? One C call; feature-tested."""
+    return False
+
+
+if hasattr(torch._C, "_autograd") and hasattr(torch._C._autograd, "_profiler_enabled"):
+    _profiler_enabled = torch._C._autograd._profiler_enabled  # noqa: F811
 
 
 class CompiledGraph:
@@ -204,7 +215,9 @@ class CompiledGraph:
                 # two-index form costs one more launch.
                 if self.training_graph:
                     self.gather_rewrites[region.index] = rewrite_gathers(module)
-            self.steps.append(_Step(ins, outs, frees, runner, module))
+            role = analysis.labels.region_roles.get(region.index, "other")
+            self.steps.append(_Step(ins, outs, frees, runner, module,
+                                    f"cgbackend g{index}.{region.name} {role}"))
 
         counters = shared.counters
         counters.compiled_graphs += 1
@@ -262,6 +275,8 @@ class CompiledGraph:
         return result
 
     def _run(self, args: tuple, call: CallState) -> Any:
+        if _profiler_enabled():
+            return self._run_profiled(args, call)
         env: list = list(args)
         env.extend([None] * (self.n_values - len(env)))
         for step in self.steps:
@@ -270,6 +285,25 @@ class CompiledGraph:
                 out = step.runner(ins, call)
             else:
                 out = step.module(*ins)
+            for i, value in zip(step.outs, out):
+                env[i] = value
+            for i in step.frees:
+                env[i] = None
+        return self._outputs(env)
+
+    def _run_profiled(self, args: tuple, call: CallState) -> Any:
+        """_run with one profiler range per region (record_function: Kineto traces, and NVTX ranges
+        under torch.autograd.profiler.emit_nvtx), named by the region's report id and role, around
+        its replay, capture or eager run alike."""
+        env: list = list(args)
+        env.extend([None] * (self.n_values - len(env)))
+        for step in self.steps:
+            ins = [env[i] for i in step.ins]
+            with torch.profiler.record_function(step.range_name):
+                if step.runner is not None:
+                    out = step.runner(ins, call)
+                else:
+                    out = step.module(*ins)
             for i, value in zip(step.outs, out):
                 env[i] = value
             for i in step.frees:
