@@ -29,7 +29,7 @@ from .runtime.executor import CompiledGraph
 from .runtime.mirror import CounterMirror
 from .runtime.region import RuntimeShared
 from .runtime.stats import EagerReason
-from .structured import emit_report, structured_tracing_on
+from . import structured
 
 __all__ = ["CGBackend", "by_name_backends", "default_backend", "dynamo_entry", "reset_default_backend"]
 
@@ -85,9 +85,9 @@ class CGBackend:
                  index, ops, len(part.static_regions()), 100.0 * static_ops / max(ops, 1),
                  len(part.dynamic_regions()),
                  f" [{compiled.blocked}]" if compiled.blocked else "")
-        if structured_tracing_on():
+        if structured.structured_tracing_on():
             gr = graph_report(analysis, index, break_info)
-            emit_report(Report(graphs=[gr], graph_breaks=[break_info] if break_info else [],
+            structured.emit_report(Report(graphs=[gr], graph_breaks=[break_info] if break_info else [],
                                summary=summarize([gr], [break_info] if break_info else []),
                                config=self.config.to_dict()), "cgbackend_partition_report")
         if compiled.blocked == EagerReason.NO_CUDA and self.config.strict:
