@@ -69,9 +69,11 @@ def _mode_reason(training: Optional[bool], traced: set[bool]) -> dict[str, Any]:
         return {"mode": "none", "why": "Dynamo produced no graph"}
     mode = "training" if traced == {True} else "inference" if traced == {False} else "mixed"
     if training is True:
-        why = "training=True: traced with grad mode on"
+        why = ("training=True (CLI: --training): traced with grad mode on; where parameters or inputs "
+               "require grad, each static region gets a forward and a backward graph")
     elif training is False:
-        why = "training=False: traced under torch.no_grad()"
+        why = ("training=False (the CLI's default): traced under torch.no_grad(), inference graphs "
+               "only; training=True (CLI: --training) traces for training")
     elif torch.is_grad_enabled():
         why = ("grad mode was on (the default) and inputs or parameters require grad, so autograd "
                "records the graph: cgbackend captures a forward and a backward graph per region. "
