@@ -124,13 +124,12 @@ class _Step:
         """Profiler range of this region: "cgbackend g0.S0 attention" (report id and role)."""
 
 
-def _profiler_enabled() -> bool:
-    """Is an autograd/Kineto profiler (or emit_nvtx) recording? One C call; feature-tested."""
+def _never() -> bool:
     return False
 
 
-if hasattr(torch._C, "_autograd") and hasattr(torch._C._autograd, "_profiler_enabled"):
-    _profiler_enabled = torch._C._autograd._profiler_enabled  # noqa: F811
+_profiler_enabled: Callable[[], bool] = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", _never)
+"""Is an autograd/Kineto profiler (or emit_nvtx) recording? One C call; feature-tested."""
 
 
 class CompiledGraph:
