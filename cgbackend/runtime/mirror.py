@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import operator
 from typing import Any
 
@@ -72,12 +73,17 @@ class CounterMirror:
             self._failures = failures
 
 
-def _target() -> Any:
-    """Dynamo's counter for cgbackend (a defaultdict of Counters), or None without Dynamo's utils."""
+@functools.lru_cache(maxsize=1)
+def _dynamo_counters() -> Any:
+    """torch._dynamo.utils.counters (a defaultdict of Counters, cleared in place), or None."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:  # pragma: no cover - torch without Dynamo
         return None
-    if not isinstance(counters, collections.defaultdict) and KEY not in counters:
-        return None
-    return counters[KEY]
+    return counters if isinstance(counters, collections.defaultdict) else None
+
+
+def _target() -> Any:
+    """Dynamo's Counter for cgbackend, looked up each time: counters.clear() drops it."""
+    counters = _dynamo_counters()
+    return counters[KEY] if counters is not None else None
