@@ -1,9 +1,10 @@
 """cgbackend: a torch.compile backend that brings CUDA graphs to models that are not fully static.
 
-    torch.compile(model, backend="cgbackend")       # by name (entry point)
+    torch.compile(model, backend="cgbackend", options={"warmup": 3})  # by name (entry point)
     cgbackend.compile(model, warmup=3)               # traces data-dependent ops into the graph
     cgbackend.explain(model, *inputs)                # ahead-of-time partition report
     cgbackend.stats(compiled_model)                  # counters
+    help(cgbackend.Config), help(cgbackend.Report)   # every option; the report's fields
 """
 
 from ._version import __version__
