@@ -1,21 +1,20 @@
-from setuptools import find_packages, setup
+"""Only the long description: the README with its relative links made absolute, so they work
+wherever the description is shown (PyPI, `pip show`). Everything else is in pyproject.toml."""
 
-setup(
-    name="cgbackend",
-    version="0.1.0",
-    description="A torch.compile backend that brings CUDA graphs to models that are not fully static",
-    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
-    long_description_content_type="text/markdown",
-    packages=find_packages(include=["cgbackend", "cgbackend.*"]),
-    package_data={"cgbackend.passes.dispatch": ["costs.json"]},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.11", "sympy"],
-    extras_require={
-        "test": ["pytest", "numpy", "transformers>=5"],
-        "te": ["transformer-engine[pytorch]"],
-    },
-    entry_points={
-        "torch_dynamo_backends": ["cgbackend = cgbackend.backend:dynamo_entry"],
-        "console_scripts": ["cgbackend = cgbackend.cli:main"],
-    },
-)
+import os
+import re
+
+from setuptools import setup
+
+REPOSITORY = "https://github.com/cgbackend/cgbackend"  # as [project.urls] in pyproject.toml
+
+
+def long_description() -> str:
+    if not os.path.exists("README.md"):
+        return ""
+    with open("README.md", encoding="utf-8") as f:
+        text = f.read()
+    return re.sub(r"\]\((?!https?://|#)([^)]+)\)", lambda m: f"]({REPOSITORY}/blob/main/{m.group(1)})", text)
+
+
+setup(long_description=long_description(), long_description_content_type="text/markdown")

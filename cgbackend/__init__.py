@@ -1,11 +1,13 @@
 """cgbackend: a torch.compile backend that brings CUDA graphs to models that are not fully static.
 
-    torch.compile(model, backend="cgbackend")       # by name (entry point)
+    torch.compile(model, backend="cgbackend", options={"warmup": 3})  # by name (entry point)
     cgbackend.compile(model, warmup=3)               # traces data-dependent ops into the graph
     cgbackend.explain(model, *inputs)                # ahead-of-time partition report
     cgbackend.stats(compiled_model)                  # counters
+    help(cgbackend.Config), help(cgbackend.Report)   # every option; the report's fields
 """
 
+from ._version import __version__
 from .api import backend, compile, find_backend, prepare, report, reset, stats
 from .backend import CGBackend
 from .config import Config, ConfigError
@@ -15,7 +17,6 @@ from .marks import mark_dynamic
 from .reasons import Reason, Rule
 from .report import Report
 
-__version__ = "0.1.0"
 
 _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)
 

@@ -2,4 +2,4 @@
 
 from .cli import main
 
-raise SystemExit(main())
+raise SystemExit(main(prog="python -m cgbackend"))

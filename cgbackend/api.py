@@ -11,7 +11,9 @@ import torch
 from . import opaque
 from .passes.dispatch import source as loop_source
 from .passes.dispatch.layout import stack_expert_params
-from .backend import CGBackend, default_backend, dynamo_entry, reset_default_backend
+from .backend import CGBackend
+from .by_name import (backend_of_wrapper, by_name_backends, default_backend, dynamo_entry, is_compile_wrapper,
+                      reset_default_backend)
 from .report import Report
 
 __all__ = ["backend", "compile", "prepare", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]
@@ -146,7 +148,9 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
 
 
 def find_backend(obj: Any = None) -> CGBackend:
-    """The CGBackend behind a compiled model or function (or the default one for None)."""
+    """The CGBackend behind a compiled model or function. A model compiled by name
+    (``torch.compile(model, backend="cgbackend")``) has its own instance, one per torch.compile
+    call; None gives the instance used by name where torch's compile wrapper cannot be found."""
     if obj is None:
         return default_backend()
     if isinstance(obj, CGBackend):
@@ -170,6 +174,8 @@ def find_backend(obj: Any = None) -> CGBackend:
                 break
             if isinstance(candidate, CGBackend):
                 return candidate
+            if is_compile_wrapper(candidate):
+                return backend_of_wrapper(candidate)
             if candidate is dynamo_entry:
                 return default_backend()
             candidate = (getattr(candidate, "_torchdynamo_orig_backend", None)
@@ -182,16 +188,45 @@ def find_backend(obj: Any = None) -> CGBackend:
 
 def stats(obj: Any = None) -> dict[str, Any]:
     """Counters of the backend behind ``obj``: regions, graphs captured, replays, eager calls by
-    reason, copies made/avoided, output clones, pool bytes, capture time. See runtime.stats."""
+    reason, copies made/avoided, output clones, pool bytes, capture time. See runtime.stats.
+
+    Without ``obj``: every model compiled by name (``backend="cgbackend"``) in this process, added
+    up. The same numbers, summed over all instances, are in
+    ``torch._dynamo.utils.counters["cgbackend"]``."""
+    if obj is None:
+        return _sum_stats([b.stats() for b in by_name_backends()])
     return find_backend(obj).stats()
 
 
+def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    from .runtime.stats import Counters
+    total = Counters().to_dict()
+    total.update(pending_forwards=0, nothing_captured_reason=None)
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    total[key][k] = total[key].get(k, 0) + v
+            elif isinstance(value, list):
+                total[key] = total[key] + value
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] += value
+            elif total.get(key) is None:
+                total[key] = value
+    return total
+
+
 def report(obj: Any = None) -> Report:
-    """Partition report of everything the backend behind ``obj`` compiled, with runtime counters."""
+    """Partition report of everything the backend behind ``obj`` compiled, with runtime counters
+    (a :class:`cgbackend.Report`; its fields: ``help(cgbackend.Report)``, the JSON Schema
+    ``cgbackend/report.schema.json``; the module with the text renderer is ``cgbackend.report``,
+    importable as ``import cgbackend.report``, which this function's name hides)."""
     return find_backend(obj).report()
 
 
 def reset() -> None:
-    """Forget the default backend (its graphs stay alive as long as Dynamo's caches hold them);
-    call torch._dynamo.reset() too to drop those."""
+    """Forget the backend instances made by name (their graphs stay alive as long as Dynamo's
+    caches hold them); ``torch._dynamo.reset()`` drops those and zeroes every instance's counters."""
+    for instance in by_name_backends():
+        instance.reset()
     reset_default_backend()

@@ -2,9 +2,11 @@
 
 ``CGBackend(**options)`` is one backend instance: it owns the memory pools, the
 counters and the compiled graphs it made. ``torch.compile(model,
-backend="cgbackend")`` (the ``torch_dynamo_backends`` entry point) uses one
-default instance per process, created on first use; ``cgbackend.backend(...)``
-and ``cgbackend.compile(...)`` make separate instances.
+backend="cgbackend", options={...})`` (the ``torch_dynamo_backends`` entry point)
+makes one instance per ``torch.compile`` call, configured by ``options``;
+``cgbackend.backend(...)`` and ``cgbackend.compile(...)`` make separate instances
+too. ``torch._dynamo.reset()`` (``torch.compiler.reset()``) resets every instance's
+counters along with Dynamo's caches.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import torch.fx
 
 from .analysis import Analysis, analyze
+from .breaks import break_text, source_of_stack
 from .config import Config
 from .coverage import runtime_launches
 from .hints import build_hints
@@ -26,9 +29,12 @@ from .opaque import InstallResult
 from .profile import RegionTimer
 from .report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
+from .runtime.mirror import CounterMirror
 from .runtime.region import RuntimeShared
+from .runtime.stats import EagerReason
+from . import structured
 
-__all__ = ["CGBackend", "default_backend", "dynamo_entry", "reset_default_backend"]
+__all__ = ["CGBackend", "by_name_backends", "default_backend", "dynamo_entry", "reset_default_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +44,8 @@ def graph_break_info(gm: torch.fx.GraphModule) -> Optional[dict[str, str]]:
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
-    stack = getattr(reason, "user_stack", None) or []
-    source = ""
-    if stack:
-        frame = stack[-1]
-        source = f"{str(frame.filename).replace(chr(92), '/').rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}"
-    text = str(getattr(reason, "reason", "")).strip().splitlines()
-    return {"reason": text[0] if text else "", "source": source}
+    source = source_of_stack(getattr(reason, "user_stack", None))
+    return {"reason": break_text(str(getattr(reason, "reason", ""))), "source": source}
 
 
 class CGBackend:
@@ -55,6 +56,8 @@ class CGBackend:
             raise TypeError("CGBackend takes either a Config or keyword options, not both")
         self.config = config if config is not None else Config.from_options(options)
         self.shared = RuntimeShared(self.config)
+        self.shared.mirror = CounterMirror()
+        """Pushes this instance's counters into torch._dynamo.utils.counters["cgbackend"]."""
         self._graphs: list[weakref.ReferenceType[CompiledGraph]] = []
         self._analyses: list[tuple[Analysis, Optional[dict[str, str]]]] = []
         self._keep_analyses = False
@@ -96,6 +99,7 @@ class CGBackend:
             # call (inner.py): only regions that reach a capture are compiled.
             compiled = CompiledGraph(analysis, list(example_inputs), self.shared, index)
             self._graphs.append(weakref.ref(compiled))
+            self.shared.mirror.push(self.shared.counters)
         part = analysis.partition
         ops = sum(1 for r in part.regions for n in r.nodes if n.op.startswith("call_"))
         static_ops = sum(1 for r in part.static_regions() for n in r.nodes if n.op.startswith("call_"))
@@ -103,6 +107,18 @@ class CGBackend:
                  index, ops, len(part.static_regions()), 100.0 * static_ops / max(ops, 1),
                  len(part.dynamic_regions()),
                  f" [{compiled.blocked}]" if compiled.blocked else "")
+        if structured.structured_tracing_on():
+            gr = graph_report(analysis, index, break_info)
+            structured.emit_report(Report(graphs=[gr], graph_breaks=[break_info] if break_info else [],
+                               summary=summarize([gr], [break_info] if break_info else []),
+                               config=self.config.to_dict()), "cgbackend_partition_report")
+        if compiled.blocked == EagerReason.NO_CUDA and self.config.strict:
+            raise RuntimeError(
+                f"cgbackend: strict=True but graph {index} computes on "
+                f"{analysis.classification.compute_device}"
+                f"{'' if torch.cuda.is_available() else ' and this machine has no CUDA device'}: nothing "
+                "can be captured and strict forbids running it eagerly; run on CUDA tensors, or set "
+                "strict=False (or simulate_graphs=True to test the runtime on CPU)")
         if compiled.blocked == "no_cuda" and not self._no_cuda_logged:
             self._no_cuda_logged = True
             log.info("cgbackend: nothing is captured: the model computes on %s and CUDA graphs need "
@@ -120,7 +136,18 @@ class CGBackend:
     def compiled_graphs(self) -> list[CompiledGraph]:
         return [g for g in (ref() for ref in self._graphs) if g is not None]
 
+    def reset(self) -> None:
+        """Forget the graphs compiled so far and zero the counters; ``torch._dynamo.reset()`` calls
+        this (Dynamo drops the compiled graphs at the same time). Memory pools stay, for reuse."""
+        with self._lock:
+            self._graphs.clear()
+            self._analyses.clear()
+            self.shared.counters.clear()
+            self.shared.mirror.reset()
+            self._no_cuda_logged = False
+
     def stats(self) -> dict[str, Any]:
+        self.shared.mirror.push(self.shared.counters)
         out = self.shared.counters.to_dict()
         out["pending_forwards"] = sum(g.slots.pending() for g in self.compiled_graphs())
         out["nothing_captured_reason"] = next(
@@ -160,32 +187,17 @@ class CGBackend:
     def _opaque_dict(self) -> dict[str, Any]:
         return self.opaque.to_dict() if self.opaque is not None else {}
 
-    def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str]) -> Report:
-        report = build_report(self._analyses, extra_breaks, self.config.to_dict(), notes)
+    def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str],
+                     analyses: Optional[list] = None, calls: Optional[dict[int, int]] = None) -> Report:
+        """The ahead-of-time report of ``analyses`` (default: those kept); ``calls``: graph index ->
+        how often it ran in the traced model call (per-call figures count those runs)."""
+        report = build_report(self._analyses if analyses is None else analyses, extra_breaks,
+                              self.config.to_dict(), notes, runs=calls)
         report.opaque_modules = self._opaque_dict()
         self._annotate(report)
         return report
 
 
-_default: Optional[CGBackend] = None
-_default_lock = threading.Lock()
-
-
-def default_backend() -> CGBackend:
-    """The instance behind ``backend="cgbackend"``; created on first use with CGBACKEND_* options."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = CGBackend()
-        return _default
-
-
-def reset_default_backend() -> None:
-    global _default
-    with _default_lock:
-        _default = None
-
-
-def dynamo_entry(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-    """What ``torch.compile(backend="cgbackend")`` calls (the torch_dynamo_backends entry point)."""
-    return default_backend()(gm, example_inputs)
+# The torch_dynamo_backends entry point ("cgbackend.backend:dynamo_entry") and the instances made by
+# name live in by_name.py; imported last, as that module builds on CGBackend.
+from .by_name import by_name_backends, default_backend, dynamo_entry, reset_default_backend  # noqa: E402

@@ -2,7 +2,8 @@
 
 ``python -m cgbackend bench [FLAGS]`` (or ``python benchmarks/run.py [FLAGS]``) runs, in one
 process, every chosen contender on every chosen reference model (``cgbackend.models``) in
-inference and training, and writes ``benchmarks/results/latest.json`` plus a table on stdout.
+inference and training, and writes JSON where ``--out`` says (default: a new folder under
+``./cgbackend-results/``, named on stdout) plus a table on stdout.
 ``benchmarks/README.md`` documents the flags, what is measured and the JSON schema.
 
 For each model x mode x contender the harness
@@ -177,17 +178,21 @@ RUN_DEFAULTS = dict(models="dense,moe", modes="infer,train", size="bench", batch
                     threads=None)
 
 
-def _repo_root() -> Path:
-    here = Path(__file__).resolve().parent.parent
-    return here if (here / "benchmarks").is_dir() else Path.cwd()
-
-
 def default_json_path() -> Path:
-    return _repo_root() / "benchmarks" / "results" / "latest.json"
+    """A new folder under ./cgbackend-results/ per run (named on stdout): never a tracked file.
+    The repository's benchmarks/results/latest.json and RESULTS.md are written only when named with
+    --out / --markdown."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    folder = Path.cwd() / "cgbackend-results" / f"bench-{stamp}"
+    n = 1
+    while folder.exists():
+        n += 1
+        folder = Path.cwd() / "cgbackend-results" / f"bench-{stamp}-{n}"
+    return folder / "results.json"
 
 
-def default_markdown_path() -> Path:
-    return _repo_root() / "benchmarks" / "RESULTS.md"
+def default_markdown_path(out: Path) -> Path:
+    return out.parent / "RESULTS.md"
 
 
 class UsageError(Exception):
@@ -260,9 +265,9 @@ def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m cgbackend bench",
+        prog=prog,
         description="Side-by-side benchmark of cgbackend against eager and stock torch.compile modes "
                     "(see benchmarks/README.md).")
     p.add_argument("--models", help="comma-separated models (default dense,moe; see --list-models)")
@@ -303,10 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(default: unchanged; --smoke: 1)")
     p.add_argument("--seed", type=int, default=0, help="model weights seed (inputs use seed+1)")
     p.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate in train mode")
-    p.add_argument("--out", help="JSON output path (default benchmarks/results/latest.json; "
-                                 "--smoke: a file in the temp directory)")
-    p.add_argument("--markdown", help="also render RESULTS.md here (default benchmarks/RESULTS.md "
-                                      "on CUDA; on CPU only when given)")
+    p.add_argument("--out", help="JSON output path (default: results.json in a new folder "
+                                 "./cgbackend-results/bench-DATE-TIME/, named on stdout; --smoke: a "
+                                 "file in the temp directory)")
+    p.add_argument("--markdown", help="also render RESULTS.md here (default: beside the JSON on CUDA; "
+                                      "on CPU only when given)")
     p.add_argument("--no-markdown", action="store_true", help="do not render markdown")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke run: tiny sizes, eager and the cgbackend contenders with the eager "
@@ -397,7 +403,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     elif args.markdown:
         markdown = Path(args.markdown)
     else:
-        markdown = default_markdown_path() if device.type == "cuda" and not args.smoke else None
+        markdown = default_markdown_path(out) if device.type == "cuda" and not args.smoke else None
     return Settings(models=models, modes=modes, contenders=contenders, size=size, overrides=overrides,
                     batch=ints["batch"], seq=ints["seq"], batches=ints["batches"], warmup=ints["warmup"],
                     iters=ints["iters"], acc_batches=min(ints["acc_batches"], ints["batches"]),
@@ -1202,9 +1208,9 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
     return {"meta": build_meta(settings, argv, cases, skipped, rows), "rows": rows}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m cgbackend bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(prog)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error (argparse already printed it)
@@ -1231,6 +1237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _log(f"device {settings.device} ({_device_name(settings.device)}), dtype {_dtype_name(settings.dtype)}, "
          f"models {','.join(settings.models)}, modes {','.join(settings.modes)}, "
          f"contenders {','.join(settings.contenders)}")
+    print(f"cgbackend bench: results will be written to {settings.out}", flush=True)
     saved_threads = torch.get_num_threads()
     if settings.threads is not None:
         torch.set_num_threads(settings.threads)
@@ -1245,6 +1252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         settings.markdown.write_text(render_markdown(_sanitize(results)), encoding="utf-8")
         _log(f"wrote {settings.markdown}")
     print(render_table(results))
+    print(f"results: {settings.out}" + (f", {settings.markdown}" if settings.markdown is not None else ""))
     return 0
 
 

@@ -78,14 +78,79 @@ def _parse_options(items: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+def _check_device(device: str) -> None:
+    import torch
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"--device {device!r} is not a device (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise CLIError(f"--device {device}: no CUDA device is available (torch {torch.__version__}, {build}); "
+                       "drop --device to trace on the CPU (the report is the same)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _dynamic_target(spec: str, call_args: tuple, call_kwargs: dict) -> tuple[str, Any, int]:
+    """--dynamic DIM (the first tensor input, positional or keyword) or NAME:DIM (the keyword input
+    NAME, or the positional input at index NAME)."""
+    import torch
+    name, sep, dim_text = spec.rpartition(":")
+    try:
+        dim = int(dim_text)
+    except ValueError:
+        raise CLIError(f"--dynamic takes DIM or NAME:DIM (e.g. 0, input_ids:1), got {spec!r}") from None
+    inputs = [(str(i), a) for i, a in enumerate(call_args)] + list(call_kwargs.items())
+    tensors = [(n, a) for n, a in inputs if isinstance(a, torch.Tensor)]
+    if sep:
+        found = [(n, a) for n, a in inputs if n == name]
+        if not found:
+            names = ", ".join(n for n, _ in inputs) or "none"
+            raise CLIError(f"--dynamic {spec}: no input named {name!r} (inputs: {names})")
+        if not isinstance(found[0][1], torch.Tensor):
+            raise CLIError(f"--dynamic {spec}: input {name!r} is not a tensor")
+        name, tensor = found[0]
+    else:
+        if not tensors:
+            raise CLIError(f"--dynamic {spec}: the model takes no tensor input")
+        name, tensor = tensors[0]
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise CLIError(f"--dynamic {spec}: input {name!r} has {tensor.dim()} dimension(s), "
+                       f"shape {tuple(tensor.shape)}")
+    return name, tensor, dim % tensor.dim()
+
+
+class _quiet_torch_logs:
+    """Without --verbose, torch's own log lines (fake-tensor errors, graph-break warnings) stay out
+    of the CLI's output: the report lists the breaks and an error names its cause in one line."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+
+    def __enter__(self) -> None:
+        if not self.verbose:
+            self._previous = logging.root.manager.disable
+            logging.disable(logging.CRITICAL)
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.verbose:
+            logging.disable(self._previous)
+
+
 def _cmd_explain(args: argparse.Namespace) -> int:
     import torch
     from .explain import ExplainError, explain
     if bool(args.target) == bool(args.demo):
         raise CLIError("give either MODULE:FACTORY or --demo moe|dense")
+    _check_device(args.device)
     if args.demo:
         from .models import demo_model
-        model, inputs = demo_model(args.demo, device=args.device)
+        try:
+            model, inputs = demo_model(args.demo, device=args.device)
+        except Exception as exc:
+            raise CLIError(f"building the --demo {args.demo} model on {args.device} failed: "
+                           f"{type(exc).__name__}: {_one_line(exc)}") from None
         call_args, call_kwargs = (inputs,), {}
     else:
         factory = _load_factory(args.target)
@@ -94,18 +159,15 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         except Exception as exc:
             raise CLIError(f"the factory {args.target} raised {type(exc).__name__}: {_one_line(exc)}") from None
         model, call_args, call_kwargs = _split_inputs(made)
-    for dim in args.dynamic or ():
-        tensors = [a for a in call_args if isinstance(a, torch.Tensor)]
-        if not tensors or dim >= tensors[0].dim():
-            raise CLIError(f"--dynamic {dim}: the first input has no dimension {dim}")
-        torch._dynamo.mark_dynamic(tensors[0], dim)
+    for spec in args.dynamic or ():
+        name, tensor, dim = _dynamic_target(spec, call_args, call_kwargs)
+        torch._dynamo.mark_dynamic(tensor, dim)
     options = _parse_options(args.option or [])
-    grad = torch.enable_grad() if args.train else torch.no_grad()
     if hasattr(model, "train") and hasattr(model, "eval"):
         model.train(args.train)
     try:
-        with grad:
-            report = explain(model, *call_args, options=options, **call_kwargs)
+        with _quiet_torch_logs(args.verbose):
+            report = explain(model, *call_args, options=options, training=args.train, **call_kwargs)
     except ExplainError as exc:
         raise CLIError(str(exc)) from None
     if args.html:  # before printing: a closed pipe (`| head`) must not cost the file
@@ -116,39 +178,59 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cgbackend", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("explain", help="partition report, ahead of time (no GPU needed)")
-    ex.add_argument("target", nargs="?", help="MODULE:FACTORY returning (model, example_inputs)")
-    ex.add_argument("--demo", choices=("moe", "dense"), help="a built-in reference model")
-    ex.add_argument("--json", action="store_true", help="print the report as JSON")
-    ex.add_argument("--train", action="store_true", help="trace in training mode (grad on)")
+def build_parser(prog: str = "cgbackend") -> argparse.ArgumentParser:
+    from ._version import __version__
+    parser = argparse.ArgumentParser(prog=prog, description="cgbackend: explain (partition report), bench (benchmark harness), serve-bench (serving loop with random batch sizes).")
+    parser.add_argument("--version", action="version", version=f"cgbackend {__version__}",
+                        help="print cgbackend's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ex = sub.add_parser("explain", help="partition report, ahead of time (no GPU needed)",
+                        description="Trace a model with Dynamo and print how cgbackend would split it: "
+                                    "every region, its role, what stays eager and why. Captures nothing.")
+    ex.add_argument("target", nargs="?", help="MODULE:FACTORY or FILE.py:FACTORY; FACTORY() returns "
+                                              "(model, example_inputs): a tensor, a tuple of "
+                                              "positional inputs, a dict of keyword inputs, or (args, kwargs)")
+    ex.add_argument("--demo", choices=("moe", "dense"), help="a built-in reference model instead of a target")
+    ex.add_argument("--json", action="store_true", help="print the report as JSON (schema: "
+                                                        "cgbackend/report.schema.json)")
+    ex.add_argument("--train", "--training", dest="train", action="store_true",
+                    help="trace for training: model.train() and grad mode on (default: model.eval() "
+                         "under torch.no_grad(), inference)")
     ex.add_argument("--device", default="cpu", help="device for --demo models (default cpu)")
-    ex.add_argument("--option", action="append", metavar="KEY=VALUE", help="a cgbackend option")
-    ex.add_argument("--dynamic", type=int, action="append", metavar="DIM",
-                    help="mark this dimension of the first input dynamic (a symbolic size), repeatable")
+    ex.add_argument("--option", action="append", metavar="KEY=VALUE",
+                    help="a cgbackend option (see cgbackend.Config), repeatable")
+    ex.add_argument("--dynamic", action="append", metavar="[NAME:]DIM",
+                    help="mark a dimension dynamic (a symbolic size), repeatable: DIM of the first "
+                         "tensor input, or NAME:DIM of the keyword input NAME (or of the positional "
+                         "input at index NAME)")
     ex.add_argument("--html", metavar="PATH", help="also write the report as one self-contained HTML page")
-    ex.add_argument("-v", "--verbose", action="store_true", help="log cgbackend's INFO lines")
+    ex.add_argument("-v", "--verbose", action="store_true", help="log cgbackend's INFO lines and torch's logs")
     ex.set_defaults(func=_cmd_explain)
-    bench = sub.add_parser("bench", help="side-by-side benchmark (see benchmarks/README.md)", add_help=False)
+    bench = sub.add_parser("bench", help="side-by-side benchmark; --help for its options "
+                                         "(benchmarks/README.md)", add_help=False)
     bench.set_defaults(func=None)
-    serve = sub.add_parser("serve-bench", help="serving loop, random batch sizes (benchmarks/README.md)",
-                           add_help=False)
+    serve = sub.add_parser("serve-bench", help="serving loop with random batch sizes; --help for its "
+                                               "options (benchmarks/README.md)", add_help=False)
     serve.set_defaults(func=None)
     dist_bench = sub.add_parser("bench-dist", help="DDP / FSDP2 / expert-parallel training, run with torchrun "
                                 "(benchmarks/README.md)", add_help=False)
     dist_bench.set_defaults(func=None)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "cgbackend") -> int:
+    """The ``cgbackend`` console script; ``python -m cgbackend`` passes its own ``prog``."""
+    parser = build_parser(prog)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         from .bench import main as bench_main
-        return bench_main(rest)
+        return bench_main(rest, prog=f"{prog} bench")
     if args.command == "bench-dist":
         from .bench_dist import main as bench_dist_main
         return bench_dist_main(rest)
     if args.command == "serve-bench":
         from .serving import main as serving_main
-        return serving_main(rest)
+        return serving_main(rest, prog=f"{prog} serve-bench")
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if getattr(args, "verbose", False):

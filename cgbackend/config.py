@@ -64,7 +64,9 @@ class Config:
     own graphs and memory pool. A forward beyond that runs eagerly (counted)."""
 
     strict: bool = False
-    """Raise instead of falling back to eager when a capture fails or a region cannot be replayed."""
+    """Raise instead of falling back to eager when a capture fails or a region cannot be replayed. A
+    graph nothing of which can be captured (it computes on the CPU, or the machine has no CUDA
+    device) raises at its first call too; ``simulate_graphs=True`` tests the runtime on CPU."""
 
     inner: str = "auto"
     """How static regions are compiled before capture: "inductor", "eager" (eager's kernels, results
@@ -227,3 +229,11 @@ def parse_value(key: str, raw: str, default: Any) -> Any:
                 return ()
         return tuple(part.strip() for part in text.split(",") if part.strip())
     return text
+
+
+def _document() -> None:
+    from .config_docs import class_docstring
+    Config.__doc__ = class_docstring(Config)
+
+
+_document()

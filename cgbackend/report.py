@@ -1,6 +1,8 @@
 """The partition report: plain dataclasses filled from the analyses, rendered by one function.
 
-JSON schema ``cgbackend.report/1`` (stable; fields are only added):
+JSON schema ``cgbackend.report/1`` (stable; fields are only added). The machine-readable schema is
+``cgbackend/report.schema.json`` (checked against real reports by tests/test_report_schema.py;
+``cgbackend.report_schema.validate_report(report)`` checks one); in short:
 
 ``{"schema", "config", "notes": [str], "graph_breaks": [{"reason", "source"}],
 "summary": {...}, "graphs": [{"index", "ops", "static_ops", "compute_device", "training",
@@ -114,16 +116,35 @@ class GraphReport:
     runtime: Optional[dict[str, Any]] = None
     dispatch: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Static MoE dispatch (passes/dispatch/): ``{"mode", "rewrites": [...], "skipped": [...]}``."""
+    runs_per_call: int = 1
+    """How often this graph ran in the model call explain traced (a layer's code compiled once runs
+    once per layer); the summary's per-call figures count these runs."""
 
 
 @dataclasses.dataclass
 class Report:
+    """What cgbackend did (or would do) with a model: from ``cgbackend.explain(model, *inputs)``
+    (ahead of time, nothing captured) or ``cgbackend.report(compiled)`` (with runtime counters).
+
+    ``print(report)`` / ``report.to_text()`` renders it for people; ``report.to_json()`` /
+    ``to_dict()`` give the data, whose every field is described by the JSON Schema
+    ``cgbackend/report.schema.json`` (``cgbackend.report_schema.load_schema()``; schema name in
+    ``report.schema``). Fields: ``graphs`` (one GraphReport per Dynamo graph, each with its
+    ``regions``: id, kind static|dynamic, role, ops, estimated kernels, inputs/outputs as
+    shape@dtype, symbols, reasons with source lines), ``graph_breaks`` (``{"reason", "source"}``),
+    ``summary`` (counts and per-call estimates), ``config`` (the options), ``notes``,
+    ``traced_as`` (explain: inference or training, and why) and ``opaque_modules``.
+    ``report.regions()`` lists the regions of all graphs in execution order.
+    """
+
     graphs: list[GraphReport]
     graph_breaks: list[dict[str, str]]
     summary: dict[str, Any]
     config: dict[str, Any]
     notes: list[str] = dataclasses.field(default_factory=list)
     schema: str = SCHEMA
+    traced_as: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """explain only: ``{"mode": "inference" | "training" | "mixed" | "none", "why"}``."""
     opaque_modules: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What ``cgbackend.compile`` / ``explain`` made opaque (opaque.py): ``{"wrapped": [{"module",
     "kind"}], "skipped": [{"module", "kind", "reason"}]}``; skipped modules keep their own forward
@@ -237,8 +258,11 @@ def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> 
     static_ops = sum(g.static_ops for g in graphs)
     static_regions = [r for g in graphs for r in g.regions if r.kind == "static"]
     dynamic_regions = [r for g in graphs for r in g.regions if r.kind == "dynamic"]
-    kernels_static = sum(r.est_kernels for r in static_regions)
-    kernels_dynamic = sum(r.est_kernels for r in dynamic_regions)
+    # Per call: each graph counts as often as it ran in the traced call.
+    launches = sum(g.runs_per_call for g in graphs for r in g.regions if r.kind == "static")
+    kernels_static = sum(g.runs_per_call * r.est_kernels for g in graphs for r in g.regions if r.kind == "static")
+    kernels_dynamic = sum(g.runs_per_call * r.est_kernels for g in graphs for r in g.regions
+                          if r.kind == "dynamic")
     top: collections.Counter = collections.Counter()
     example: dict[tuple[str, str], str] = {}
     for region in dynamic_regions:
@@ -259,8 +283,10 @@ def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> 
         "dynamic_regions": len(dynamic_regions),
         "symbolic_regions": sum(1 for r in static_regions if r.buckets),
         "bucketed_regions": sum(1 for r in static_regions if any(b["padded"] for b in r.buckets.values())),
+        "graph_runs_per_call": sum(g.runs_per_call for g in graphs),
+        "graph_launches_per_call": launches,
         "est_kernels_eager": kernels_static + kernels_dynamic,
-        "est_launches_graphed": len(static_regions) + kernels_dynamic,
+        "est_launches_graphed": launches + kernels_dynamic,
         "opaque_calls_graphed": sum(len(r.opaque) for r in static_regions),
         "opaque_calls_eager": sum(len(r.opaque) for r in dynamic_regions),
         "static_kernel_fraction": round(kernels_static / (kernels_static + kernels_dynamic), 4)
@@ -272,8 +298,10 @@ def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> 
 
 def build_report(analyses: list[tuple[Analysis, Optional[dict[str, str]]]],
                  graph_breaks: list[dict[str, str]], config: dict[str, Any],
-                 notes: Optional[list[str]] = None) -> Report:
+                 notes: Optional[list[str]] = None, runs: Optional[dict[int, int]] = None) -> Report:
     graphs = [graph_report(a, i, br) for i, (a, br) in enumerate(analyses)]
+    for g in graphs:
+        g.runs_per_call = (runs or {}).get(g.index, 1)
     return Report(graphs=graphs, graph_breaks=graph_breaks, summary=summarize(graphs, graph_breaks),
                   config=config, notes=list(notes or []))
 
@@ -417,12 +445,15 @@ def render_text(report: Report) -> str:
         "cgbackend partition report",
         f"  graphs: {s['graphs']}   graph breaks: {s['graph_breaks']}   ops: {s['ops']}",
         f"  static_op_fraction: {s['static_op_fraction']:.3f} (kernels ~{s['static_kernel_fraction']:.3f})"
-        f"   static regions (graphs per call): "
-        f"{s['static_regions']}   dynamic regions: {s['dynamic_regions']}",
+        f"   static regions: {s['static_regions']}   dynamic regions: {s['dynamic_regions']}",
         f"  kernel launches per call (estimated): {s['est_kernels_eager']} all eager -> "
-        f"{s['est_launches_graphed']} with graphs ({s['static_regions']} graph launches + "
-        f"{s['est_launches_graphed'] - s['static_regions']} eager)",
+        f"{s['est_launches_graphed']} with graphs ({s['graph_launches_per_call']} graph launches + "
+        f"{s['est_launches_graphed'] - s['graph_launches_per_call']} eager)"
+        + (f"; Dynamo graphs run {s['graph_runs_per_call']} times per call"
+           if s['graph_runs_per_call'] != s['graphs'] else ""),
     ]
+    if report.traced_as:
+        lines.append(f"  traced as {report.traced_as['mode']}: {report.traced_as['why']}")
     lines.extend(launch_text(s))
     for note in report.notes:
         lines.append(f"  note: {note}")

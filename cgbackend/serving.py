@@ -165,25 +165,29 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python benchmarks/serving.py", description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="dense,moe")
-    p.add_argument("--contenders", default="eager,cgbackend")
-    p.add_argument("--size", default="bench")
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--calls", type=int, default=500)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tol", type=float, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default=None, help="JSON results path")
-    p.add_argument("--markdown", default=None, help="Markdown table path")
+def build_parser(prog: str = "python -m cgbackend serve-bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="dense,moe", help="comma-separated reference models (default %(default)s)")
+    p.add_argument("--contenders", default="eager,cgbackend",
+                   help="comma-separated, eager first (default %(default)s; choices: "
+                        + ", ".join(CONTENDERS) + ")")
+    p.add_argument("--size", default="bench", help="model size from cgbackend.models.SIZES (default %(default)s)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="default %(default)s")
+    p.add_argument("--calls", type=int, default=500, help="calls in the warm and in the timed loop (default %(default)s)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="batch sizes are drawn uniformly from 1..MAX_BATCH (default %(default)s)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and batch sizes (default %(default)s)")
+    p.add_argument("--tol", type=float, default=None,
+                   help="accuracy tolerance on max|diff|/max|ref| (default by dtype)")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--out", default=None, help="write the JSON results here (default: not written)")
+    p.add_argument("--markdown", default=None, help="write the Markdown table here (default: stdout only)")
     return p
 
 
-def run(argv: Sequence[str]) -> dict[str, Any]:
-    args = build_parser().parse_args(list(argv))
+def run(argv: Sequence[str], prog: str = "python -m cgbackend serve-bench") -> dict[str, Any]:
+    args = build_parser(prog).parse_args(list(argv))
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in args.contenders:
         if c not in CONTENDERS:
@@ -208,6 +212,6 @@ def run(argv: Sequence[str]) -> dict[str, Any]:
     return results
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    results = run(sys.argv[1:] if argv is None else argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m cgbackend serve-bench") -> int:
+    results = run(sys.argv[1:] if argv is None else argv, prog)
     return 0 if all("error" not in r and r.get("accuracy_ok", True) for r in results["rows"]) else 1

@@ -72,20 +72,6 @@ def test_backend_by_name_moe_in_a_fresh_interpreter():
     assert proc.stdout.strip().splitlines()[-1] == "OK"
 
 
-def test_backend_by_name_uses_one_default_instance():
-    f = torch.compile(torch.nn.Linear(4, 4), backend="cgbackend")
-    g = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), backend="cgbackend")
-    x = torch.randn(3, 4)
-    with torch.no_grad():
-        assert torch.equal(f(x), f._orig_mod(x)) and torch.equal(g(x), g._orig_mod(x))
-    assert cgbackend.find_backend(f) is cgbackend.find_backend(g) is cgbackend.find_backend()
-    assert cgbackend.stats(f)["compiled_graphs"] == 2
-    old = cgbackend.find_backend()
-    cgbackend.reset()
-    assert cgbackend.find_backend() is not old
-    assert cgbackend.stats()["compiled_graphs"] == 0
-
-
 @pytest.mark.parametrize("backend", ["by_name", "instance"])
 def test_stats_of_a_compiled_function(backend):
     """find_backend / stats take "a compiled model or function"."""

@@ -31,6 +31,7 @@ from ..fx_utils import (arg_of, callee_name, class_name, compute_nodes, fake_val
 from ..marks import marked_module_reason, marked_op_reason
 from ..reasons import Reason, Rule, reason_for
 from .effects import mutated_args
+from .op_tags import tagged_dynamic_output_shape
 
 __all__ = ["Classification", "ClassifyContext", "NodeVerdict", "RULES", "classify"]
 
@@ -72,9 +73,13 @@ _SYNC_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", 
 _SYNC_FUNCTIONS = {"_local_scalar_dense", "synchronize", "item"}
 _TO_HOST_METHODS = {"cpu", "numpy", "tolist"}
 # Ops that read device data on the host to size their output, even when a torch._check has fixed
-# the traced size (bincount sizes its output from max(input)).
-_SYNCING_OPS = {"bincount", "nonzero", "argwhere", "unique", "unique_consecutive", "_unique2",
-                "masked_select"}
+# the traced size, and that PyTorch's torch.Tag.dynamic_output_shape does not name (passes/op_tags.py
+# finds the tagged ones: nonzero, argwhere, bincount, masked_select, unique_consecutive, _unique,
+# _unique2, unique_dim, one_hot without num_classes). Each entry says why the tag misses it.
+_SYNCING_OPS = {
+    "unique": "torch.unique is a Python function choosing _unique2 / unique_dim; Dynamo records the "
+              "Python name",
+}
 # Custom operators of libraries known to read device data on the host inside (opaque to tracing).
 _SYNCING_CUSTOM_OPS = {
     "transformers::grouped_mm_fallback": "loops over offsets.tolist() (one host sync per call)",
@@ -159,6 +164,10 @@ def _syncing_op(node: torch.fx.Node) -> bool:
     name = callee_name(node)
     if name in _SYNCING_OPS or op_key(node) in _SYNCING_CUSTOM_OPS:
         return True
+    if tagged_dynamic_output_shape(node) is not None:
+        return True
+    # The rest is conditional on arguments, which a tag on the operator cannot say.
+    # where(cond): composite over nonzero, and aten.where's other overloads are element-wise.
     if name == "where" and len(node.args) == 1 and not node.kwargs:
         return True
     if name == "histc":
@@ -166,10 +175,11 @@ def _syncing_op(node: torch.fx.Node) -> bool:
         # the default); with a range given (tokens per expert: min=0, max=E-1) it stays on the device.
         lo, hi = arg_of(node, 2, "min", 0), arg_of(node, 3, "max", 0)
         return not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo != hi)
+    # repeat_interleave: only the tensor-repeats overload is tagged, and output_size fixes it.
     if name == "repeat_interleave" and "output_size" not in node.kwargs:
         repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
         return isinstance(repeats, torch.fx.Node) and isinstance(fake_value(repeats), torch.Tensor)
-    return _bool_index(node)
+    return _bool_index(node)  # aten.index is tagged only for masks; Dynamo records operator.getitem
 
 
 def rule_host_sync(node: torch.fx.Node, ctx: ClassifyContext) -> Optional[Reason]:
@@ -209,6 +219,12 @@ def rule_syncing_op(node: torch.fx.Node, ctx: ClassifyContext) -> Optional[Reaso
     custom = _SYNCING_CUSTOM_OPS.get(op_key(node))
     if custom:
         return reason_for(node, Rule.HOST_SYNC, f"{op_key(node)} {custom}; static_dispatch rewrites it")
+    tagged = tagged_dynamic_output_shape(node)
+    if tagged is not None:
+        return reason_for(node, Rule.HOST_SYNC,
+                          f"{op_name(node)} ({tagged}) is tagged torch.Tag.dynamic_output_shape: it reads "
+                          "device data on the host to size its output (a hidden synchronize), which "
+                          "cannot be captured")
     return reason_for(node, Rule.HOST_SYNC,
                       f"{op_name(node)} reads device data on the host to size its output "
                       "(a hidden synchronize), which cannot be captured")

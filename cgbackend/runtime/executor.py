@@ -118,15 +118,25 @@ class CallState:
 
 
 class _Step:
-    __slots__ = ("ins", "outs", "frees", "runner", "module", "region")
+    __slots__ = ("ins", "outs", "frees", "runner", "module", "region", "range_name")
 
-    def __init__(self, ins, outs, frees, runner, module, region) -> None:
+    def __init__(self, ins, outs, frees, runner, module, region, range_name="") -> None:
         self.ins = ins
         self.outs = outs
         self.frees = frees
         self.runner = runner
         self.module = module
         self.region = region
+        self.range_name = range_name
+        """Profiler range of this region: "cgbackend g0.S0 attention" (report id and role)."""
+
+
+def _never() -> bool:
+    return False
+
+
+_profiler_enabled: Callable[[], bool] = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", _never)
+"""Is an autograd/Kineto profiler (or emit_nvtx) recording? One C call; feature-tested."""
 
 
 class CompiledGraph:
@@ -206,7 +216,9 @@ class CompiledGraph:
                 # two-index form costs one more launch.
                 if self.training_graph:
                     self.gather_rewrites[region.index] = rewrite_gathers(module)
-            self.steps.append(_Step(ins, outs, frees, runner, module, region))
+            role = analysis.labels.region_roles.get(region.index, "other")
+            self.steps.append(_Step(ins, outs, frees, runner, module, region,
+                                    f"cgbackend g{index}.{region.name} {role}"))
 
         counters = shared.counters
         counters.compiled_graphs += 1
@@ -216,6 +228,8 @@ class CompiledGraph:
         self._lock = threading.RLock()
         self.calls = 0
         """Calls of this graph (each runs every dynamic region once): the runtime launch coverage."""
+        self._mirror = getattr(shared, "mirror", None)
+        """runtime/mirror.py: pushes the counters into torch._dynamo.utils.counters after each call."""
 
     def _input_kinds(self, region) -> tuple[list[str], list[Optional[RegionRunner]]]:
         """How a static region reads each input (region.py), and the runner producing hand-offs."""
@@ -323,6 +337,8 @@ class CompiledGraph:
             apply_splits(self)
         if not self._capture_logged:
             self._log_capture_once()
+        if self._mirror is not None:
+            self._mirror.push(self.shared.counters)
         return result
 
     def _env(self, args: tuple) -> list:
@@ -334,10 +350,16 @@ class CompiledGraph:
     def _run(self, args: tuple, call: CallState) -> Any:
         env = self._env(args)
         watch = self.shared.watch
+        profiling = _profiler_enabled()
         for position, step in enumerate(self.steps):
             ins = [env[i] for i in step.ins]
             if watch is not None:  # launch counting (explain) or per-region timing (profile=True)
                 out = watch(self, position, run_step, step, ins, call)
+            elif profiling:
+                # One profiler range per region (Kineto traces; NVTX under emit_nvtx), named by the
+                # report id and role, around its replay, capture or eager run alike.
+                with torch.profiler.record_function(step.range_name):
+                    out = run_step(step, ins, call)
             elif step.runner is not None:
                 out = step.runner(ins, call)
             else:

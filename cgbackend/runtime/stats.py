@@ -121,6 +121,12 @@ class Counters:
     sync_splits: list = dataclasses.field(default_factory=list)
     """One entry per split: {"region", "node", "op", "source", "detail"}."""
 
+    def clear(self) -> None:
+        """Back to zero, in place (runners hold this object)."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING
+                    else f.default)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eager_calls"] = dict(self.eager_calls)

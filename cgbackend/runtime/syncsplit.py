@@ -117,7 +117,7 @@ def _apply(graph: "CompiledGraph", step: Any, hit: Any) -> None:
         outs = tuple(slot_of[n] for n in part.outputs)
         frees = tuple(s for s in ins if last_part.get(s) == i and (s in step.frees or s >= base))
         runner = graph._make_runner(part, module, None) if part.is_static else None
-        new_steps.append(_Step(ins, outs, frees, runner, module, part))
+        new_steps.append(_Step(ins, outs, frees, runner, module, part, f"{step.range_name}.{i}"))
     position = graph.steps.index(step)
     graph.steps[position:position + 1] = new_steps
     # Later regions that took a hand-off from the old runner now take it from the part computing it,

@@ -1,0 +1,111 @@
+"""Packaging and discoverability: the wheel's metadata (license, URLs, classifiers, the one version),
+``--version``, help() texts that show every option, the README's options table generated from the
+same docstrings, and module/function names that help() can tell apart."""
+
+from __future__ import annotations
+
+import dataclasses
+import email
+import pathlib
+import pydoc
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+import cgbackend
+from cgbackend import Config
+from cgbackend.config_docs import field_docs, options_table
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel_metadata(tmp_path_factory) -> email.message.Message:
+    """Build the wheel from a copy of the sources (offline, no build isolation: the installed
+    setuptools) and read its METADATA."""
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "cgbackend", src / "cgbackend", ignore=shutil.ignore_patterns("__pycache__"))
+    dist = src / "dist"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "--no-index", "-q", "-w", str(dist), str(src)],
+                          capture_output=True, text=True, timeout=300, cwd=src)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = dist.glob("cgbackend-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        message = email.message_from_string(zf.read(meta).decode())
+        message.files = names  # type: ignore[attr-defined]
+        message.entry_points = zf.read(meta.replace("METADATA", "entry_points.txt")).decode()  # type: ignore[attr-defined]
+    return message
+
+
+def test_wheel_metadata_has_license_urls_classifiers(wheel_metadata):
+    assert wheel_metadata["License-Expression"] == "BSD-3-Clause"
+    assert any(f.endswith(".dist-info/licenses/LICENSE") for f in wheel_metadata.files)
+    urls = wheel_metadata.get_all("Project-URL")
+    assert {u.split(",")[0] for u in urls} >= {"Homepage", "Source", "Issues"}
+    classifiers = wheel_metadata.get_all("Classifier")
+    assert "Programming Language :: Python :: 3.11" in classifiers
+    assert any(c.startswith("Topic ::") for c in classifiers)
+    assert wheel_metadata["Requires-Python"] == ">=3.10"
+    # The schema ships with the package; the entry points are there.
+    assert "cgbackend/report.schema.json" in wheel_metadata.files
+    assert "cgbackend = cgbackend.backend:dynamo_entry" in wheel_metadata.entry_points
+    assert "cgbackend = cgbackend.cli:main" in wheel_metadata.entry_points
+    # The long description's relative links point into the repository.
+    body = wheel_metadata.get_payload()
+    assert "](benchmarks/" not in body and "/blob/main/benchmarks/RESULTS.md)" in body
+
+
+def test_one_version(wheel_metadata):
+    from cgbackend._version import __version__
+    assert wheel_metadata["Version"] == __version__ == cgbackend.__version__
+    # Written once: nowhere else in the sources.
+    for path in [ROOT / "setup.py", ROOT / "pyproject.toml", ROOT / "cgbackend" / "__init__.py"]:
+        assert __version__ not in path.read_text(), path
+    proc = subprocess.run([sys.executable, "-m", "cgbackend", "--version"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"cgbackend {__version__}"
+
+
+def test_license_file():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License") and "cgbackend developers" in text
+
+
+def test_help_of_config_shows_every_option_and_its_doc():
+    text = pydoc.render_doc(Config, renderer=pydoc.plaintext)
+    docs = field_docs(Config)
+    assert set(docs) == set(Config.field_names())  # every option has a docstring in config.py
+    for name in Config.field_names():
+        assert re.search(rf"\b{name}: ", text), name
+        first_words = " ".join(docs[name].split()[:6])
+        assert first_words in " ".join(text.split()), name
+
+
+def test_readme_options_table_is_generated_from_the_docstrings():
+    readme = (ROOT / "README.md").read_text()
+    table = options_table(Config)
+    assert table in readme, ("README's options table differs from cgbackend.config_docs.options_table("
+                             "Config); paste its output into README.md")
+    for f in dataclasses.fields(Config):
+        assert f"| `{f.name}` |" in readme
+
+
+def test_help_of_report_shows_the_schema_pointer():
+    text = pydoc.render_doc(cgbackend.Report, renderer=pydoc.plaintext)
+    assert "report.schema.json" in text and "explain" in text
+    # The function cgbackend.report hides the module of the same name; help() of each says where the other is.
+    assert "report.schema.json" in cgbackend.report.__doc__ and "import cgbackend.report" in cgbackend.report.__doc__
+    assert "report.schema.json" in sys.modules["cgbackend.report"].__doc__
+    # The modules stay importable by their dotted names.
+    import importlib
+    assert importlib.import_module("cgbackend.report").SCHEMA == "cgbackend.report/1"
+    assert "training" in cgbackend.explain.__doc__ and "import cgbackend.explain" in cgbackend.explain.__doc__
