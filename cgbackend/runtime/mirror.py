@@ -25,8 +25,9 @@ __all__ = ["CounterMirror", "KEY"]
 
 KEY = "cgbackend"
 
+# Numbers only: counters kept as lists or Counters (failures, fallbacks by reason) are not scalars.
 _SCALARS = tuple(f.name for f in dataclasses.fields(Counters)
-                 if f.name not in ("eager_calls", "copied_by_kind", "capture_failures", "capture_time_s"))
+                 if type(f.default) is int and f.name not in ("capture_time_s",))
 _read_scalars = operator.attrgetter(*_SCALARS)
 
 
