@@ -140,6 +140,27 @@ def test_write_between_forward_and_backward_raises_and_untouched_calls_match(ent
     assert cgbackend.stats(c)["fwd_replays"] >= 4
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_saved_tensor_checks_raise_only_where_eager_does(entry):
+    """Batch norm saves its running statistics and updates them in place without a version bump:
+    two forwards before one backward are fine eagerly, and must stay fine (the simulated capture
+    used to bump their version when it put them back)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 4)).double()
+    ref = copy.deepcopy(model)
+    c = _compiled(model, entry)
+    for i in range(5):
+        x, x2 = _randn(8, 4, seed=i), _randn(8, 4, seed=100 + i)
+        loss = c(x).pow(2).sum() + c(x2).pow(2).sum()
+        ref_loss = ref(x).pow(2).sum() + ref(x2).pow(2).sum()
+        torch.testing.assert_close(loss, ref_loss)
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad)
+        torch.testing.assert_close(model[1].running_mean, ref[1].running_mean)
+    assert cgbackend.stats(c)["fwd_replays"] >= 6
+
+
 # ---------------------------------------------------------------- 4. in-place buffer updates
 
 class _Acc(nn.Module):
