@@ -93,6 +93,31 @@ def test_view_of_input_sees_an_eager_write_between_regions(entry):
     assert st["replays"] >= 4 and set(st["eager_calls"]) == {"warmup"}, st["eager_calls"]
 
 
+def _view_after_write_train(x, mask, w):
+    v = x.view(-1)
+    y = (x.sin() @ w).sin()
+    x.index_fill_(0, torch.nonzero(mask).flatten(), 0.0)
+    return (v * 3 + y.reshape(-1)).exp().sum()
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_view_of_input_sees_an_eager_write_between_regions_in_training(entry):
+    c = _compiled(_view_after_write_train, entry)
+    for i in range(6):
+        x = _randn(6, 4, seed=i)
+        mask = torch.rand(6, generator=_gen(100 + i)) > 0.5
+        w = _randn(4, 4, seed=200 + i).requires_grad_(True)
+        rx, rw = x.clone(), w.detach().clone().requires_grad_(True)
+        out, ref = c(x, mask, w), _view_after_write_train(rx, mask, rw)
+        torch.testing.assert_close(out, ref)
+        out.backward()
+        ref.backward()
+        torch.testing.assert_close(w.grad, rw.grad)
+        torch.testing.assert_close(x, rx)
+    st = cgbackend.stats(c)
+    assert st["fwd_replays"] >= 4 and set(st["eager_calls"]) == {"warmup"}, st["eager_calls"]
+
+
 # ---------------------------------------------------------------- 3. saved tensors written in place
 
 def _write_saved(x, w):
