@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["overlap", "InputViews", "SavedTensors", "fill_padding", "saved_modified_error"]
+__all__ = ["overlap", "overlap_candidates", "InputViews", "SavedTensors", "fill_padding", "saved_modified_error"]
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
@@ -42,22 +42,41 @@ def _span(t: torch.Tensor) -> tuple[int, int, int]:
     return t.untyped_storage().data_ptr(), start, start + (last + 1) * size
 
 
-def overlap(ins: Sequence[Any], tensor_pos: Sequence[int], written: Sequence[int]) -> Optional[tuple[int, int]]:
-    """Two positions whose tensors share memory, one of them written by the region in place
-    (``written``), or None. Conservative: ranges that interleave without sharing an element
-    (``x[::2]``, ``x[1::2]``) count as overlapping."""
-    spans = []
-    for pos in tensor_pos:
-        t = ins[pos]
-        if isinstance(t, torch.Tensor) and t.numel() and t.layout == torch.strided:
-            spans.append((pos, _span(t)))
+def overlap_candidates(kinds: Sequence[str], written: Sequence[int], in_place: str,
+                       value: str) -> tuple[int, ...]:
+    """Positions to compare with the written ones: every copied input, and parameters (read in
+    place, kind ``in_place``) only when a copied input is written. Two inputs that are both read
+    in place (a written buffer and a parameter viewing the same base) behave as eagerly already."""
+    copied = [p for p, k in enumerate(kinds) if k not in (value, in_place)]
+    if any(kinds[w] not in (value, in_place) for w in written):
+        return tuple(p for p, k in enumerate(kinds) if k != value)
+    return tuple(copied)
+
+
+def overlap(ins: Sequence[Any], written: Sequence[int], others: Sequence[int]) -> Optional[tuple[int, int]]:
+    """A written position and another (``others``) whose tensors share memory, or None.
+    Conservative: ranges that interleave without sharing an element (``x[::2]``, ``x[1::2]``)
+    count as overlapping. Cost: one storage lookup per position, spans only on a shared storage."""
+    spans: dict[int, list] = {}
     for w in written:
         t = ins[w]
+        if isinstance(t, torch.Tensor) and t.numel() and t.layout == torch.strided:
+            spans.setdefault(t.untyped_storage().data_ptr(), []).append((w, t))
+    if not spans:
+        return None
+    for pos in others:
+        t = ins[pos]
         if not isinstance(t, torch.Tensor) or not t.numel() or t.layout != torch.strided:
             continue
-        ptr, lo, hi = _span(t)
-        for pos, (p2, lo2, hi2) in spans:
-            if pos != w and p2 == ptr and lo < hi2 and lo2 < hi:
+        same = spans.get(t.untyped_storage().data_ptr())
+        if not same:
+            continue
+        _, lo, hi = _span(t)
+        for w, tw in same:
+            if w == pos:
+                continue
+            _, lo2, hi2 = _span(tw)
+            if lo < hi2 and lo2 < hi:
                 return w, pos
     return None
 

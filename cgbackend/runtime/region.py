@@ -45,7 +45,7 @@ import torch
 from ..config import Config
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
-from .inputs import InputViews, SavedTensors, fill_padding, overlap, saved_modified_error
+from .inputs import InputViews, SavedTensors, fill_padding, overlap, overlap_candidates, saved_modified_error
 from .pool import PoolSet, PoolState
 from .stats import Counters, EagerReason
 
@@ -194,9 +194,9 @@ class RegionRunner:
         self.replays = 0
         self.eager_calls: dict[str, int] = {}
         self.capture_time_s = 0.0
-        self.tensor_pos = tuple(p for p, k in enumerate(kinds) if k != VALUE)
         self.caller_pos = tuple(p for p, k in enumerate(kinds) if k not in (VALUE, PARAM))
         self.written = tuple(sorted(mutated))
+        self.overlap_pos = overlap_candidates(kinds, self.written, PARAM, VALUE) if mutated else ()
         self.rebased_ptrs: set[int] = set()
         """data_ptr() of the outputs this region's latest call rebuilt on a caller's tensor
         (inputs.InputViews): a consumer copies them like eager values."""
@@ -445,7 +445,7 @@ class RegionRunner:
             return self._eager(ins, self.disabled)
         grad_path = call.training and any(
             v.requires_grad for v, k in zip(ins, self.kinds) if k != VALUE)
-        if self.written and overlap(ins, self.tensor_pos, self.written) is not None:
+        if self.written and overlap(ins, self.written, self.overlap_pos) is not None:
             # Copies of overlapping inputs would not see each other's writes (inputs.py).
             return self._fallback(ins, EagerReason.ALIASED_INPUTS)
         if grad_path and any(ins[p].is_inference() for p in self.caller_pos):
