@@ -218,6 +218,34 @@ def test_in_place_buffer_update_keeps_the_buffer(entry):
     assert set(st["eager_calls"]) == {"warmup"}, st["eager_calls"]
 
 
+class _AccTrain(_Acc):
+    def forward(self, x):
+        y = self.lin(x).relu()
+        self.acc += y.detach().sum(0)
+        return (y * self.acc).sum()
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_in_place_buffer_update_keeps_the_buffer_in_training(entry):
+    torch.manual_seed(0)
+    model = _AccTrain()
+    ref_model = copy.deepcopy(model)
+    held, ptr = model.acc, model.acc.data_ptr()
+    c = _compiled(model, entry)
+    for i in range(8):
+        x = _randn(3, 4, seed=i)
+        loss, ref = c(x), ref_model(x)
+        torch.testing.assert_close(loss, ref)
+        loss.backward()
+        ref.backward()
+        torch.testing.assert_close(model.lin.weight.grad, ref_model.lin.weight.grad)
+        assert model.acc is held and model.acc.data_ptr() == ptr
+        torch.testing.assert_close(held, ref_model.acc)
+    st = cgbackend.stats(c)
+    assert st["fwd_graphs"] == 1 and st["fwd_replays"] == 7
+    assert set(st["eager_calls"]) == {"warmup"}, st["eager_calls"]
+
+
 # ---------------------------------------------------------------- 5. inference tensors in training
 
 @pytest.mark.parametrize("entry", ENTRIES)
