@@ -368,3 +368,26 @@ def test_an_error_of_the_call_during_capture_is_raised_and_the_region_captures_l
     assert st["capture_failures"] == [] and "capture_failed" not in st["eager_calls"]
     assert st["eager_calls"]["call_raised"] == len(bad_calls)
     assert st["graphs_captured"] == 1 and st["replays"] >= 2
+
+
+# ---------------------------------------------------------------- helpers of runtime/inputs.py
+
+def test_fill_padding_copies_the_last_row_block_into_every_padding_row():
+    from cgbackend.runtime.inputs import fill_padding
+    v = torch.arange(2 * 3 * 4).view(6, 4)  # two rows of a 3*s-sized dimension
+    buf = torch.zeros(15, 4, dtype=v.dtype)
+    fill_padding(buf, v, 0, 3)
+    assert torch.equal(buf, torch.cat([v, v[3:6].repeat(3, 1)]))
+    v2 = torch.arange(10).view(2, 5)
+    buf2 = torch.zeros(2, 8, dtype=v2.dtype)
+    fill_padding(buf2, v2, 1, 1)
+    assert torch.equal(buf2, torch.cat([v2, v2[:, 4:].expand(2, 3)], dim=1))
+
+
+def test_overlap_finds_shared_ranges_only():
+    from cgbackend.runtime.inputs import overlap
+    base = torch.zeros(10)
+    assert overlap([base[:8], base[2:]], [0], [1]) == (0, 1)
+    assert overlap([base[:5], base[5:]], [0], [1]) is None
+    assert overlap([base[:5], torch.zeros(5)], [0], [1]) is None
+    assert overlap([base, base.view(2, 5)[1]], [1], [0]) == (1, 0)
