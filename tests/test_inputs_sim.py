@@ -305,7 +305,8 @@ def test_padding_rows_never_hold_values_real_rows_do_not(entry, device):
         for i, n in enumerate(sizes):
             ids = torch.randint(1, 11, (n,), generator=_gen(i)).to(device)  # ids - 1 in [0, 10)
             torch._dynamo.mark_dynamic(ids, 0)
-            torch.testing.assert_close(c(ids), model(ids), rtol=0, atol=0)
+            # float64 tolerance: on a GPU a padded product may take another kernel than eager's.
+            torch.testing.assert_close(c(ids), model(ids))
     st = cgbackend.stats(c)
     assert st["capture_failures"] == [] and "capture_failed" not in st["eager_calls"]
     assert 1 <= st["graphs_captured"] < len(sizes) - 1  # padded: fewer graphs than sizes
