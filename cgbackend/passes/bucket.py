@@ -16,6 +16,8 @@ sized by s holds its rows in that dimension. On top of the row proof:
   and constant factories (``zeros``, ``ones``, ``full``, ``empty``) whose result is then a row
   source itself. Any other use (``arange(s)``, ``x / s``, a comparison) would see B, not s.
 * the region writes none of its inputs in place (a write would land on the padded copy);
+* no value computed from ``arange(s)`` is read as an index or an integer divisor: padding rows
+  hold s..B-1 there (passes/padvalues.py; padded inputs get copies of a real row instead);
 * every symbol in the sizes that are padded or sliced can be read from the region's inputs.
 
 Only inference calls are padded (training regions save activations of the exact size for their
@@ -35,6 +37,7 @@ import torch.fx
 from ..config import Config
 from ..fx_utils import fake_value, plain_name, size_expr, source_location, storage_ids
 from .effects import Effects
+from .padvalues import unsafe_padding_use
 from .partition import Partition, Region
 from .rowdep import NotRowwise, propagate_rows, rows_divide
 from .shapes import Shapes
@@ -171,6 +174,7 @@ def _plan(region: Region, sym: sympy.Symbol) -> BucketPlan:
     pad_inputs: dict[int, tuple[int, Monomial]] = {}
     value_inputs: dict[int, Monomial] = {}
     sym_nodes: set[torch.fx.Node] = set()
+    aranges: list[torch.fx.Node] = []
     for pos, inp in enumerate(region.inputs):
         value = fake_value(inp)
         if not _has(value, sym):
@@ -210,12 +214,17 @@ def _plan(region: Region, sym: sympy.Symbol) -> BucketPlan:
             # Constants, or arange(s): row i holds i whatever the padding, so the first s rows of
             # arange(B) are arange(s).
             sources[node] = _sized_dim(value, sym, f"{name} ({node.name})")[0]
+            if name == "arange":
+                aranges.append(node)
             continue
         raise _NoBucket(f"uses {sym} as a number, not a size", node)
     try:
         dims = propagate_rows(list(region.nodes), sources, rows=sym)
     except NotRowwise as exc:
         raise _NoBucket(exc.why, exc.node) from None
+    unsafe = unsafe_padding_use(region.nodes, aranges)
+    if unsafe is not None:
+        raise _NoBucket(unsafe[1], unsafe[0])
     outputs: dict[int, tuple[int, Monomial]] = {}
     for i, out in enumerate(region.outputs):
         value = fake_value(out)

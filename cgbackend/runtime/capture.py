@@ -244,10 +244,11 @@ class Capturer:
             finally:
                 with torch.no_grad():
                     for t, value in zip(restore, saved):
-                        # Only what fn wrote: a copy would bump the version counter of parameters
-                        # that eager autograd graphs saved.
+                        # Only what fn wrote, and through .data: a CUDA capture bumps no version
+                        # counter, and a bump here would fail the version check of eager autograd
+                        # graphs that saved the tensor (batch norm's running statistics).
                         if not torch.equal(t, value):
-                            t.copy_(value)
+                            t.data.copy_(value)
             return SimulatedGraph(fn, outputs, inputs=restore, reads=reads), outputs
 
         try:

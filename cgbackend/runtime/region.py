@@ -45,6 +45,7 @@ from ..config import Config
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
 from .params import ParamPolicy
+from .inputs import InputViews, SavedTensors, fill_padding, overlap, overlap_candidates, saved_modified_error
 from .pool import PoolSet, PoolState
 from .reach import reached_inputs, unreached
 from .stats import Counters, EagerReason
@@ -121,7 +122,8 @@ class _Entry:
 
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
                  "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds",
-                 "param_addrs", "volatile_pos")
+                 "param_addrs", "volatile_pos",
+                 "pad_block", "input_views")
 
     def __init__(self) -> None:
         self.graph = None
@@ -131,6 +133,10 @@ class _Entry:
         self.index = -1
         self.pad_dims: dict[int, int] = {}
         """Bucketed entries: copied input position -> the padded dimension (copied as a prefix)."""
+        self.pad_block: dict[int, int] = {}
+        """Bucketed entries: copied input position -> entries of the padded dimension per row."""
+        self.input_views: Optional[InputViews] = None
+        """Outputs that alias a static input, rebuilt on the caller's tensors (inputs.py)."""
         self.views: Optional[dict] = None
         """Bucketed entries: actual sizes -> the static outputs sliced to them."""
         self.nbytes = 0
@@ -157,7 +163,7 @@ class _Pad:
 class _TrainEntry(_Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "grad_ptrs",
-                 "leaves", "reach")
+                 "leaves", "reach", "saved_modified", "saved_pos")
 
     def in_use(self) -> bool:
         live = self.pool.live
@@ -213,6 +219,14 @@ class RegionRunner:
         self.on_sync: Optional[Callable[["RegionRunner", Any], bool]] = None
         """Set by the executor: asked to split the region at an op that synchronized in warm-up
         (runtime/syncsplit.py); False when it cannot, and the region then runs eagerly."""
+        self.caller_pos = tuple(p for p, k in enumerate(kinds) if k not in (VALUE, PARAM))
+        self.written = tuple(sorted(mutated))
+        self.overlap_pos = overlap_candidates(kinds, self.written, PARAM, VALUE) if mutated else ()
+        self.rebased_ptrs: set[int] = set()
+        """data_ptr() of the outputs this region's latest call rebuilt on a caller's tensor
+        (inputs.InputViews): a consumer copies them like eager values."""
+        self._failure: Optional[str] = None
+        """The error of the latest failed capture attempt, until the call decides whose it was."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -270,10 +284,12 @@ class RegionRunner:
         kind = self.kinds[pos]
         if kind is HANDOFF:
             producer = self.producers[pos]
-            if producer is not None and producer.disabled is not None:
-                addr_parts.append(None)  # producer is eager for good: copy like any eager value
-                return False
             ptr = value.data_ptr()
+            if producer is not None and (producer.disabled is not None or ptr in producer.rebased_ptrs):
+                # Producer eager for good, or the value is a view of a caller's tensor: copy it
+                # like any eager value.
+                addr_parts.append(None)
+                return False
             addr_parts.append(ptr)
             return ptr not in self.shared.persistent_ptrs
         if kind is EAGER:
@@ -430,10 +446,19 @@ class RegionRunner:
     # ------------------------------------------------------------------ entry point
 
     def __call__(self, ins: list, call: Any) -> Any:
+        if self.rebased_ptrs:
+            self.rebased_ptrs = set()
         if self.disabled is not None:
             return self._eager(ins, self.disabled)
         grad_path = call.training and any(
             v.requires_grad for v, k in zip(ins, self.kinds) if k != VALUE)
+        if self.written and overlap(ins, self.written, self.overlap_pos) is not None:
+            # Copies of overlapping inputs would not see each other's writes (inputs.py).
+            return self._fallback(ins, EagerReason.ALIASED_INPUTS)
+        if grad_path and any(ins[p].is_inference() for p in self.caller_pos):
+            # Autograd refuses to save an inference tensor (eagerly, on every call); its static
+            # copy is a normal tensor and would be saved.
+            return self._fallback(ins, EagerReason.INFERENCE_TENSOR)
         pad = self._padding(ins) if self.bucket is not None and not grad_path else None
         if pad is None:
             key, shape_key = self._keys(ins, grad_path, call.slot)
@@ -446,14 +471,20 @@ class RegionRunner:
                 fresh_entry = self._recapture(key, entry, ins, call, pad)
                 if fresh_entry is not None:
                     return self._run_entry(fresh_entry, ins, call, True, pad)
+                if self._failure is not None:
+                    return self._after_failed_capture(ins, shape_key)
                 if self.disabled is not None:
                     return self._eager(ins, self.disabled)
             return self._run_entry(entry, ins, call, False, pad)
         warm = self.warm.get(shape_key, 0)
         if warm < self.config.warmup:
-            self._note_warm(shape_key, warm + 1)
             self._count_eager(EagerReason.WARMUP)
-            return self._warmup_call(ins, shape_key, warm + 1 == self.config.warmup)
+            self._note_warm(shape_key, warm + 1)
+            try:
+                return self._warmup_call(ins, shape_key, warm + 1 == self.config.warmup)
+            except BaseException:
+                self._note_warm(shape_key, warm)  # only a call that returned counts as warm-up
+                raise
         if key is None:
             return self._eager(ins, EagerReason.PRODUCER_EAGER)
         if not self._make_room():
@@ -464,9 +495,36 @@ class RegionRunner:
             return self._eager(ins, EagerReason.CACHE_THRASH if self.thrashing else EagerReason.GRAPH_LIMIT)
         entry = self._capture(ins, grad_path, call, pad)
         if entry is None:
+            if self._failure is not None:
+                return self._after_failed_capture(ins, shape_key)
             return self._eager(ins, self.disabled or EagerReason.CAPTURE_FAILED)
         self.entries[key] = entry
         return self._run_entry(entry, ins, call, True, pad)
+
+    def _fallback(self, ins: list, reason: str) -> Any:
+        if self.config.strict:
+            raise RuntimeError(f"cgbackend: region {self.name} runs eagerly for this call "
+                               f"({reason}: {EagerReason.DESCRIPTIONS[reason]}); strict=True forbids it")
+        return self._eager(ins, reason)
+
+    def _after_failed_capture(self, ins: list, shape_key: tuple) -> Any:
+        """A capture attempt raised: run the call eagerly to tell whose error it was. If eager
+        raises too, the error belongs to the call (its code or its inputs): it reaches the caller,
+        and the region captures later, after another eager call of this signature returns (so
+        failed attempts never outnumber good calls). Otherwise the capture itself failed: the
+        region runs eagerly from now on (counted in capture_failures)."""
+        error, self._failure = self._failure, None
+        try:
+            out = self.fn(*ins)
+        except Exception:
+            self._count_eager(EagerReason.CALL_RAISED)
+            self._note_warm(shape_key, max(self.config.warmup - 1, 0))
+            log.info("cgbackend: capturing %s raised the call's own error (also raised eagerly): %s",
+                     self.name, error)
+            raise
+        self._capture_failed(error)
+        self._count_eager(self.disabled or EagerReason.CAPTURE_FAILED)
+        return out
 
     def _run_entry(self, entry: _Entry, ins: list, call: Any, fresh: bool,
                    pad: Optional[_Pad] = None) -> Any:
@@ -477,10 +535,19 @@ class RegionRunner:
                     f"cgbackend: replaying region {self.name} now could overwrite memory that a newer "
                     "graph still needs; strict=True forbids eager fallback")
             return self._eager(ins, EagerReason.REPLAY_ORDER)
+        views = entry.input_views
+        if views is not None and not views.usable(ins):
+            return self._fallback(ins, EagerReason.INPUT_VIEW)
         if isinstance(entry, _TrainEntry):
             tensors = [ins[p] for p in entry.tensor_pos]
-            return _RegionFunction.apply((self, entry, call, fresh), *tensors)
-        return self._replay(entry, ins, call, fresh, pad)
+            out = _RegionFunction.apply((self, entry, call, fresh), *tensors)
+        else:
+            out = self._replay(entry, ins, call, fresh, pad)
+        if views is None:
+            return out
+        out = views.rebase(out, ins)
+        self.rebased_ptrs = {out[i].data_ptr() for i in views.views}
+        return out
 
     # ------------------------------------------------------------------ inference
 
@@ -494,8 +561,8 @@ class RegionRunner:
                 dim = pad_dims.get(pos)
                 if dim is None:
                     static_ins[pos].copy_(value)
-                else:  # the actual rows, as the prefix of the padded buffer
-                    static_ins[pos].narrow(dim, 0, value.shape[dim]).copy_(value)
+                else:  # the actual rows as the prefix of the padded buffer, then copies of the last
+                    fill_padding(static_ins[pos], value, dim, entry.pad_block[pos])
             counters.copies_made += len(entry.copy_pos)
             copy_kinds = entry.copy_kinds
             if copy_kinds is None:
@@ -548,13 +615,16 @@ class RegionRunner:
                     static_ins.append(full)
                     handoff_pos.append(pos)
                     continue
-                # Zeros, not garbage, in the padding rows of the first capture: an index input
-                # (token ids) must stay in range. Later calls leave older rows there, as valid.
+                # Padding rows are copies of the last real row (inputs.fill_padding): the region is
+                # row-independent, so they compute what that row computed, and no value an eager
+                # call would not see (an index out of range) reaches the graph.
                 buf = torch.zeros(shape, dtype=value.dtype, device=value.device)
-                buf.narrow(dim, 0, value.shape[dim]).copy_(value)
+                block = size(pad.actual) // pad.actual[plan.symbol]
+                fill_padding(buf, value, dim, block)
                 static_ins.append(buf)
                 copy_pos.append(pos)
                 entry.pad_dims[pos] = dim
+                entry.pad_block[pos] = block
                 continue
             volatile = kind == PARAM and self.shared.params.is_volatile(value)
             if volatile:
@@ -611,14 +681,25 @@ class RegionRunner:
         try:
             self._prepare_static_inputs(ins, grad_path, entry, pad)
         except torch.OutOfMemoryError as exc:  # the static buffers are part of what capturing costs
-            self._capture_failed(first_line(exc))
+            self._failed_attempt(first_line(exc))
             return None
         static_ins = entry.static_ins
         fn = self.fn
+        saved_storages: set[int] = set()
         if grad_path:
+            entry.saved_modified = None
+
             def run() -> Any:
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_alias, _same):
-                    return fn(*static_ins)
+                # Hooks that skip autograd's version check (the static buffers are rewritten between
+                # replays on purpose) but remember what it would have checked (inputs.py).
+                saved = SavedTensors()
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    out = fn(*static_ins)
+                modified, storages = saved.finish()
+                if modified is not None:
+                    entry.saved_modified = modified
+                saved_storages.update(storages)
+                return out
         else:
             def run() -> Any:
                 return fn(*static_ins)
@@ -628,7 +709,7 @@ class RegionRunner:
             graph, outputs = self.shared.capturer.capture(
                 run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=self.hooks)
         except CaptureError as exc:
-            self._capture_failed(str(exc))
+            self._failed_attempt(str(exc))
             return None
         elapsed = time.perf_counter() - start
         entry.graph = graph
@@ -639,9 +720,14 @@ class RegionRunner:
         self._count_capture(entry, elapsed, _reserved(device) - reserved_before, forward=grad_path)
         if grad_path:
             self._finish_train_entry(entry, outputs)
+            # Inputs read from the caller's memory whose static tensor the forward saved: their
+            # versions are checked again at backward (_RegionFunction).
+            entry.saved_pos = tuple(
+                p for p in self._caller_memory(entry) if isinstance(static_ins[p], torch.Tensor)
+                and static_ins[p].numel() and static_ins[p].untyped_storage().data_ptr() in saved_storages)
         else:
             entry.outputs = outputs
-            self.shared.register_persistent(outputs)
+            self._register_outputs(entry)
         if pad is not None:
             entry.views = {}
             full = self.shared.padded_full
@@ -671,7 +757,20 @@ class RegionRunner:
         entry.grad_ptrs = frozenset()
         entry.leaves = []
         entry.reach = None
-        self.shared.register_persistent(entry.outputs)
+        self._register_outputs(entry, skip=entry.diff_out)
+
+    def _caller_memory(self, entry: _Entry) -> list[int]:
+        """Positions whose static tensor stands for a caller's memory: copies and parameters."""
+        return list(entry.copy_pos) + [p for p, k in enumerate(self.kinds) if k is PARAM]
+
+    def _register_outputs(self, entry: _Entry, skip: tuple = ()) -> None:
+        """Static outputs become hand-off candidates, except views of a static input: those are
+        rebuilt on the caller's tensor after each replay (inputs.InputViews)."""
+        views = InputViews.find(entry.outputs, entry.static_ins, self._caller_memory(entry), skip)
+        entry.input_views = views
+        outs = entry.outputs if views is None else [
+            o for i, o in enumerate(entry.outputs) if i not in views.views]
+        self.shared.register_persistent(outs)
 
     def _count_capture(self, entry: _Entry, elapsed: float, pool_growth: int, forward: bool) -> None:
         counters = self.shared.counters
@@ -688,13 +787,16 @@ class RegionRunner:
         if elapsed > 1.0:
             log.info("cgbackend: capturing %s took %.2f s", self.name, elapsed)
 
-    def _capture_failed(self, error: str) -> None:
-        self.shared.counters.capture_failures.append({"region": self.name, "error": error})
+    def _failed_attempt(self, error: str) -> None:
+        self._failure = error
         if torch.cuda.is_available() and not self.shared.capturer.simulate:
             # Hand back what the failed attempt held and cached (its pool's blocks): the eager
             # calls need it, and after an out-of-memory error they may need all of it.
             gc.collect()
             torch.cuda.empty_cache()
+
+    def _capture_failed(self, error: str) -> None:
+        self.shared.counters.capture_failures.append({"region": self.name, "error": error})
         if self.config.strict:
             raise RuntimeError(f"cgbackend: capturing region {self.name} failed: {error}")
         log.warning("cgbackend: capturing region %s failed, it runs eagerly from now on: %s",
@@ -865,22 +967,6 @@ def no_donated_buffers():
     return torch._functorch.config.patch(donated_buffer=False)
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """Saved-tensor pack hook: an alias without autograd history, and no version check on unpack
-    (the static buffers are rewritten between replays on purpose).
-
-    Not the tensor itself: a node that saves its own output (exp, softmax, ...) would then hold
-    that output, whose grad_fn is the node, a cycle through C++ that Python's collector cannot
-    see, and the capture's whole autograd graph, static activations included, would outlive the
-    backend (28 MiB per training backend on the MoE reference model)."""
-    return t.detach()
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    """Saved-tensor unpack hook: the packed alias as it is."""
-    return t
-
-
 def _reserved(device: Optional[torch.device]) -> int:
     if device is None or device.type != "cuda":
         return 0
@@ -901,6 +987,7 @@ class _RegionFunction(torch.autograd.Function):
         ctx.hook_token = runner.hooks.before_forward() if runner.hooks is not None else None
         entry.graph.replay()
         runner._after_replay(entry, full, call)
+        ctx.versions = [(full[p], full[p]._version) for p in entry.saved_pos]
         counters = runner.shared.counters
         counters.fwd_replays += 1
         ctx.runner, ctx.entry, ctx.call = runner, entry, call
@@ -920,6 +1007,14 @@ class _RegionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
         runner, entry, call = ctx.runner, ctx.entry, ctx.call
+        if entry.saved_modified is not None:
+            raise saved_modified_error(entry.saved_modified, runner.name)
+        for t, version in ctx.versions:
+            if t._version != version:
+                raise saved_modified_error(
+                    f"an input of shape {tuple(t.shape)}@{t.dtype} saved by the region was written in "
+                    f"place between forward and backward (version {t._version}; expected {version})",
+                    runner.name)
         if torch.is_grad_enabled():  # the engine runs backward in grad mode only for create_graph
             raise RuntimeError(
                 f"cgbackend: backward with create_graph=True (double backward) through graphed region "

@@ -26,6 +26,10 @@ class EagerReason:
     MODE_CHANGE = "grad_mode_change"
     GRAD_HELD = "gradient_still_held"
     PARAM_MOVED = "param_moved"
+    ALIASED_INPUTS = "aliased_inputs"
+    INFERENCE_TENSOR = "inference_tensor_input"
+    INPUT_VIEW = "input_view_output"
+    CALL_RAISED = "call_raised"
 
     DESCRIPTIONS = {
         WARMUP: "eager warm-up call before capture (option warmup)",
@@ -53,6 +57,14 @@ class EagerReason:
                      "(FSDP2 reshards and gathers again); this backward runs through the captured "
                      "forward instead of replaying on the old address (cgbackend.distributed.track_fsdp "
                      "keeps FSDP2's parameters graphed)",
+        ALIASED_INPUTS: "two inputs share memory and the region writes one of them in place: separate "
+                        "static copies would not see each other's writes (runtime/inputs.py)",
+        INFERENCE_TENSOR: "an inference-mode tensor is an input of a training call: eager autograd "
+                          "refuses to save it, a static copy would not",
+        INPUT_VIEW: "an output is a view of an input, and this call's input strides differ from the "
+                    "graph's (a padded graph): the view could not be rebuilt on the caller's tensor",
+        CALL_RAISED: "a capture attempt raised, and so did the call run eagerly: the error is the "
+                     "call's own (its code or inputs) and reaches the caller; the region captures later",
     }
 
 
