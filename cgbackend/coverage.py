@@ -161,9 +161,13 @@ class Launches:
         self.counter = counter
 
     def coverage(self) -> float:
+        """1 - (launches still outside graphs per call) / (an eager call's launches): what runs in
+        dynamic regions or uncompiled code counts against it; constants made once per compiled graph
+        (passes/constants.py) are launched by no call and count for it."""
         if self.eager <= 0:
             return 0.0
-        return round(min(self.counter.static / self.eager, 1.0), 4)
+        outside = self.counter.dynamic + self.counter.uncompiled
+        return round(max(0.0, min(1.0 - outside / self.eager, 1.0)), 4)
 
     def to_summary(self) -> dict[str, Any]:
         c = self.counter

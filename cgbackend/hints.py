@@ -76,17 +76,19 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
     summary = report.summary
     launches = summary.get("launches") or {}
     by_region = launches.get("by_region") or {}
-    covered = total = 0.0
+    # as launch_coverage: 1 - (launches left outside graphs) / (an eager call's launches)
+    outside = total = 0.0
     for g, fraction in zip(report.graphs, fractions):
         n = sum(by_region.get(r.id, r.est_kernels if not by_region else 0) for r in g.regions)
         static_now = sum(by_region.get(r.id, r.est_kernels if not by_region else 0)
                          for r in g.regions if r.kind == "static")
-        covered += n * fraction if fraction is not None else static_now
+        outside += n * (1.0 - fraction) if fraction is not None else n - static_now
         total += n
     measured = launches.get("basis") == "measured"
     if measured:
+        outside += launches.get("uncompiled") or 0
         total = max(total + (launches.get("uncompiled") or 0), launches.get("eager_call") or 0)
-    estimate = covered / total if total else 0.0
+    estimate = 1.0 - outside / total if total else 0.0
     now = summary.get("launch_coverage")
     now_text = f", now {100 * now:.0f}%" if now is not None else ""
     regions = regions_before - regions_after

@@ -7,6 +7,7 @@ import html.parser
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -104,9 +105,11 @@ def test_hit_experts_loop_coverage_below_static_fraction(trace_dynamic_ops):
     assert s["graph_breaks"] >= 1
     assert launches["basis"] == "measured"
     assert s["launch_coverage"] < s["static_op_fraction"]
-    assert s["launch_coverage"] == round(launches["in_graphs"] / launches["eager_call"], 4)
+    outside = launches["in_dynamic_regions"] + launches["uncompiled"]
+    assert s["launch_coverage"] == round(1 - outside / launches["eager_call"], 4)
     assert launches["in_graphs"] + launches["in_dynamic_regions"] + launches["uncompiled"] == launches["with_cgbackend"]
-    assert launches["with_cgbackend"] == launches["eager_call"]  # same ops, compiled or not
+    # same ops, compiled or not, less the constants made once per compiled graph (passes/constants.py)
+    assert 0 <= launches["eager_call"] - launches["with_cgbackend"] <= 2
     assert launches["uncompiled"] > 0
     sources = {src["source"]: src for src in launches["uncompiled_sources"]}
     assert _line_of("WHERE") in sources and sources[_line_of("WHERE")]["ops"].get("nonzero") == 4
@@ -133,7 +136,7 @@ def test_dense_demo_is_fully_covered():
     s = report.summary
     assert s["launch_coverage"] == 1.0
     assert s["launches"]["uncompiled"] == 0 and s["launches"]["in_dynamic_regions"] == 0
-    assert s["launches"]["in_graphs"] == s["launches"]["eager_call"] > 0
+    assert s["launches"]["in_graphs"] == s["launches"]["with_cgbackend"] > 0
     assert "static_dispatch" not in _kinds(report)
     assert "data_dependent_loop" not in _kinds(report)
 
@@ -147,7 +150,8 @@ def test_moe_demo_coverage_and_static_dispatch_hint():
     launches = s["launches"]
     # Everything Dynamo traced: no uncompiled launches; the dispatch regions hold the rest.
     assert launches["uncompiled"] == 0
-    assert launches["in_graphs"] + launches["in_dynamic_regions"] == launches["eager_call"]
+    # each call launches what eager does, less the constants made once per compiled graph
+    assert 0 <= launches["eager_call"] - (launches["in_graphs"] + launches["in_dynamic_regions"]) <= 2
     assert 0.2 < s["launch_coverage"] < 0.8
     by_region = launches["by_region"]
     assert sum(n for rid, n in by_region.items() if ".S" in rid) == launches["in_graphs"]
@@ -255,7 +259,7 @@ def test_torch_logs_env_shows_debug_lines():
     assert proc.returncode == 0, proc.stderr[-2000:]
     err = proc.stderr
     assert "cgbackend: captured graph0.S0 (inference, slot 0)" in err  # DEBUG, one per capture
-    assert "cgbackend: graph 0: 52 ops, 1 static regions" in err  # INFO at compile
+    assert re.search(r"cgbackend: graph 0: \d+ ops, 1 static regions", err)  # INFO at compile
     assert "cgbackend: graph 0: 1 static regions, 1 graphs captured in" in err  # INFO after capture
     env.pop("TORCH_LOGS")
     quiet = subprocess.run([sys.executable, "-c", _LOG_SCRIPT], env=env, capture_output=True, text=True,

@@ -202,8 +202,9 @@ def test_auto_uses_eager_kernels_where_nothing_is_captured(options, device, expe
 
 def test_auto_is_inductor_for_captured_cuda_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_inner(Config.from_options({}, environ={}), "cuda") == "inductor"
-    assert resolve_inner(Config.from_options({"warmup": 0}, environ={}), "cuda") == "eager"
+    assert resolve_inner(Config.from_options({"inner": "auto"}, environ={}), "cuda") == "inductor"
+    assert resolve_inner(Config.from_options({"inner": "auto", "warmup": 0}, environ={}), "cuda") == "eager"
+    assert resolve_inner(Config.from_options({}, environ={}), "cuda") == "eager"  # the default (docs/design.md)
 
 
 def _dense():
