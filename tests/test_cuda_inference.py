@@ -140,7 +140,10 @@ def test_host_sync_found_in_warmup_splits_the_region(inner):
     with torch.no_grad():
         for x in xs:
             out, ref = compiled(x), model(x)
-            assert torch.equal(out, ref) if inner == "eager" else assert_matches(out, ref, torch.float32)
+            if inner == "eager":
+                assert torch.equal(out, ref)
+            else:  # Inductor's kernels: within tolerance (assert_matches returns whether bitwise)
+                assert_matches(out, ref, torch.float32)
     st = cgbackend.stats(compiled)
     assert st["regions_split"] == 1, st["sync_splits"]
     assert st["sync_splits"][0]["op"].endswith("hidden_sync")
@@ -173,7 +176,10 @@ def test_device_constants_from_python_scalars_are_hoisted_and_captured(inner):
     with torch.no_grad():
         for x in xs:
             out, ref = compiled(x), model(x)
-            assert torch.equal(out, ref) if inner == "eager" else assert_matches(out, ref, torch.float32)
+            if inner == "eager":
+                assert torch.equal(out, ref)
+            else:  # Inductor's kernels: within tolerance (assert_matches returns whether bitwise)
+                assert_matches(out, ref, torch.float32)
     st = cgbackend.stats(compiled)
     assert st["constants_hoisted"] == 2, st
     assert st["static_regions"] == 1 and st["graphs_captured"] == 1 and st["replays"] == len(xs) - 1, st
