@@ -157,6 +157,9 @@ for _c in (
               backend_stats=_cgbackend_stats,
               description='cgbackend.compile(model, static_dispatch="auto") (MoE dispatch rewritten '
                           'into a static form, passes/dispatch/)'),
+    Contender("cgbackend-static-dispatch-inductor", _cgbackend(static_dispatch="auto", inner="inductor"),
+              stock=False, backend_stats=_cgbackend_stats,
+              description='cgbackend.compile(model, static_dispatch="auto", inner="inductor")'),
 ):
     register_contender(_c)
 del _c

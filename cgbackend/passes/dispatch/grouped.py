@@ -9,7 +9,7 @@ one tensor. Its rewrite, with no host sync and shapes fixed by the token count:
     tokens = perm // k        offsets = cumsum(bincount(ids, n+1)[:n])   (on the device)
     rows = x[tokens]          the expert body once, each per-expert linear a grouped product
     value = rows * router_weight[perm]     (cast as the loop cast it)
-    acc.index_add_(0, tokens, where(sorted id < n, value, 0))
+    acc += (where(sorted id < n, value, 0) back in slot order).reshape(T, k, ...).sum(1)
 
 Its cost follows the routed rows (T*k), not E/k times them. Each unit's body must be the same
 computation with per-expert weights only as the weight (or bias) of ``linear`` / ``matmul``; those
@@ -320,5 +320,11 @@ def build_grouped(gm: torch.fx.GraphModule, layer: Layer) -> torch.fx.Node:
     for _ in range(len(_shape(val)) - 1):
         keep = b.method("unsqueeze", keep, -1)
     val = b.fn(torch.where, keep, val, 0)
-    add = "index_add_" if u0.in_place else "index_add"
-    return b.method(add, u0.acc, 0, tokens, val)
+    # Back to slot order (a permutation: a copy, no atomics), then each token's k slots summed and
+    # added to the accumulator once; index_add_ of bf16 rows with atomics measured 1.5x slower here.
+    slots = b.fn(torch.index_copy, b.fn(torch.zeros_like, val), 0, perm, val)
+    tail = _shape(val)[1:]
+    per_token = slots if k == 1 else b.method("sum", b.method("reshape", slots, -1, k, *tail), 1)
+    if u0.in_place:
+        return b.method("add_", u0.acc, per_token)
+    return b.fn(operator.add, u0.acc, per_token)

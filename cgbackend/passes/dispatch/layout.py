@@ -86,10 +86,16 @@ def stacked_view(*ws: torch.Tensor) -> torch.Tensor:
 
 
 def stack_expert_params(model: torch.nn.Module) -> list[Relayout]:
-    """Lay out the parameters of each ModuleList of identical experts as slices of one block."""
+    """Lay out the parameters of each ModuleList of identical experts as slices of one block: lists
+    whose name contains "expert" (``experts``, ``local_experts``) and that hold no list themselves.
+    One parameter name at a time, so the transient extra memory is one block."""
     done: list[Relayout] = []
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        if "expert" not in path.rsplit(".", 1)[-1].lower():
+            continue  # a model's stack of layers is a ModuleList too: only experts are moved
+        if any(isinstance(sub, torch.nn.ModuleList) for m in module for sub in m.modules()):
             continue
         first = module[0]
         if any(type(m) is not type(first) for m in module):
