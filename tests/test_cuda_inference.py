@@ -129,6 +129,13 @@ class _OpModel(nn.Module):
         return self.b(F.gelu(self.op(self.a(x)) + 1))
 
 
+def _assert_out(out, ref, inner):
+    if inner == "eager":
+        assert torch.equal(out, ref)
+    else:  # Inductor's kernels: within tolerance (assert_matches returns whether bitwise)
+        assert_matches(out, ref, torch.float32)
+
+
 @pytest.mark.parametrize("inner", ["eager", "auto"])
 def test_host_sync_found_in_warmup_splits_the_region(inner):
     """The region a -> hidden_sync -> gelu, b synchronizes in warm-up: it is split at hidden_sync
@@ -140,10 +147,7 @@ def test_host_sync_found_in_warmup_splits_the_region(inner):
     with torch.no_grad():
         for x in xs:
             out, ref = compiled(x), model(x)
-            if inner == "eager":
-                assert torch.equal(out, ref)
-            else:  # Inductor's kernels: within tolerance (assert_matches returns whether bitwise)
-                assert_matches(out, ref, torch.float32)
+            _assert_out(out, ref, inner)
     st = cgbackend.stats(compiled)
     assert st["regions_split"] == 1, st["sync_splits"]
     assert st["sync_splits"][0]["op"].endswith("hidden_sync")
@@ -176,10 +180,7 @@ def test_device_constants_from_python_scalars_are_hoisted_and_captured(inner):
     with torch.no_grad():
         for x in xs:
             out, ref = compiled(x), model(x)
-            if inner == "eager":
-                assert torch.equal(out, ref)
-            else:  # Inductor's kernels: within tolerance (assert_matches returns whether bitwise)
-                assert_matches(out, ref, torch.float32)
+            _assert_out(out, ref, inner)
     st = cgbackend.stats(compiled)
     assert st["constants_hoisted"] == 2, st
     assert st["static_regions"] == 1 and st["graphs_captured"] == 1 and st["replays"] == len(xs) - 1, st
