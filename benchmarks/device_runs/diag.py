@@ -1,7 +1,7 @@
 """Diagnose the gap of static dispatch to the hand-written grouped MoE (moe-mixtral-shape, infer)."""
 import os, sys, copy
 import torch
-sys.path.insert(0, ".")
+sys.path.insert(0, ".")  # run from the repository root
 import cgbackend
 from cgbackend.models.realsize import SHAPES, RealModel, grouped_from, make_hidden_inputs
 from cgbackend.passes.dispatch import layout
