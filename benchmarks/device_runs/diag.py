@@ -1,5 +1,5 @@
 """Diagnose the gap of static dispatch to the hand-written grouped MoE (moe-mixtral-shape, infer)."""
-import os, sys, copy
+import sys
 import torch
 sys.path.insert(0, ".")  # run from the repository root
 import cgbackend
