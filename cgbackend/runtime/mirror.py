@@ -27,7 +27,7 @@ KEY = "cgbackend"
 
 # Numbers only: counters kept as lists or Counters (failures, fallbacks by reason) are not scalars.
 _SCALARS = tuple(f.name for f in dataclasses.fields(Counters)
-                 if type(f.default) is int and f.name not in ("capture_time_s",))
+                 if type(f.default) is int)
 _read_scalars = operator.attrgetter(*_SCALARS)
 
 

@@ -44,7 +44,7 @@ import torch.fx
 
 from ...fx_utils import fake_value, module_path, source_location
 from .cost import FORMS, MODES, choose_form, choose_layer_form
-from .grouped import build_grouped, find_layers, grouped_mm_supported
+from .grouped import build_grouped, find_layers, layer_is_native
 from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
 from .graph import _Builder
 from .records import DispatchResult, DispatchRewrite, DispatchSkipped, _Skip
@@ -83,7 +83,7 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
     changed = False
     for layer in layers:
         value = fake_value(layer.units[0].rows.out)
-        native = grouped_mm_supported(value, value)
+        native = layer_is_native(layer)
         form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native)
         if form != "grouped":
             if form is not None:

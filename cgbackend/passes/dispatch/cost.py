@@ -153,7 +153,8 @@ def choose_form(plan: Any, mode: str) -> tuple[Optional[str], str]:
     if mode == "masked_dense":
         return mode, f"{mode} requested (static_dispatch={mode!r})"
     if mode == "grouped":
-        return "masked_dense", "masked dense: the grouped form does not apply to this unit (see the skipped entry)"
+        return "masked_dense", (f"masked dense: the grouped form takes layers of where-loop units only "
+                                f"(this unit is {plan.pattern})")
     if not isinstance(tokens, int):
         return "masked_dense", "masked dense: token count symbolic, rewritten (no host sync, fixed shapes)"
     if tokens > _AUTO_MAX_ROWS:

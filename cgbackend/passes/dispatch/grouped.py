@@ -39,7 +39,7 @@ from .masked_dense import _dense_weight
 from .match import _Plan, WhereUnit, _removable
 from .records import _Skip
 
-__all__ = ["Layer", "find_layers", "build_grouped"]
+__all__ = ["Layer", "find_layers", "build_grouped", "grouped_mm_supported", "layer_is_native"]
 
 
 @dataclasses.dataclass
@@ -237,10 +237,24 @@ def find_layers(plans: list[_Plan], order: dict) -> tuple[list[Layer], list[tupl
 
 # ----------------------------------------------------------------------------- building
 
+def _native(x: Any, w_dtype: torch.dtype, out_features: Any) -> bool:
+    return (hasattr(torch, "_grouped_mm") and getattr(x, "is_cuda", False) and x.dtype == torch.bfloat16
+            and w_dtype == torch.bfloat16 and int(x.shape[-1]) % 8 == 0 and int(out_features) % 8 == 0)
+
+
 def grouped_mm_supported(x: Any, w: Any) -> bool:
     """``torch._grouped_mm`` applies: CUDA, bf16, rows 16-byte aligned (shapes as [S, in] @ [n, in, out])."""
-    return (hasattr(torch, "_grouped_mm") and getattr(x, "is_cuda", False) and x.dtype == torch.bfloat16
-            and w.dtype == torch.bfloat16 and int(x.shape[-1]) % 8 == 0 and int(w.shape[-1]) % 8 == 0)
+    return _native(x, w.dtype, w.shape[-1])
+
+
+def layer_is_native(layer: Layer) -> bool:
+    """Every grouped product of the layer takes ``torch._grouped_mm`` (else its stand-in)."""
+    for lin in layer.linears:
+        w = fake_value(lin.weights[0])
+        out_features = w.shape[0] if lin.kind == "linear" else w.shape[-1]
+        if not _native(fake_value(lin.node.args[0]), w.dtype, out_features):
+            return False
+    return True
 
 
 def _stacked(b: _Builder, leaves: list[torch.fx.Node], n: int) -> torch.fx.Node:

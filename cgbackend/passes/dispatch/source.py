@@ -114,11 +114,9 @@ def _zero(node: ast.AST) -> bool:
 
 def _reduced(node: ast.AST, op: str) -> Optional[str]:
     """Name M of ``M.op(...)``, ``M.op(...).op(...)`` or ``torch.op(M, ...)`` (at least one ``op``)."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) is False and _call_name(node) == op \
-            and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name) \
-            and node.func.value.id == "torch" and node.args:
-        node = node.args[0]
-        return node.id if isinstance(node, ast.Name) else _reduced(node, op)
+    if _is_attr_call(node, op) and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
+        inner = node.args[0] if node.args else None
+        return inner.id if isinstance(inner, ast.Name) else _reduced(inner, op) if inner is not None else None
     if not _is_attr_call(node, op):
         return None
     while _is_attr_call(node, op):
