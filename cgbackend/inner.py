@@ -71,16 +71,54 @@ def _example_inputs(module: torch.fx.GraphModule) -> list[Any]:
     return [fake_value(n) for n in module.graph.nodes if n.op == "placeholder"]
 
 
+def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[tuple[Callable, list[int]]]]:
+    """Take the no-copy views of the region's inputs out of what Inductor compiles.
+
+    ``stacked_view(w_0, ..., w_{E-1})`` (dispatch/layout.py) is a view of one block only for real
+    tensors; traced with fake ones it is a ``torch.stack``, and Inductor would copy every expert's
+    weights on every call. Each such call whose arguments are all inputs of the region becomes a
+    new input, computed (a view, no kernel) by the caller. Returns the module to compile (a copy
+    when anything was hoisted) and, per new input, (function, indices of the inputs it takes)."""
+    from .passes.dispatch.layout import stacked_view
+
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(placeholders)}
+    hoist = [n for n in module.graph.nodes
+             if n.op == "call_function" and n.target is stacked_view and not n.kwargs
+             and all(isinstance(a, torch.fx.Node) and a in index for a in n.args)
+             and fake_value(n) is not None]
+    if not hoist:
+        return module, []
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(module.graph, env)
+    last = env[placeholders[-1]]
+    views = []
+    for n in hoist:
+        with graph.inserting_after(last):
+            new = graph.placeholder(f"{n.name}_input")
+        new.meta = dict(n.meta)
+        env[n].replace_all_uses_with(new)
+        graph.erase_node(env[n])
+        last = new
+        views.append((n.target, [index[a] for a in n.args]))
+    graph.output(out).meta = dict(next(iter(reversed(module.graph.nodes))).meta)
+    return torch.fx.GraphModule(module, graph), views
+
+
 def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
     """Compile one region's FX module with Inductor (no CUDA graphs of its own)."""
     from torch._inductor.compile_fx import compile_fx  # imported only when a region is compiled
 
+    module, views = _hoist_input_views(module)
     example_inputs = _example_inputs(module)
     with no_donated_buffers():
         compiled = compile_fx(module, example_inputs,
                               config_patches={"triton.cudagraphs": False, "triton.cudagraph_trees": False})
 
     def call(*args: Any) -> Any:  # Dynamo's calling convention: compiled(*args)
+        if views:
+            args = args + tuple(fn(*[args[i] for i in idx]) for fn, idx in views)
         with no_donated_buffers():  # parts of AOT compile on first call
             return compiled(*args)
 

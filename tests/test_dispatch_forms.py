@@ -304,6 +304,30 @@ def test_transformers_without_static_dispatch_keeps_its_graph_break():
     assert result["report"].loop_rewrites == [] and result["report"].graph_breaks
 
 
+def test_grouped_form_under_inductor_reads_the_expert_block_without_a_copy(monkeypatch):
+    """inner="inductor": the experts' stacked weights are a view of the block the layout made, taken
+    outside what Inductor compiles (traced with fake tensors it would be a torch.stack, a copy of
+    every expert's weights per call). Outputs and gradients still equal eager's."""
+    import torch._inductor.compile_fx as cfx
+    from cgbackend.passes.dispatch.layout import stacked_view
+
+    seen = []
+    real = cfx.compile_fx
+
+    def spy(gm, example_inputs, **kw):
+        seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return real(gm, example_inputs, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    torch.manual_seed(0)
+    model = HitLoopMoE().double()
+    result = _assert_same(model, _batches(3, seed=4), tol=1e-7, static_dispatch="grouped", inner="inductor")
+    _one_static_region(result, "grouped")
+    assert result["stats"]["inner_compiled"] == 1 and not result["stats"]["inner_fallbacks"]
+    assert seen  # compile_fx calls itself once more with its config patches applied
+    assert all(stacked_view not in ops and torch.stack not in ops for ops in seen), seen
+
+
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.cuda
