@@ -106,21 +106,109 @@ def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModu
     return torch.fx.GraphModule(module, graph), views
 
 
+class _Reach:
+    """One eager call's backward through Inductor code: which outputs received a gradient."""
+
+    __slots__ = ("reach", "got", "live")
+
+    def __init__(self, reach: tuple) -> None:
+        self.reach = reach
+        self.got: set[int] = set()
+        self.live: Optional[set[int]] = None
+
+    def reached(self, j: int) -> bool:
+        if self.live is None:  # every output's gate ran before the compiled node's backward
+            self.live = set().union(*[self.reach[k] for k in self.got]) if self.got else set()
+        return j in self.live
+
+
+class _OutGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, state: _Reach, k: int, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        ctx.state, ctx.k = state, k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple:  # type: ignore[override]
+        if grad is not None:
+            ctx.state.got.add(ctx.k)
+        return None, None, grad
+
+
+class _InGate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, state: _Reach, j: int, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.state, ctx.j = state, j
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple:  # type: ignore[override]
+        return None, None, (grad if ctx.state.reached(ctx.j) else None)
+
+
+class _Gated:
+    """Eager calls of Inductor code under autograd (warm-up, eager fallbacks), with eager's None.
+
+    AOT autograd's forward is one autograd node reaching every input, and it hands zeros for the
+    outputs the loss did not use, so inputs only those outputs reach would get a zero ``.grad``
+    where eager autograd leaves None (an optimizer with momentum or weight decay treats the two
+    differently). Identity gates around the call note which outputs received a gradient and pass
+    None on to the inputs none of those reach (reach from a fake run of the FX module, once per
+    pattern of inputs that require grad). Graph replays do this in the runner (region.py)."""
+
+    def __init__(self, module: torch.fx.GraphModule) -> None:
+        self.module = module
+        self.reach: dict[tuple, Any] = {}
+
+    def __call__(self, fn: Callable[..., Any], args: tuple) -> Any:
+        diff_in = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad)
+        if not diff_in or not torch.is_grad_enabled() or _capturing():
+            return fn(*args)
+        if diff_in not in self.reach:
+            from .runtime.reach import fake_output_reach
+            self.reach[diff_in] = fake_output_reach(self.module, args, diff_in)
+        found = self.reach[diff_in]
+        if found is None or all(len(r) == len(diff_in) for r in found[1]):
+            return fn(*args)  # every output reaches every input: no gradient can be None
+        diff_out, reach = found
+        state = _Reach(reach)
+        gated = list(args)
+        for j, i in enumerate(diff_in):
+            gated[i] = _InGate.apply(state, j, args[i])
+        outs = fn(*gated)
+        seq = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        for n, k in enumerate(diff_out):
+            if k < len(seq) and isinstance(seq[k], torch.Tensor) and seq[k].requires_grad:
+                seq[k] = _OutGate.apply(state, n, seq[k])
+        if not isinstance(outs, (tuple, list)):
+            return seq[0]
+        return tuple(seq) if isinstance(outs, tuple) else seq
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
     """Compile one region's FX module with Inductor (no CUDA graphs of its own)."""
     from torch._inductor.compile_fx import compile_fx  # imported only when a region is compiled
 
+    gate = _Gated(module)
     module, views = _hoist_input_views(module)
     example_inputs = _example_inputs(module)
     with no_donated_buffers():
         compiled = compile_fx(module, example_inputs,
                               config_patches={"triton.cudagraphs": False, "triton.cudagraph_trees": False})
 
-    def call(*args: Any) -> Any:  # Dynamo's calling convention: compiled(*args)
+    def run(*args: Any) -> Any:
         if views:
             args = args + tuple(fn(*[args[i] for i in idx]) for fn, idx in views)
         with no_donated_buffers():  # parts of AOT compile on first call
             return compiled(*args)
+
+    def call(*args: Any) -> Any:  # Dynamo's calling convention: compiled(*args)
+        return gate(run, args)
 
     call.needs_backward_prewarm = True
     return call

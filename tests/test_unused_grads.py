@@ -62,6 +62,13 @@ def test_unused_parameter_grads_match_eager_with_sgd_momentum(pattern):
     _unused_grads_match_eager(pattern, "cpu", simulate_graphs=True)
 
 
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_unused_parameter_grads_stay_none_under_inductor(pattern):
+    """An Inductor-compiled region's forward is one autograd node reaching every input, so its
+    outputs' reach comes from a fake run of the FX module (runtime/reach.py)."""
+    _unused_grads_match_eager(pattern, "cpu", simulate_graphs=True, inner="inductor")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_unused_parameter_grads_match_eager_with_sgd_momentum_cuda(pattern):

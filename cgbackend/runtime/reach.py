@@ -7,16 +7,22 @@ every output that reaches it received no gradient, as eager does, on every call 
 
 Reachability is read once per training entry from the autograd graph its forward built (the same
 graph eager autograd would walk): from each output's ``grad_fn`` through ``next_functions`` to the
-``AccumulateGrad`` nodes of the region's leaf inputs.
+``AccumulateGrad`` nodes of the region's leaf inputs. A region compiled by Inductor builds one
+autograd node for its whole forward, which reaches every input; there the region's FX module is run
+once more on fake tensors (no kernel, no memory) to build the graph eager autograd would have built
+(:func:`fake_reached_inputs`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import logging
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["reached_inputs", "unreached"]
+log = logging.getLogger(__name__)
+
+__all__ = ["fake_output_reach", "fake_reached_inputs", "reached_inputs", "unreached"]
 
 
 def reached_inputs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:
@@ -44,6 +50,42 @@ def reached_inputs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tenso
                     stack.append(nxt)
         result.append(frozenset(reached))
     return tuple(result)
+
+
+def fake_reached_inputs(module: Callable[..., Any], ins: Sequence[Any], diff_in: Sequence[int],
+                        diff_out: Optional[Sequence[int]] = None) -> Optional[tuple[frozenset, ...]]:
+    """:func:`reached_inputs` for the outputs ``diff_out`` of ``module(*ins)`` and its inputs
+    ``diff_in``, from a run on fake copies of ``ins``; None where the module cannot run on fake
+    tensors (the caller then keeps the runtime graph's answer, which only errs towards zeros).
+    ``diff_out=None``: every output that requires grad (see :func:`fake_output_reach`)."""
+    found = fake_output_reach(module, ins, diff_in, diff_out)
+    return None if found is None else found[1]
+
+
+def fake_output_reach(module: Callable[..., Any], ins: Sequence[Any], diff_in: Sequence[int],
+                      diff_out: Optional[Sequence[int]] = None
+                      ) -> Optional[tuple[tuple[int, ...], tuple[frozenset, ...]]]:
+    """(the outputs that require grad, or ``diff_out``; what each reaches) from a fake run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        wanted = set(diff_in)
+        fakes = []
+        for p, t in enumerate(ins):
+            if isinstance(t, torch.Tensor):
+                f = mode.from_tensor(t.detach())
+                t = f.requires_grad_(True) if p in wanted else f
+            fakes.append(t)
+        with mode, torch.enable_grad():
+            outs = module(*fakes)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        if diff_out is None:
+            diff_out = [k for k, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        return tuple(diff_out), reached_inputs([outs[k] for k in diff_out], [fakes[p] for p in diff_in])
+    except Exception as exc:  # an op without a fake implementation, an opaque call
+        log.debug("cgbackend: reachability from a fake run failed (%s); the runtime graph's is kept", exc)
+        return None
 
 
 def unreached(reach: tuple[frozenset, ...], grads: Sequence[Optional[torch.Tensor]]) -> set[int]:

@@ -47,7 +47,7 @@ from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_ove
 from .params import ParamPolicy
 from .inputs import InputViews, SavedTensors, fill_padding, overlap, overlap_candidates, saved_modified_error
 from .pool import PoolSet, PoolState
-from .reach import reached_inputs, unreached
+from .reach import fake_reached_inputs, reached_inputs, unreached
 from .stats import Counters, EagerReason
 from .warmup import SyncDetector, cuda_sync_detector, warmup_call
 
@@ -229,6 +229,17 @@ class RegionRunner:
         """The error of the latest failed capture attempt, until the call decides whose it was."""
 
     # ------------------------------------------------------------------ helpers
+
+    def reach_of(self, entry: "_TrainEntry") -> tuple:
+        """Which of ``entry``'s differentiable inputs each differentiable output reaches. An
+        Inductor-compiled region's forward is one autograd node that reaches every input: there the
+        FX module runs on fake tensors to build the graph eager autograd would walk."""
+        lazy = self.lazy_inner
+        if lazy is not None and lazy.state == "compiled":
+            reach = fake_reached_inputs(lazy.module, entry.static_ins, entry.diff_in, entry.diff_out)
+            if reach is not None:
+                return reach
+        return reached_inputs(entry.autograd_outputs(), [entry.static_ins[p] for p in entry.diff_in])
 
     def _count_eager(self, reason: str) -> None:
         self.eager_calls[reason] = self.eager_calls.get(reason, 0) + 1
@@ -1029,7 +1040,7 @@ class _RegionFunction(torch.autograd.Function):
         call.on_backward()
         counters = runner.shared.counters
         if entry.reach is None:  # which inputs each output reaches, from the forward's autograd graph
-            entry.reach = reached_inputs(entry.autograd_outputs(), [entry.static_ins[p] for p in entry.diff_in])
+            entry.reach = runner.reach_of(entry)
         if ctx.volatile:
             copied = ParamPolicy.refresh(entry.static_ins, ctx.volatile)
             counters.copies_made += copied
