@@ -68,13 +68,13 @@ class Config:
     graph nothing of which can be captured (it computes on the CPU, or the machine has no CUDA
     device) raises at its first call too; ``simulate_graphs=True`` tests the runtime on CPU."""
 
-    inner: str = "eager"
-    """How static regions are compiled before capture: "eager" (eager's kernels, results bitwise equal
-    to eager: the bitwise mode), "inductor", or "auto": Inductor where regions are captured as CUDA
-    graphs, eager's kernels where nothing is captured (CPU, simulate_graphs, capture=False, warmup=0).
-    Compiled lazily, per region, before its last warm-up call; a region Inductor fails on runs eager's
-    kernels (counted in stats()["inner_fallbacks"]). See cgbackend/inner.py. The default stays
-    "eager" until "auto" passes the GPU suite and the benchmarks (2026-11-23: it did not yet)."""
+    inner: str = "auto"
+    """How static regions are compiled before capture: "auto" (the default): Inductor where regions
+    are captured as CUDA graphs, eager's kernels where nothing is captured (CPU, simulate_graphs,
+    capture=False, warmup=0); "inductor"; or "eager" (eager's kernels, results bitwise equal to
+    eager: the bitwise mode). Compiled lazily, per region, before its last warm-up call; a region
+    Inductor fails on runs eager's kernels (counted in stats()["inner_fallbacks"]). See
+    cgbackend/inner.py."""
 
     dynamic_ops: tuple[str, ...] = ()
     """Operator names ("mylib::op", "torch.nonzero", "Tensor.item") always kept out of graphs. Each

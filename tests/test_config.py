@@ -15,7 +15,7 @@ FIELDS = ("warmup", "capture", "min_region_ops", "max_graphs_per_region", "max_p
           "inner", "dynamic_ops", "dynamic_modules", "opaque_modules", "simulate_graphs")
 
 DEFAULTS = dict(warmup=3, capture=True, min_region_ops=2, max_graphs_per_region=32, graph_cache="lru",
-                max_pending_forwards=4, strict=False, inner="eager", dynamic_ops=(), dynamic_modules=(),
+                max_pending_forwards=4, strict=False, inner="auto", dynamic_ops=(), dynamic_modules=(),
                 opaque_modules=True, simulate_graphs=False)
 
 

@@ -395,7 +395,7 @@ def test_cuda_profile_timing_and_coverage():
         explained = cgbackend.explain(model, xs[0])  # first: explain resets Dynamo's caches
         compiled = cgbackend.compile(model, warmup=1, profile=True)
         for x in xs:
-            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)  # Inductor's kernels
     report = cgbackend.report(compiled)
     timing = report.graphs[0].runtime["timing"]
     assert cgbackend.stats(compiled)["graphs_captured"] == 3

@@ -204,7 +204,7 @@ def test_auto_is_inductor_for_captured_cuda_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_inner(Config.from_options({"inner": "auto"}, environ={}), "cuda") == "inductor"
     assert resolve_inner(Config.from_options({"inner": "auto", "warmup": 0}, environ={}), "cuda") == "eager"
-    assert resolve_inner(Config.from_options({}, environ={}), "cuda") == "eager"  # the default (docs/design.md)
+    assert resolve_inner(Config.from_options({}, environ={}), "cuda") == "inductor"  # the default is "auto"
 
 
 def _dense():
