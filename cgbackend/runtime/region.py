@@ -44,7 +44,7 @@ import torch
 from ..config import Config
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
-from .params import ParamPolicy
+from .params import ParamPolicy, storage_key
 from .inputs import InputViews, SavedTensors, fill_padding, overlap, overlap_candidates, saved_modified_error
 from .pool import PoolSet, PoolState
 from .reach import fake_reached_inputs, reached_inputs, unreached
@@ -188,6 +188,10 @@ class RegionRunner:
         self.name = name
         self.fn = fn
         self.kinds = kinds
+        self._param_pos = tuple(p for p, k in enumerate(kinds) if k is PARAM)
+        self._other_pos = tuple(p for p, k in enumerate(kinds) if k is not PARAM)
+        """Parameter inputs stay parameters (a split may turn a hand-off into an eager value only):
+        the per-call key reads them in one pass (a MoE region has hundreds)."""
         self.producers = producers
         self.mutated = mutated
         self.shared = shared
@@ -271,18 +275,21 @@ class RegionRunner:
         addr_parts: list = []
         missing_handoff = False
         kinds = self.kinds
-        for pos, value in enumerate(ins):
-            kind = kinds[pos]
-            if kind is PARAM:
-                addr_parts.append(self.shared.params.key(value))
-            elif kind is VALUE:
+        for pos in self._other_pos:
+            value = ins[pos]
+            if kinds[pos] is VALUE:
                 shape_parts.append(_freeze(value))
             elif self._tensor_key(pos, value, grad_path, shape_parts, addr_parts):
                 missing_handoff = True
         shape_key = tuple(shape_parts)
         if missing_handoff:
             return None, shape_key
-        return (slot,) + shape_key + tuple(addr_parts), shape_key
+        policy = self.shared.params
+        if policy.volatile is None:
+            params = [storage_key(ins[p]) for p in self._param_pos]
+        else:
+            params = [policy.key(ins[p]) for p in self._param_pos]
+        return (slot,) + shape_key + tuple(addr_parts) + tuple(params), shape_key
 
     def _tensor_key(self, pos: int, value: torch.Tensor, grad_path: bool, shape_parts: list,
                     addr_parts: list) -> bool:
