@@ -219,14 +219,13 @@ class Launches:
 
     ``eager`` and ``counter``: the LaunchCounters of the eager call and of the compiled call;
     ``profiles``: the profiler's attributions of the same two calls (launch_profile.py), or None
-    (one launch per counted op), with ``note`` saying why where a profiler was asked for."""
+    (one launch per counted op)."""
 
     def __init__(self, eager: LaunchCounter, counter: LaunchCounter,
-                 profiles: Optional[tuple[Attribution, Attribution]] = None, note: Optional[str] = None) -> None:
+                 profiles: Optional[tuple[Attribution, Attribution]] = None) -> None:
         self.eager_counter = eager
         self.counter = counter
         self.profiles = profiles
-        self.note = note
         self.eager = profiles[0].total if profiles is not None else eager.total
         self.tally = counter.tally(profiles[1] if profiles is not None else None)
 
@@ -262,13 +261,6 @@ class Launches:
         }
 
 
-def count_eager(fn: Callable[[], Any]) -> int:
-    counter = LaunchCounter()
-    with counter:
-        fn()
-    return counter.total
-
-
 def measure_launches(eager_call: Callable[[], Any], compiled_call: Callable[[], Any], shared: Any,
                      reset: Callable[[], Any] = lambda: None,
                      profiler: Optional[LaunchProfiler] = None) -> tuple[Optional[Launches], Optional[str]]:
@@ -295,7 +287,7 @@ def measure_launches(eager_call: Callable[[], Any], compiled_call: Callable[[], 
     if eager_profile is None or compiled_profile is None:
         note = (f"launch coverage weighs one launch per dispatched op: {why}"
                 if profiler is not None else None)
-        return Launches(eager, counter, note=note), note
+        return Launches(eager, counter), note
     return Launches(eager, counter, (eager_profile, compiled_profile)), None
 
 
