@@ -121,6 +121,8 @@ class LaunchCounter(TorchDispatchMode):
         self.codes: dict[str, str] = {}
         """Uncompiled code: source -> its line of code."""
         self.regions_seen = 0
+        self.static_regions: dict[str, bool] = {}
+        """Region id -> is static, for every region that ran."""
         self._region: Optional[tuple[str, bool]] = None
 
     @property
@@ -154,6 +156,7 @@ class LaunchCounter(TorchDispatchMode):
         region = graph.analysis.partition.regions[position]
         previous = self._region
         self._region = (f"g{graph.index}.{region.name}", region.is_static)
+        self.static_regions[self._region[0]] = region.is_static
         self.regions_seen += 1
         try:
             if not self.ranges:
@@ -176,10 +179,8 @@ class LaunchCounter(TorchDispatchMode):
                 n = profile.ops.get(index, 0)
             t.add(region, static, source, name, n, self.codes)
         if profile is not None:
-            statics = {region: static for region, static, _, _ in self.ops if region is not None}
             for region, n in profile.regions.items():
-                t.add(region, statics.get(region, region.rsplit(".", 1)[-1].startswith("S")), None, None, n,
-                      self.codes)
+                t.add(region, self.static_regions.get(region, False), None, None, n, self.codes)
             if profile.outside:
                 t.add(None, False, "?", None, profile.outside, self.codes)
         return t

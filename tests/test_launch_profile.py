@@ -3,6 +3,7 @@ figure over the calls after warm-up (issue 20)."""
 
 from __future__ import annotations
 
+import collections
 import sys
 from types import SimpleNamespace
 
@@ -87,6 +88,28 @@ def test_attribute_follows_the_linked_op_of_a_parentless_launch():
     launch.linked_correlation_id = 0
     got = attribute(events)
     assert not got.ops and got.outside == 1
+
+
+def test_tally_weighs_each_op_by_its_attributed_launches():
+    from cgbackend.coverage import LaunchCounter
+    from cgbackend.launch_profile import Attribution
+    counter = LaunchCounter(ranges=True)
+    counter.ops = [("g0.S0", True, None, "mm"), ("g0.D1", False, None, "nonzero"),
+                   ("g0.D1", False, None, "empty_like"), (None, False, "m.py:3 in f", "add"),
+                   (None, False, "m.py:3 in f", "mul")]
+    counter.codes = {"m.py:3 in f": "y = x + 1"}
+    counter.static_regions = {"g0.S0": True, "g0.D1": False}
+    plain = counter.tally()
+    assert (plain.total, plain.static, plain.dynamic, plain.uncompiled) == (5, 1, 2, 2)
+    # ops 0-3 seen (op 2 launched nothing), op 4 not seen: one launch; S0 made a copy outside its ops
+    seen = Attribution(total=10, ops=collections.Counter({0: 1, 1: 4, 3: 2}), ops_seen={0, 1, 2, 3},
+                       regions=collections.Counter({"g0.S0": 1}), outside=1)
+    t = counter.tally(seen)
+    assert (t.static, t.dynamic, t.uncompiled, t.total) == (2, 4, 2 + 1 + 1, 10)
+    assert dict(t.by_region) == {"g0.S0": 2, "g0.D1": 4}
+    assert t.sources["m.py:3 in f"][:2] == [3, "y = x + 1"]
+    assert dict(t.sources["m.py:3 in f"][2]) == {"add": 1, "mul": 1}  # op counts, not launches
+    assert t.sources["?"][0] == 1
 
 
 @pytest.mark.parametrize("name,kind", [
