@@ -105,7 +105,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     ``traced_as`` says which it was and why.
     ``count_launches`` (default on) measures the launch coverage (coverage.py): the model then runs
     twice more, once eagerly and once through the traced graphs, each from the buffers' state
-    before tracing; False runs it only once and leaves ``launch_coverage`` out.
+    before tracing (on CUDA tensors both under ``torch.profiler`` too, so each op weighs the
+    launches it made: launch_profile.py); False runs it only once and leaves ``launch_coverage`` out.
     Returns a :class:`cgbackend.Report` (``help(cgbackend.Report)``). This function hides the module
     of the same name; ``import cgbackend.explain`` (or ``sys.modules``) reaches it.
     Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing (which also
