@@ -1,10 +1,13 @@
 """Launch coverage of a demo model on a GPU, three ways (issue 20's closing note).
 
-1. ``cgbackend.explain`` on CUDA tensors: the aten-op count of coverage.py (what the report says).
-2. ``cgbackend.report(compiled)`` after a run: runtime counters x estimated kernels per region.
+1. ``cgbackend.explain`` on CUDA tensors: the dispatched aten ops of coverage.py, each weighed by
+   the launches the profiler saw it make (``launches.weights``: "profiled"; what the report says).
+2. ``cgbackend.report(compiled)`` after a run: runtime counters x estimated kernels per region,
+   over the calls after warm-up.
 3. The profiler: CUDA launch API calls (kernel launches, memcpy, memset) of one eager call versus
    those of one compiled call made outside graph replays (``cudaGraphLaunch`` counted apart):
-   1 - compiled / eager is the fraction of the eager call's launches that the graphs absorbed.
+   1 - compiled / eager is the fraction of the eager call's launches that the graphs absorbed
+   (``cgbackend.launch_profile.count_launch_calls``, as tests/test_launch_profile.py counts them).
 
     python benchmarks/launch_coverage.py --demo moe
 """
@@ -12,28 +15,13 @@
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import cgbackend
+from cgbackend.launch_profile import count_launch_calls
 from cgbackend.models import demo_model
-
-_KERNEL = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-           "cudaLaunchCooperativeKernel")
-_COPY = ("cudaMemcpyAsync", "cudaMemcpy", "cudaMemsetAsync", "cudaMemset")
-
-
-def _launch_calls(fn) -> dict[str, int]:
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = collections.Counter(e.name for e in prof.events())
-    return {"kernels": sum(names[n] for n in _KERNEL), "copies": sum(names[n] for n in _COPY),
-            "graph_launches": names["cudaGraphLaunch"]}
 
 
 def main() -> None:
@@ -49,8 +37,8 @@ def main() -> None:
         compiled = cgbackend.compile(model, **options)
         for _ in range(6):
             compiled(x)
-        eager = _launch_calls(lambda: model(x))
-        graphed = _launch_calls(lambda: compiled(x))
+        eager = count_launch_calls(lambda: model(x))
+        graphed = count_launch_calls(lambda: compiled(x))
     runtime = cgbackend.report(compiled).summary
     eager_total = eager["kernels"] + eager["copies"]
     outside = graphed["kernels"] + graphed["copies"]
@@ -60,6 +48,7 @@ def main() -> None:
         "explain_launch_coverage": explained.get("launch_coverage"),
         "explain_launches": {k: v for k, v in (explained.get("launches") or {}).items()
                              if k not in ("by_region", "uncompiled_sources")},
+        "explain_notes": [n for n in report.notes if n.startswith("launch coverage")],
         "runtime_launch_coverage": runtime.get("launch_coverage"),
         "profiler_eager_call": eager,
         "profiler_compiled_call": graphed,

@@ -6,14 +6,19 @@ outside any graph). Launch coverage counts what runs:
 
 * **measured** (``cgbackend.explain``): the model runs once eagerly under a
   ``TorchDispatchMode`` that counts dispatched device ops (aten ops that are not views or
-  allocations; CPU tensors count the same way), then once more through the compiled graphs with
-  the same counter, which knows the region each op ran in (``RuntimeShared.watch``). Ops in
-  static regions would run inside graphs; ops outside every compiled graph ran in uncompiled
-  code and are attributed to the innermost source line of the user's code.
+  allocations), then once more through the compiled graphs with the same counter, which knows
+  the region each op ran in (``RuntimeShared.watch``). Ops in static regions would run inside
+  graphs; ops outside every compiled graph ran in uncompiled code and are attributed to the
+  innermost source line of the user's code. Each op weighs: on CUDA tensors, the launches it
+  really made (kernel launches, memcpy, memset), measured by ``torch.profiler`` around both calls
+  (launch_profile.py; ``launches.weights`` is "profiled"); on CPU tensors, or where the profiler
+  fails (a note says why), one launch per op ("one per op").
 * **runtime** (``cgbackend.report(compiled)``): from the counters, each region's calls (graph
   replays of static regions versus eager calls of any region) weighted by its estimated kernels
-  per call (passes/cost.py). Code outside the compiled graphs is not seen at runtime; when Dynamo
-  broke a graph the figure is marked an upper bound.
+  per call (passes/cost.py), over the calls after warm-up: the eager warm-up calls before capture
+  are left out (the capture call counts with the replays: its graph is replayed right after
+  capture). Code outside the compiled graphs is not seen at runtime; when Dynamo broke a graph the
+  figure is marked an upper bound.
 
 The counter needs ``TorchDispatchMode.ignore_compile_internals`` (torch >= 2.9): without it a
 dispatch mode stops Dynamo from running compiled code, and the measurement is skipped with a note.
@@ -30,7 +35,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["LaunchCounter", "Launches", "counting_supported", "launches_op", "measure_launches",
+from .launch_profile import OP_RANGE, REGION_RANGE, Attribution, LaunchProfiler, op_range
+from .runtime.stats import EagerReason
+
+__all__ = ["LaunchCounter", "Launches", "Tally", "counting_supported", "launches_op", "measure_launches",
            "runtime_launches", "launch_text"]
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -57,15 +65,15 @@ _launch_cache: dict[Any, bool] = {}
 
 def launches_op(func: Any) -> bool:
     """Does this aten op launch device work? Views (an alias in the result that is not a write),
-    allocations and metadata reads do not; everything else counts one launch (an estimate of
-    kernels, not CUDA's own count: a few ops launch several)."""
+    allocations, metadata reads and profiler ranges do not; everything else counts: one launch
+    each on CPU tensors, its measured launches on CUDA (launch_profile.py)."""
     known = _launch_cache.get(func)
     if known is not None:
         return known
     schema = getattr(func, "_schema", None)
     name = getattr(getattr(func, "overloadpacket", None), "__name__", "")
     result = True
-    if name in _NO_KERNEL:
+    if name in _NO_KERNEL or getattr(func, "namespace", "") == "profiler":  # profiler ranges
         result = False
     elif schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
                                     for r in schema.returns):
@@ -99,20 +107,27 @@ def _function_name(name: str) -> str:
 class LaunchCounter(TorchDispatchMode):
     """Counts launching aten ops by where they ran: a static region, a dynamic region, or code
     outside every compiled graph (by source line). Also the ``RuntimeShared.watch`` of the
-    backend under measurement, which tells it the region each op runs in."""
+    backend under measurement, which tells it the region each op runs in.
 
-    def __init__(self) -> None:
+    ``ranges``: run each counted op inside a profiler range ``cgbackend.op#<n>`` (``n`` its index
+    in ``ops``) and each region inside ``cgbackend.region#<id>``, so a profiler running around the
+    call can tell each op's device launches (launch_profile.py)."""
+
+    def __init__(self, ranges: bool = False) -> None:
         super().__init__()
-        self.total = 0
-        self.static = 0
-        self.dynamic = 0
-        self.uncompiled = 0
-        self.by_region: collections.Counter = collections.Counter()
-        """``"g0.S0"`` -> launches."""
-        self.sources: dict[str, list] = {}
-        """Uncompiled code: source -> [launches, code, Counter of ops]."""
+        self.ranges = ranges
+        self.ops: list[tuple[Optional[str], bool, Optional[str], str]] = []
+        """One entry per counted op: (region id or None, region is static, source or None, op)."""
+        self.codes: dict[str, str] = {}
+        """Uncompiled code: source -> its line of code."""
         self.regions_seen = 0
+        self.static_regions: dict[str, bool] = {}
+        """Region id -> is static, for every region that ran."""
         self._region: Optional[tuple[str, bool]] = None
+
+    @property
+    def total(self) -> int:
+        return len(self.ops)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -121,44 +136,99 @@ class LaunchCounter(TorchDispatchMode):
         return True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if launches_op(func):
-            self.total += 1
-            region = self._region
-            if region is not None:
-                self.by_region[region[0]] += 1
-                if region[1]:
-                    self.static += 1
-                else:
-                    self.dynamic += 1
-            else:
-                self.uncompiled += 1
-                source, code = _user_frame()
-                entry = self.sources.get(source)
-                if entry is None:
-                    entry = self.sources[source] = [0, code, collections.Counter()]
-                entry[0] += 1
-                entry[2][func.overloadpacket.__name__] += 1
-        return out
+        if not launches_op(func):
+            return func(*args, **(kwargs or {}))
+        region = self._region
+        name = func.overloadpacket.__name__
+        if region is not None:
+            self.ops.append((region[0], region[1], None, name))
+        else:
+            source, code = _user_frame()
+            self.codes.setdefault(source, code)
+            self.ops.append((None, False, source, name))
+        if not self.ranges:
+            return func(*args, **(kwargs or {}))
+        with op_range(f"{OP_RANGE}{len(self.ops) - 1}"):
+            return func(*args, **(kwargs or {}))
 
     def __call__(self, graph: Any, position: int, run_step: Callable[..., Any], step: Any, ins: list,
                  call: Any) -> Any:
         region = graph.analysis.partition.regions[position]
         previous = self._region
         self._region = (f"g{graph.index}.{region.name}", region.is_static)
+        self.static_regions[self._region[0]] = region.is_static
         self.regions_seen += 1
         try:
-            return run_step(step, ins, call)
+            if not self.ranges:
+                return run_step(step, ins, call)
+            with op_range(f"{REGION_RANGE}{self._region[0]}"):
+                return run_step(step, ins, call)
         finally:
             self._region = previous
 
+    def tally(self, profile: Optional[Attribution] = None) -> "Tally":
+        """Launches by where they ran: one per counted op, or with ``profile`` (the attribution of
+        a profiler run around the same call) each op's measured launches (an op whose range the
+        profiler did not record counts one), plus launches outside every op range: in a region's
+        range they count for that region, outside every range as uncompiled code of unknown source."""
+        t = Tally()
+        for index, (region, static, source, name) in enumerate(self.ops):
+            if profile is None or index not in profile.ops_seen:
+                n = 1
+            else:
+                n = profile.ops.get(index, 0)
+            t.add(region, static, source, name, n, self.codes)
+        if profile is not None:
+            for region, n in profile.regions.items():
+                t.add(region, self.static_regions.get(region, False), None, None, n, self.codes)
+            if profile.outside:
+                t.add(None, False, "?", None, profile.outside, self.codes)
+        return t
+
+
+class Tally:
+    """Launches of one counted call by where they ran (LaunchCounter.tally)."""
+
+    def __init__(self) -> None:
+        self.total = self.static = self.dynamic = self.uncompiled = 0
+        self.by_region: collections.Counter = collections.Counter()
+        """``"g0.S0"`` -> launches."""
+        self.sources: dict[str, list] = {}
+        """Uncompiled code: source -> [launches, code, Counter of ops]."""
+
+    def add(self, region: Optional[str], static: bool, source: Optional[str], op: Optional[str], n: int,
+            codes: dict[str, str]) -> None:
+        self.total += n
+        if region is not None:
+            self.by_region[region] += n
+            if static:
+                self.static += n
+            else:
+                self.dynamic += n
+            return
+        self.uncompiled += n
+        entry = self.sources.get(source)
+        if entry is None:
+            entry = self.sources[source] = [0, codes.get(source, ""), collections.Counter()]
+        entry[0] += n
+        if op is not None:
+            entry[2][op] += 1
+
 
 class Launches:
-    """What one measurement found; ``to_summary()`` gives the report's summary fields."""
+    """What one measurement found; ``to_summary()`` gives the report's summary fields.
 
-    def __init__(self, eager: int, counter: LaunchCounter) -> None:
-        self.eager = eager
+    ``eager`` and ``counter``: the LaunchCounters of the eager call and of the compiled call;
+    ``profiles``: the profiler's attributions of the same two calls (launch_profile.py), or None
+    (one launch per counted op)."""
+
+    def __init__(self, eager: LaunchCounter, counter: LaunchCounter,
+                 profiles: Optional[tuple[Attribution, Attribution]] = None) -> None:
+        self.eager_counter = eager
         self.counter = counter
+        self.profiles = profiles
+        self.eager = profiles[0].total if profiles is not None else eager.total
+        self.tally = counter.tally(profiles[1] if profiles is not None else None)
 
     def coverage(self) -> float:
         """1 - (launches still outside graphs per call) / (an eager call's launches): what runs in
@@ -166,21 +236,23 @@ class Launches:
         (passes/constants.py) are launched by no call and count for it."""
         if self.eager <= 0:
             return 0.0
-        outside = self.counter.dynamic + self.counter.uncompiled
+        outside = self.tally.dynamic + self.tally.uncompiled
         return round(max(0.0, min(1.0 - outside / self.eager, 1.0)), 4)
 
     def to_summary(self) -> dict[str, Any]:
-        c = self.counter
+        c = self.tally
         sources = sorted(c.sources.items(), key=lambda kv: -kv[1][0])
         return {
             "launch_coverage": self.coverage(),
             "launches": {
                 "basis": "measured",
+                "weights": "profiled" if self.profiles is not None else "one per op",
                 "eager_call": self.eager,
                 "with_cgbackend": c.total,
                 "in_graphs": c.static,
                 "in_dynamic_regions": c.dynamic,
                 "uncompiled": c.uncompiled,
+                "dispatched_ops": {"eager_call": self.eager_counter.total, "with_cgbackend": self.counter.total},
                 "by_region": dict(c.by_region),
                 "uncompiled_sources": [
                     {"source": source, "code": code, "launches": n, "ops": dict(ops.most_common(4))}
@@ -190,58 +262,84 @@ class Launches:
         }
 
 
-def count_eager(fn: Callable[[], Any]) -> int:
-    counter = LaunchCounter()
-    with counter:
-        fn()
-    return counter.total
-
-
 def measure_launches(eager_call: Callable[[], Any], compiled_call: Callable[[], Any], shared: Any,
-                     reset: Callable[[], Any] = lambda: None) -> tuple[Optional[Launches], Optional[str]]:
+                     reset: Callable[[], Any] = lambda: None,
+                     profiler: Optional[LaunchProfiler] = None) -> tuple[Optional[Launches], Optional[str]]:
     """Run ``eager_call`` and ``compiled_call`` (the compiled model, already traced, of the backend
     whose RuntimeShared is ``shared``) under launch counters, each after ``reset()`` (not counted).
-    Returns (launches, None) or (None, why the measurement was skipped)."""
+    With ``profiler`` (CUDA tensors) each call also runs under it and each op weighs its measured
+    launches; if the profiler fails, one launch per op, with a note.
+    Returns (launches, a note or None), or (None, why the measurement was skipped)."""
     if not counting_supported():
         return None, ("launch coverage not measured: this torch has no "
                       "TorchDispatchMode.ignore_compile_internals (torch >= 2.9)")
+    ranges = profiler is not None
     reset()
-    eager = count_eager(eager_call)
+    eager = LaunchCounter(ranges=ranges)
+    eager_profile, why = _run_counted(eager, eager_call, profiler)
     reset()
-    counter = LaunchCounter()
+    counter = LaunchCounter(ranges=ranges)
     shared.watch = counter
     try:
-        with counter:
-            compiled_call()
+        compiled_profile, why_compiled = _run_counted(counter, compiled_call, profiler)
     finally:
         shared.watch = None
-    return Launches(eager, counter), None
+    why = why or why_compiled
+    if eager_profile is None or compiled_profile is None:
+        note = (f"launch coverage weighs one launch per dispatched op: {why}"
+                if profiler is not None else None)
+        return Launches(eager, counter), note
+    return Launches(eager, counter, (eager_profile, compiled_profile)), None
+
+
+def _run_counted(counter: LaunchCounter, fn: Callable[[], Any],
+                 profiler: Optional[LaunchProfiler]) -> tuple[Optional[Attribution], Optional[str]]:
+    if profiler is None:
+        with counter:
+            fn()
+        return None, None
+
+    def counted() -> None:
+        with counter:
+            fn()
+
+    return profiler.run(counted)
 
 
 def runtime_launches(graphs: list, compiled: list, broke: bool) -> dict[str, Any]:
-    """Summary fields from runtime counters: ``graphs`` are GraphReports (est_kernels per region),
-    ``compiled`` the CompiledGraphs they describe (calls, per-region replays and eager calls)."""
+    """Summary fields from runtime counters over the calls after warm-up: ``graphs`` are
+    GraphReports (est_kernels per region), ``compiled`` the CompiledGraphs they describe (calls,
+    per-region replays and eager calls by reason). A static region's warm-up calls are left out;
+    a dynamic region runs eagerly in every call, so its calls are the graph's calls less its
+    warm-up calls (the most any of its static regions made: they warm up in the same calls)."""
     in_graphs = eager = 0
+    calls = warmups = 0
     by_region: dict[str, int] = {}
     for report, graph in zip(graphs, compiled):
         runners = {r.name.rsplit(".", 1)[-1]: r for r in graph.runners}
+        warm = max((r.eager_calls.get(EagerReason.WARMUP, 0) for r in graph.runners), default=0)
+        calls += max(graph.calls - warm, 0)
+        warmups += warm
         for region in report.regions:
             name = region.id.split(".")[-1]
             runner = runners.get(name)
             if runner is not None:
                 replayed = runner.replays * region.est_kernels
-                ran = sum(runner.eager_calls.values()) * region.est_kernels
+                ran = sum(n for reason, n in runner.eager_calls.items()
+                          if reason != EagerReason.WARMUP) * region.est_kernels
             else:
-                replayed, ran = 0, graph.calls * region.est_kernels
+                replayed, ran = 0, max(graph.calls - warm, 0) * region.est_kernels
             in_graphs += replayed
             eager += ran
             by_region[region.id] = replayed + ran
     total = in_graphs + eager
     return {
         "launch_coverage": round(in_graphs / total, 4) if total else None,
-        "launches": {"basis": "runtime", "eager_call": None, "with_cgbackend": total, "in_graphs": in_graphs,
+        "launches": {"basis": "runtime", "weights": "estimated kernels", "eager_call": None,
+                     "with_cgbackend": total, "in_graphs": in_graphs,
                      "in_dynamic_regions": eager, "uncompiled": None, "by_region": by_region,
-                     "uncompiled_sources": [], "upper_bound": bool(broke)},
+                     "uncompiled_sources": [], "upper_bound": bool(broke),
+                     "calls": calls, "warmup_calls": warmups},
     }
 
 
@@ -252,11 +350,16 @@ def launch_text(summary: dict[str, Any]) -> list[str]:
     if info is None:
         return []
     if cov is None:
+        if info.get("basis") == "runtime" and info.get("warmup_calls"):
+            return [f"  launch coverage: no call after warm-up yet ({info['warmup_calls']} warm-up call(s) "
+                    "left out)"]
         return ["  launch coverage: not measured"]
     if info["basis"] == "measured":
-        lines = [f"  launch coverage: {cov:.3f} (measured: {info['in_graphs']} of the {info['eager_call']} "
-                 f"launches of an eager call run inside graphs; {info['in_dynamic_regions']} in dynamic "
-                 f"regions, {info['uncompiled']} in uncompiled code)"]
+        weights = ("launches per op measured by torch.profiler" if info.get("weights") == "profiled"
+                   else "one launch per dispatched op")
+        lines = [f"  launch coverage: {cov:.3f} (measured, {weights}: {info['in_graphs']} of the "
+                 f"{info['eager_call']} launches of an eager call run inside graphs; {info['in_dynamic_regions']} "
+                 f"in dynamic regions, {info['uncompiled']} in uncompiled code)"]
         for src in info["uncompiled_sources"][:6]:
             ops = ", ".join(f"{op} x{n}" for op, n in src["ops"].items())
             lines.append(f"{'':<4}uncompiled: {src['launches']} launches at {src['source']} ({ops})")
@@ -265,5 +368,7 @@ def launch_text(summary: dict[str, Any]) -> list[str]:
         return lines
     bound = ("; an upper bound: Dynamo broke the graph, and launches outside compiled graphs are not "
              "seen at runtime (cgbackend.explain measures them)") if info["upper_bound"] else ""
+    calls = info.get("calls")
+    after = (f" of the {calls} call(s) after warm-up" if calls is not None else "")
     return [f"  launch coverage: {cov:.3f} (runtime: {info['in_graphs']} of {info['with_cgbackend']} "
-            f"estimated launches ran in graph replays{bound})"]
+            f"estimated launches{after} ran in graph replays{bound})"]

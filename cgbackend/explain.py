@@ -15,6 +15,7 @@ from .backend import CGBackend
 from .breaks import break_text, frame_skipped, skipped_frame_source
 from .config import Config
 from .coverage import measure_launches
+from .launch_profile import LaunchProfiler
 from .hints import build_hints
 from .report import Report
 from .structured import emit_report
@@ -104,7 +105,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     ``traced_as`` says which it was and why.
     ``count_launches`` (default on) measures the launch coverage (coverage.py): the model then runs
     twice more, once eagerly and once through the traced graphs, each from the buffers' state
-    before tracing; False runs it only once and leaves ``launch_coverage`` out.
+    before tracing (on CUDA tensors both under ``torch.profiler`` too, so each op weighs the
+    launches it made: launch_profile.py); False runs it only once and leaves ``launch_coverage`` out.
     Returns a :class:`cgbackend.Report` (``help(cgbackend.Report)``). This function hides the module
     of the same name; ``import cgbackend.explain`` (or ``sys.modules``) reaches it.
     Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing (which also
@@ -168,7 +170,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
             after_unsupported = dict(counters["unimplemented"])
             if count_launches:
                 with scope:
-                    launches, skipped = _measure(eager, compiled, args, kwargs, instance, buffers)
+                    launches, skipped = _measure(eager, compiled, args, kwargs, instance, buffers,
+                                                 launch_profiler(analyses, args, kwargs))
     except ExplainError:
         raise
     except Exception as exc:
@@ -225,15 +228,28 @@ def _restore(buffers: list) -> None:
             buffer.copy_(saved)
 
 
+def launch_profiler(analyses: list, args: tuple, kwargs: dict) -> Optional[LaunchProfiler]:
+    """The profiler that weighs each counted op by its CUDA launches (launch_profile.py) when the
+    model computes on CUDA tensors (a traced graph's device, else an input's); None on CPU (one
+    launch per op)."""
+    if not torch.cuda.is_available():
+        return None
+    devices = {a.classification.compute_device for a, _ in analyses}
+    if not devices:
+        leaves = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        devices = {v.device.type for v in leaves}
+    return LaunchProfiler() if "cuda" in devices else None
+
+
 def _measure(eager: Any, compiled: Any, args: tuple, kwargs: dict, instance: CGBackend,
-             buffers: list) -> tuple[Any, Optional[str]]:
+             buffers: list, profiler: Optional[LaunchProfiler] = None) -> tuple[Any, Optional[str]]:
     """Launch coverage (coverage.py): one eager call and one more call of the traced model, each
-    from the buffers' state before tracing."""
+    from the buffers' state before tracing; under ``profiler`` too where it is given."""
     graphs = len(instance._analyses)
     try:
         launches, skipped = measure_launches(eager,
                                              lambda: compiled(*args, **kwargs), instance.shared,
-                                             reset=lambda: _restore(buffers))
+                                             reset=lambda: _restore(buffers), profiler=profiler)
     except Exception as exc:  # the report stands without it; say why it is missing
         return None, f"launch coverage not measured: {type(exc).__name__}: {_first_line(exc)}"
     if len(instance._analyses) != graphs:

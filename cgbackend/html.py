@@ -87,10 +87,12 @@ def _summary_rows(report: Any) -> list[tuple[str, str]]:
     info = s.get("launches") or {}
     if cov is not None:
         if info.get("basis") == "measured":
-            detail = (f"measured: {info['in_graphs']} of {info['eager_call']} launches of an eager call in "
-                      f"graphs, {info['in_dynamic_regions']} in dynamic regions, {info['uncompiled']} uncompiled")
+            weights = "profiled launches per op" if info.get("weights") == "profiled" else "one launch per op"
+            detail = (f"measured, {weights}: {info['in_graphs']} of {info['eager_call']} launches of an eager "
+                      f"call in graphs, {info['in_dynamic_regions']} in dynamic regions, {info['uncompiled']} uncompiled")
         else:
-            detail = f"runtime: {info['in_graphs']} of {info['with_cgbackend']} estimated launches in replays"
+            after = f" of the {info['calls']} calls after warm-up" if info.get("calls") is not None else ""
+            detail = f"runtime: {info['in_graphs']} of {info['with_cgbackend']} estimated launches{after} in replays"
             if info.get("upper_bound"):
                 detail += " (upper bound: code outside compiled graphs not seen)"
         rows.insert(2, ("launch coverage", f"{cov:.3f} ({detail})"))

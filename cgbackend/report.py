@@ -35,13 +35,19 @@ Regions also have ``opaque`` (module calls Dynamo cannot trace, made one node ea
 
 ``summary`` also has ``launch_coverage`` (0..1, the fraction of an eager call's kernel launches
 that run inside graphs; null when not measured) and ``launches`` (coverage.py): ``{"basis":
-"measured" | "runtime", "eager_call", "with_cgbackend", "in_graphs", "in_dynamic_regions",
-"uncompiled", "by_region": {region id: launches}, "uncompiled_sources": [{"source", "code",
-"launches", "ops": {op: count}}], "upper_bound"}``. "measured" (explain): aten ops dispatched by
-one eager call and by one call through the compiled graphs; "uncompiled" counts those run outside
-every compiled graph (after a graph break that skipped the rest of a frame). "runtime"
-(``cgbackend.report(compiled)``): counted calls x estimated kernels per region; ``eager_call`` and
-``uncompiled`` are null, ``upper_bound`` is true when Dynamo broke a graph.
+"measured" | "runtime", "weights", "eager_call", "with_cgbackend", "in_graphs",
+"in_dynamic_regions", "uncompiled", "dispatched_ops", "by_region": {region id: launches},
+"uncompiled_sources": [{"source", "code", "launches", "ops": {op: count}}], "upper_bound",
+"calls", "warmup_calls"}``. "measured" (explain): aten ops dispatched by one eager call and by one
+call through the compiled graphs, each weighing ``weights``: "profiled" on CUDA tensors (the
+kernel launches, memcpy and memset calls ``torch.profiler`` saw the op make, launch_profile.py),
+"one per op" on CPU tensors or when the profiler failed (a note says why); ``dispatched_ops``
+(``{"eager_call", "with_cgbackend"}``) counts the ops themselves; "uncompiled" counts launches
+outside every compiled graph (after a graph break that skipped the rest of a frame). "runtime"
+(``cgbackend.report(compiled)``, ``weights`` "estimated kernels"): the calls after warm-up
+(``calls``; the ``warmup_calls`` are left out, the capture call counts with the replays) x
+estimated kernels per region; ``eager_call`` and ``uncompiled`` are null, ``upper_bound`` is true
+when Dynamo broke a graph; ``launch_coverage`` is null until a call after warm-up ran.
 
 ``hints[]`` (top level, hints.py): ``{"kind": "static_dispatch" | "data_dependent_loop" |
 "inner_compiler", "message", "option", "source"}``; ``option`` names the option to set,
