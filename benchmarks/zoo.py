@@ -24,6 +24,7 @@ import argparse
 import copy
 import dataclasses
 import datetime
+import math
 import statistics
 import sys
 import time
@@ -277,6 +278,9 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
             eager_flips.append(flip_fraction(eager.get("routing"), ref64_got.get("routing")))
             cg.add(got, ref64_got, eager)
             case.refs64.append(ref64_got)
+        unlike = [note for err, note in case.eager64.values() if math.isinf(err)]
+        if unlike:  # judge() would take an infinite error of eager's as a pass for anything
+            raise RuntimeError(f"eager and its float64 copy differ in kind (NaN, shape, gradients): {unlike[0]}")
         verdict = judge(cg.vs64, case.eager64, dtype)
         stats = cgbackend.stats(compiled)
         report = cgbackend.report(compiled)
@@ -447,11 +451,10 @@ def main(argv: Any = None) -> int:
                   f"rewrites={row.get('dispatch_rewrites')} left={row.get('dispatch_left_dynamic')} "
                   f"speedup={_cell(row, 'speedup', '.2f')} ro={_ro_cell(row)} x_ro={_cell(row, 'x_ro', '.2f')} "
                   f"{row.get('error') or ''}", flush=True)
-    text = render(rows, args, command)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+            if args.out:  # after every row: a run cut short still leaves its table
+                with open(args.out, "w", encoding="utf-8") as f:
+                    f.write(render(rows, args, command))
+    print(render(rows, args, command))
     return 0 if all(r["match"] for r in rows) else 1
 
 

@@ -138,6 +138,23 @@ def test_reduce_overhead_contender_is_judged_and_timed(monkeypatch):
     assert "error: RuntimeError: no graphs today" in zoo.render([row], args, "cmd")
 
 
+def test_float64_copy_unlike_eager_is_an_error(monkeypatch):
+    """An infinite error of eager's against float64 (NaN, a shape, a gradient missing on one side)
+    would let judge() pass anything: the row is an error instead."""
+    import torch
+    copy64 = zoo._float64_copy
+
+    def nan_copy(model):
+        model = copy64(model)
+        with torch.no_grad():
+            model.lm_head.weight[0, 0] = float("nan")
+        return model
+
+    monkeypatch.setattr(zoo, "_float64_copy", nan_copy)
+    row = zoo.run_one("llama", "infer", _zoo_args("cpu", static_dispatch="off", batches=1))
+    assert not row["match"] and "differ in kind" in row["error"], row
+
+
 def test_no_reduce_overhead_with_simulated_graphs():
     args = _zoo_args("cpu", time=True, iters=1, static_dispatch="off")
     assert zoo._reduce_overhead_skipped(args) == "simulated graphs"
