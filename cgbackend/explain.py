@@ -217,7 +217,9 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     report.traced_as = _mode_reason(training, {a.classification.training for a, _ in analyses})
     if launches is not None:
         report.summary.update(launches.to_summary())
-    report.hints = build_hints(report, [a for a, _ in analyses], config)
+    loops = (loop_source.survey(model) if config.static_dispatch == "off" and isinstance(model, torch.nn.Module)
+             else instance.loops)
+    report.hints = build_hints(report, [a for a, _ in analyses], config, loops)
     emit_report(report, "cgbackend_explain_report")
     return report
 

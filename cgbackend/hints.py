@@ -10,7 +10,9 @@ is null. Kinds:
   the report measured them) by the rewritten graph's static kernel fraction.
 * ``data_dependent_loop``: a graph break at a ``for`` loop over a tensor whose length is data
   dependent (``for e in mask.nonzero():``): Dynamo cannot unroll it and runs the rest of the frame
-  uncompiled; a loop over ``range(E)`` has a fixed length.
+  uncompiled. Where static dispatch's loop rewrite (passes/dispatch/source.py) proves the loop
+  equal to its fixed-length form, the hint names ``static_dispatch="auto"``; else a loop over
+  ``range(E)`` has a fixed length (and the hint says why the rewrite declined).
 * ``inner_compiler``: static regions run eager's kernels (``inner="eager"`` in effect);
   ``inner="inductor"`` fuses them.
 """
@@ -114,7 +116,9 @@ def _break_site(gm: torch.fx.GraphModule) -> Optional[tuple[str, str, str]]:
     return f"{base}:{frame.lineno} in {frame.name}", code, str(getattr(reason, "reason", ""))
 
 
-def _loop_hints(report: Any, analyses: list) -> list[dict[str, Any]]:
+def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]]:
+    """``loops``: source.survey's records (what static dispatch's loop rewrite would do)."""
+    by_source = {r.source: r for r in loops}
     hints, seen = [], set()
     launches = report.summary.get("launches") or {}
     uncompiled = launches.get("uncompiled")
@@ -130,13 +134,24 @@ def _loop_hints(report: Any, analyses: list) -> list[dict[str, Any]]:
             continue
         seen.add(source)
         cost = f" ({uncompiled} launches of a call ran uncompiled)" if uncompiled else ""
+        what = (f"this graph break comes from iterating a data-dependent tensor at {source} (`{code}`): "
+                f"Dynamo cannot unroll a loop whose length only the device knows, so the rest of the frame "
+                f"runs uncompiled{cost}. ")
+        survey = by_source.get(source)
+        if survey is not None and survey.form:
+            hints.append(_hint(
+                "data_dependent_loop",
+                what + f"static_dispatch=\"auto\" rewrites this loop ({survey.form}: proven to skip only "
+                f"experts whose body has no effect) into the fixed-length loop over every expert before "
+                f"tracing, and then the dispatch into static code", option='static_dispatch="auto"'))
+            continue
+        declined = (f" (static dispatch's loop rewrite leaves it as written: {survey.reason})"
+                    if survey is not None and survey.reason else "")
         hints.append(_hint(
             "data_dependent_loop",
-            f"this graph break comes from iterating a data-dependent tensor at {source} (`{code}`): "
-            f"Dynamo cannot unroll a loop whose length only the device knows, so the rest of the frame "
-            f"runs uncompiled{cost}. Iterating over `range(E)` instead (every expert; one that received "
-            f"no token contributes nothing) gives the loop a fixed length, so cgbackend can graph it and "
-            f"static_dispatch=\"auto\" can rewrite the dispatch",
+            what + f"Iterating over `range(E)` instead (every expert; one that received no token "
+            f"contributes nothing) gives the loop a fixed length, so cgbackend can graph it and "
+            f"static_dispatch=\"auto\" can rewrite the dispatch{declined}",
             source=source))
     return hints
 
@@ -152,13 +167,14 @@ def _inner_hint(report: Any, config: Config) -> Optional[dict[str, Any]]:
         option='inner="inductor"')
 
 
-def build_hints(report: Any, analyses: list, config: Config) -> list[dict[str, Any]]:
-    """Hints for a report built from ``analyses`` (in graph order) under ``config``."""
+def build_hints(report: Any, analyses: list, config: Config, loops: Optional[list] = None) -> list[dict[str, Any]]:
+    """Hints for a report built from ``analyses`` (in graph order) under ``config``; ``loops``:
+    what static dispatch's loop rewrite would do to the model's loops (source.survey)."""
     hints = []
     dispatch = _static_dispatch_hint(report, analyses, config)
     if dispatch is not None:
         hints.append(dispatch)
-    hints.extend(_loop_hints(report, analyses))
+    hints.extend(_loop_hints(report, analyses, loops or []))
     inner = _inner_hint(report, config)
     if inner is not None:
         hints.append(inner)

@@ -304,6 +304,24 @@ def test_transformers_without_static_dispatch_keeps_its_graph_break():
     assert result["report"].loop_rewrites == [] and result["report"].graph_breaks
 
 
+def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites():
+    """Without static dispatch, the graph break at transformers' loop over the hit experts gets a
+    hint naming static_dispatch="auto" (the loop rewrite proves this loop); a loop it cannot prove
+    gets the range(E) hint with the rewrite's reason."""
+    model = _hf("mixtral")
+    with torch.no_grad():
+        report = cgbackend.explain(model, torch.randint(0, 64, (2, 7)))
+    loop = [h for h in report.hints if h["kind"] == "data_dependent_loop"]
+    assert len(loop) == 1 and loop[0]["option"] == 'static_dispatch="auto"', report.hints
+    assert "hit_loop" in loop[0]["message"] and not list(model.modules())[0].__dict__.get("forward")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        report = cgbackend.explain(HitLoopTensorUse().double(), _batches(1, seed=2)[0])
+    loop = [h for h in report.hints if h["kind"] == "data_dependent_loop"]
+    assert len(loop) == 1 and loop[0]["option"] is None and "range(E)" in loop[0]["message"]
+    assert "leaves it as written" in loop[0]["message"], loop[0]["message"]
+
+
 def test_grouped_form_under_inductor_reads_the_expert_block_without_a_copy(monkeypatch):
     """inner="inductor": the experts' stacked weights are a view of the block the layout made, taken
     outside what Inductor compiles (traced with fake tensors it would be a torch.stack, a copy of

@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["LoopRewrite", "rewrite_function", "install", "uninstall", "installed"]
+__all__ = ["LoopRewrite", "rewrite_function", "install", "uninstall", "installed", "survey"]
 
 log = logging.getLogger(__name__)
 
@@ -502,22 +502,41 @@ def _experts_dispatch(rewritten: Callable, original: Callable) -> Callable:
     return forward
 
 
-def install(model: torch.nn.Module) -> list[LoopRewrite]:
-    """Give each module of ``model`` whose forward holds a rewritable loop the rewritten forward
-    (an instance attribute; ``uninstall`` removes it). Returns every loop looked at."""
-    records: list[LoopRewrite] = []
-    cache: dict[Any, tuple[Optional[Callable], list[LoopRewrite]]] = {}
+def _forwards(model: torch.nn.Module):
+    """(module, class, the forward to rewrite, whether it is transformers' eager experts forward)."""
     for module in model.modules():
-        if _ATTR in module.__dict__ or "forward" in module.__dict__:
-            continue  # already rewritten, or a forward the user (or another wrapper) set on the instance
         cls = type(module)
         eager = _eager_experts_forward(cls)
         fn = eager if eager is not None else getattr(cls, "forward", None)
         if fn is None or fn in (torch.nn.Module.forward,):
             continue
+        yield module, cls, fn, eager is not None
+
+
+def survey(model: torch.nn.Module) -> list[LoopRewrite]:
+    """What :func:`install` would find, without installing anything: a record per loop looked at
+    (``form`` set where static dispatch would rewrite it). For the report's hints."""
+    records: list[LoopRewrite] = []
+    seen: set = set()
+    for module, _cls, fn, _eager in _forwards(model):
+        if "forward" in module.__dict__ or fn in seen:
+            continue
+        seen.add(fn)
+        records.extend(rewrite_function(fn)[1])
+    return records
+
+
+def install(model: torch.nn.Module) -> list[LoopRewrite]:
+    """Give each module of ``model`` whose forward holds a rewritable loop the rewritten forward
+    (an instance attribute; ``uninstall`` removes it). Returns every loop looked at."""
+    records: list[LoopRewrite] = []
+    cache: dict[Any, tuple[Optional[Callable], list[LoopRewrite]]] = {}
+    for module, cls, fn, eager in _forwards(model):
+        if _ATTR in module.__dict__ or "forward" in module.__dict__:
+            continue  # already rewritten, or a forward the user (or another wrapper) set on the instance
         if fn not in cache:
             new, recs = rewrite_function(fn)
-            if new is not None and eager is not None:
+            if new is not None and eager:
                 new = _experts_dispatch(new, cls.forward)
             cache[fn] = (new, recs)
             records.extend(recs)
