@@ -50,10 +50,11 @@ class ParamPolicy:
         return self.volatile is not None and self.volatile(t)
 
     def key(self, t: torch.Tensor) -> Any:
-        """A parameter's part of a graph key."""
+        """A parameter's part of a graph key: its address (a storage freed with ``resize_(0)`` has
+        none, 0, and one gathered again lives at a new address or at the same bytes)."""
         if self.volatile is not None and self.volatile(t):
             return "copied"
-        return storage_key(t)
+        return t.data_ptr()
 
     @staticmethod
     def record(static_ins: Sequence[Any], positions: Sequence[int]) -> tuple:

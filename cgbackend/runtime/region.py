@@ -44,7 +44,7 @@ import torch
 from ..config import Config
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
-from .params import ParamPolicy, storage_key
+from .params import ParamPolicy
 from .inputs import InputViews, SavedTensors, fill_padding, overlap, overlap_candidates, saved_modified_error
 from .pool import PoolSet, PoolState
 from .reach import fake_reached_inputs, reached_inputs, unreached
@@ -286,7 +286,7 @@ class RegionRunner:
             return None, shape_key
         policy = self.shared.params
         if policy.volatile is None:
-            params = [storage_key(ins[p]) for p in self._param_pos]
+            params = [ins[p].data_ptr() for p in self._param_pos]  # ParamPolicy.key, inlined
         else:
             params = [policy.key(ins[p]) for p in self._param_pos]
         return (slot,) + shape_key + tuple(addr_parts) + tuple(params), shape_key
