@@ -10,7 +10,7 @@ graph eager autograd would walk): from each output's ``grad_fn`` through ``next_
 ``AccumulateGrad`` nodes of the region's leaf inputs. A region compiled by Inductor builds one
 autograd node for its whole forward, which reaches every input; there the region's FX module is run
 once more on fake tensors (no kernel, no memory) to build the graph eager autograd would have built
-(:func:`fake_reached_inputs`).
+(:func:`fake_output_reach`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fake_output_reach", "fake_reached_inputs", "reached_inputs", "unreached"]
+__all__ = ["fake_output_reach", "reached_inputs", "unreached"]
 
 
 def reached_inputs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> tuple[frozenset, ...]:
@@ -52,20 +52,13 @@ def reached_inputs(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tenso
     return tuple(result)
 
 
-def fake_reached_inputs(module: Callable[..., Any], ins: Sequence[Any], diff_in: Sequence[int],
-                        diff_out: Optional[Sequence[int]] = None) -> Optional[tuple[frozenset, ...]]:
-    """:func:`reached_inputs` for the outputs ``diff_out`` of ``module(*ins)`` and its inputs
-    ``diff_in``, from a run on fake copies of ``ins``; None where the module cannot run on fake
-    tensors (the caller then keeps the runtime graph's answer, which only errs towards zeros).
-    ``diff_out=None``: every output that requires grad (see :func:`fake_output_reach`)."""
-    found = fake_output_reach(module, ins, diff_in, diff_out)
-    return None if found is None else found[1]
-
-
 def fake_output_reach(module: Callable[..., Any], ins: Sequence[Any], diff_in: Sequence[int],
                       diff_out: Optional[Sequence[int]] = None
                       ) -> Optional[tuple[tuple[int, ...], tuple[frozenset, ...]]]:
-    """(the outputs that require grad, or ``diff_out``; what each reaches) from a fake run."""
+    """:func:`reached_inputs` for the outputs ``diff_out`` of ``module(*ins)`` (None: every output
+    that requires grad) and its inputs ``diff_in``, from a run on fake copies of ``ins``:
+    (those outputs, what each reaches). None where the module cannot run on fake tensors (the
+    caller then keeps the runtime graph's answer, which only errs towards zeros)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:

@@ -47,7 +47,7 @@ from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_ove
 from .params import ParamPolicy
 from .inputs import InputViews, SavedTensors, fill_padding, overlap, overlap_candidates, saved_modified_error
 from .pool import PoolSet, PoolState
-from .reach import fake_reached_inputs, reached_inputs, unreached
+from .reach import fake_output_reach, reached_inputs, unreached
 from .stats import Counters, EagerReason
 from .warmup import SyncDetector, cuda_sync_detector, warmup_call
 
@@ -240,9 +240,9 @@ class RegionRunner:
         FX module runs on fake tensors to build the graph eager autograd would walk."""
         lazy = self.lazy_inner
         if lazy is not None and lazy.state == "compiled":
-            reach = fake_reached_inputs(lazy.module, entry.static_ins, entry.diff_in, entry.diff_out)
-            if reach is not None:
-                return reach
+            found = fake_output_reach(lazy.module, entry.static_ins, entry.diff_in, entry.diff_out)
+            if found is not None:
+                return found[1]
         return reached_inputs(entry.autograd_outputs(), [entry.static_ins[p] for p in entry.diff_in])
 
     def _count_eager(self, reason: str) -> None:
