@@ -119,6 +119,8 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         instance.loops = loop_source.install(model)
         if instance.config.static_dispatch in ("auto", "grouped"):
             instance.relayouts = stack_expert_params(model)
+    elif isinstance(model, torch.nn.Module):
+        instance.loop_survey = loop_source.survey(model)  # for the report's hints only
     if isinstance(model, torch.nn.Module):
         from .distributed import track_fsdp
         track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)

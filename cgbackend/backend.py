@@ -67,6 +67,8 @@ class CGBackend:
         """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
         self.loops: list = []
         """Loops cgbackend.compile / explain rewrote in the model's source (passes/dispatch/source.py)."""
+        self.loop_survey: list = []
+        """What static dispatch's loop rewrite would do, when it is off (the report's hints)."""
         self.relayouts: list = []
         """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
         self.trace_fallback: Optional[str] = None
@@ -170,7 +172,8 @@ class CGBackend:
         report = Report(graphs=graphs, graph_breaks=breaks, summary=summarize(graphs, breaks),
                         config=self.config.to_dict(), opaque_modules=self._opaque_dict())
         report.summary.update(runtime_launches(graphs, compiled, bool(breaks)))
-        report.hints = build_hints(report, [g.analysis for g in compiled], self.config)
+        report.hints = build_hints(report, [g.analysis for g in compiled], self.config,
+                                   self.loops or self.loop_survey)
         self._annotate(report)
         return report
 
