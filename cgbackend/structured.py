@@ -13,11 +13,22 @@ log = logging.getLogger(__name__)
 
 
 def structured_tracing_on() -> bool:
+    """Whether structured-trace records go anywhere. PyTorch keeps a ``LazyTraceHandler`` on its
+    trace log at DEBUG in every process; it writes only once it has a directory (``TORCH_TRACE``,
+    or a platform default it resolves lazily), so that handler alone, without a directory and
+    without an open file, means tracing is off."""
     try:
         from torch._logging._internal import trace_log
     except ImportError:
         return False
-    return bool(trace_log.handlers) and trace_log.isEnabledFor(logging.DEBUG)
+    if not trace_log.handlers or not trace_log.isEnabledFor(logging.DEBUG):
+        return False
+    for handler in trace_log.handlers:
+        if type(handler).__name__ != "LazyTraceHandler":
+            return True  # a handler someone attached on purpose (tests, tools)
+        if getattr(handler, "root_dir", None) is not None or getattr(handler, "stream", None) is not None:
+            return True
+    return False
 
 
 def emit_report(report: Any, name: str) -> bool:

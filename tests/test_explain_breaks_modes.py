@@ -147,3 +147,24 @@ def test_no_artifact_when_structured_tracing_is_off(monkeypatch):
     with torch.no_grad():
         cgbackend.explain(nn.Linear(4, 4), torch.randn(2, 4))
     assert emitted == []
+
+
+def test_torch_trace_directory_receives_the_report(tmp_path):
+    """With TORCH_TRACE set, the report lands in the trace file (PyTorch's default trace handler has
+    no directory otherwise, and then structured_tracing_on() is False: the test above)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, torch.nn as nn, cgbackend\n"
+            "from cgbackend import structured\n"
+            "assert structured.structured_tracing_on()\n"
+            "with torch.no_grad():\n"
+            "    cgbackend.explain(nn.Linear(4, 4), torch.randn(2, 4))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TORCH_TRACE=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    env.pop("TORCH_LOGS", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    logs = "".join(p.read_text() for p in tmp_path.iterdir())
+    assert "cgbackend_explain_report" in logs
