@@ -143,6 +143,10 @@ def test_no_artifact_when_structured_tracing_is_off(monkeypatch):
             emitted.append(kind)
 
     monkeypatch.setattr(torch._logging, "trace_structured", record)
+    # Tracing off as in a fresh process: PyTorch's own trace handler, without a directory. (Handlers
+    # other code attached, pytest's log capture among them, would count as on, as torch counts them.)
+    from torch._logging._internal import LazyTraceHandler, trace_log
+    monkeypatch.setattr(trace_log, "handlers", [LazyTraceHandler(None)])
     assert not structured.structured_tracing_on()
     with torch.no_grad():
         cgbackend.explain(nn.Linear(4, 4), torch.randn(2, 4))
