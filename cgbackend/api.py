@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -120,7 +121,7 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         if instance.config.static_dispatch in ("auto", "grouped"):
             instance.relayouts = stack_expert_params(model)
     elif isinstance(model, torch.nn.Module):
-        instance.loop_survey = loop_source.survey(model)  # for the report's hints only
+        instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
     if isinstance(model, torch.nn.Module):
         from .distributed import track_fsdp
         track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)

@@ -67,8 +67,10 @@ class CGBackend:
         """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
         self.loops: list = []
         """Loops cgbackend.compile / explain rewrote in the model's source (passes/dispatch/source.py)."""
-        self.loop_survey: list = []
-        """What static dispatch's loop rewrite would do, when it is off (the report's hints)."""
+        self.survey_target: Optional[Callable[[], Any]] = None
+        """A weak reference to the model compiled without static dispatch: its loops are surveyed
+        (what the loop rewrite would do, source.survey) when a report is built, for the hints."""
+        self._loop_survey: Optional[list] = None
         self.relayouts: list = []
         """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
         self.trace_fallback: Optional[str] = None
@@ -173,9 +175,18 @@ class CGBackend:
                         config=self.config.to_dict(), opaque_modules=self._opaque_dict())
         report.summary.update(runtime_launches(graphs, compiled, bool(breaks)))
         report.hints = build_hints(report, [g.analysis for g in compiled], self.config,
-                                   self.loops or self.loop_survey)
+                                   self.loops or self._surveyed_loops())
         self._annotate(report)
         return report
+
+    def _surveyed_loops(self) -> list:
+        if self._loop_survey is None:
+            model = self.survey_target() if self.survey_target is not None else None
+            if model is None:
+                return []
+            from .passes.dispatch.source import survey
+            self._loop_survey = survey(model)
+        return self._loop_survey
 
     def _annotate(self, report: Report) -> None:
         """What happened before Dynamo's graphs: source-level loop rewrites and a trace fallback."""
