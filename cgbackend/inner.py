@@ -122,25 +122,31 @@ class _Reach:
         return j in self.live
 
 
-class _OutGate(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, state: _Reach, k: int, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.set_materialize_grads(False)
-        ctx.state, ctx.k = state, k
-        return x.view_as(x)
+class _OutMark:
+    """Hook on one output of an eager call: notes that the output received a gradient.
 
-    @staticmethod
-    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple:  # type: ignore[override]
-        if grad is not None:
-            ctx.state.got.add(ctx.k)
-        return None, None, grad
+    A hook, not an identity Function: a Function's output is a view of its input, and a write
+    through another view of the same memory (``y.view(-1)`` returned beside ``y``) would make
+    reading it an error that eager code never raises."""
+
+    __slots__ = ("state", "k")
+
+    def __init__(self, state: _Reach, k: int) -> None:
+        self.state, self.k = state, k
+
+    def __call__(self, grad: Optional[torch.Tensor]) -> None:
+        if grad is not None:  # the engine calls an output's hooks with None when it got no gradient
+            self.state.got.add(self.k)
 
 
 class _InGate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: _Reach, j: int, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.state, ctx.j = state, j
-        return x.view_as(x)
+        # An alias that is not a view (detach shares memory and the version counter): outputs that
+        # are views of this input (``p[0]``) must stay writable as eager's are, and a view made
+        # inside a Function forbids writes through its other views.
+        return x.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: Optional[torch.Tensor]) -> tuple:  # type: ignore[override]
@@ -153,8 +159,8 @@ class _Gated:
     AOT autograd's forward is one autograd node reaching every input, and it hands zeros for the
     outputs the loss did not use, so inputs only those outputs reach would get a zero ``.grad``
     where eager autograd leaves None (an optimizer with momentum or weight decay treats the two
-    differently). Identity gates around the call note which outputs received a gradient and pass
-    None on to the inputs none of those reach (reach from a fake run of the FX module, once per
+    differently). Hooks on the outputs note which received a gradient, identity gates on the inputs
+    pass None on to those none of those reach (reach from a fake run of the FX module, once per
     pattern of inputs that require grad). Graph replays do this in the runner (region.py)."""
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
@@ -177,13 +183,11 @@ class _Gated:
         for j, i in enumerate(diff_in):
             gated[i] = _InGate.apply(state, j, args[i])
         outs = fn(*gated)
-        seq = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        seq = outs if isinstance(outs, (tuple, list)) else (outs,)
         for n, k in enumerate(diff_out):
-            if k < len(seq) and isinstance(seq[k], torch.Tensor) and seq[k].requires_grad:
-                seq[k] = _OutGate.apply(state, n, seq[k])
-        if not isinstance(outs, (tuple, list)):
-            return seq[0]
-        return tuple(seq) if isinstance(outs, tuple) else seq
+            if k < len(seq) and isinstance(seq[k], torch.Tensor) and seq[k].grad_fn is not None:
+                seq[k].register_hook(_OutMark(state, n))
+        return outs
 
 
 def _capturing() -> bool:

@@ -102,6 +102,17 @@ def test_returned_views_alias_like_eager(mode):
     assert st["output_views"] == 4 * 5 + 2 * 4  # z's views come from eager memory in the warm-up call
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_returned_views_alias_like_eager_under_inductor(mode):
+    """Inductor's code in the region (the GPU default): the warm-up call runs it eagerly through
+    inner.py's gradient gates, which must leave every returned view writable as eager's are (an
+    identity Function's output is a view whose other views may not be written: the GPU suite
+    failed here)."""
+    st = _run_views(mode, "cpu", torch.float64, simulate_graphs=True, inner="inductor")
+    assert st["inner_compiled"] == 1 and not st["inner_fallbacks"], st
+    assert st["replays"] >= 4 and st["output_alias_lost"] == 0, st
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", list(MODES))
 def test_returned_views_alias_like_eager_cuda(mode):
