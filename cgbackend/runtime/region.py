@@ -37,7 +37,7 @@ import gc
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
@@ -178,6 +178,12 @@ class _TrainEntry(_Entry):
         return [outs[i] for i in self.diff_out]
 
 
+_ptrs_equal: Optional[Callable[[list, list, Sequence[int]], bool]] = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+"""PyTorch's C++ check that tensors[i].data_ptr() == ptrs[i] at the given positions, three lists (CUDA builds;
+feature-tested: absent on CPU-only builds, where the key reads each address in Python)."""
+
+
 class RegionRunner:
     """Runs one static region. Called with the region's inputs in order; returns its outputs."""
 
@@ -192,6 +198,12 @@ class RegionRunner:
         self._other_pos = tuple(p for p, k in enumerate(kinds) if k is not PARAM)
         """Parameter inputs stay parameters (a split may turn a hand-off into an eager value only):
         the per-call key reads them in one pass (a MoE region has hundreds)."""
+        self._param_idx = list(self._param_pos)
+        self._param_ptrs: Optional[list] = None
+        self._param_key: tuple = ()
+        """The parameters' addresses at the latest call, aligned with the inputs (None elsewhere), and
+        the key part they made: where PyTorch's C++ comparison exists (CUDA builds, the one
+        cudagraph trees uses), an unchanged set is one call instead of one data_ptr() each."""
         self.producers = producers
         self.mutated = mutated
         self.shared = shared
@@ -286,10 +298,24 @@ class RegionRunner:
             return None, shape_key
         policy = self.shared.params
         if policy.volatile is None:
-            params = [ins[p].data_ptr() for p in self._param_pos]  # ParamPolicy.key, inlined
+            params = self._param_addresses(ins)
         else:
-            params = [policy.key(ins[p]) for p in self._param_pos]
-        return (slot,) + shape_key + tuple(addr_parts) + tuple(params), shape_key
+            params = tuple(policy.key(ins[p]) for p in self._param_pos)
+        return (slot,) + shape_key + tuple(addr_parts) + params, shape_key
+
+    def _param_addresses(self, ins: list) -> tuple:
+        """The parameters' part of the key (ParamPolicy.key without volatile parameters: the address)."""
+        last, is_list = self._param_ptrs, isinstance(ins, list)  # the C++ check takes lists only
+        if last is not None and is_list and len(last) == len(ins) and _ptrs_equal(ins, last, self._param_idx):
+            return self._param_key
+        ptrs = [ins[p].data_ptr() for p in self._param_pos]
+        if _ptrs_equal is not None and is_list:
+            aligned: list = [None] * len(ins)
+            for p, ptr in zip(self._param_pos, ptrs):
+                aligned[p] = ptr
+            self._param_ptrs = aligned
+        self._param_key = tuple(ptrs)
+        return self._param_key
 
     def _tensor_key(self, pos: int, value: torch.Tensor, grad_path: bool, shape_parts: list,
                     addr_parts: list) -> bool:
