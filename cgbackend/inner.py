@@ -159,9 +159,9 @@ class _Gated:
     AOT autograd's forward is one autograd node reaching every input, and it hands zeros for the
     outputs the loss did not use, so inputs only those outputs reach would get a zero ``.grad``
     where eager autograd leaves None (an optimizer with momentum or weight decay treats the two
-    differently). Hooks on the outputs note which received a gradient, identity gates on the inputs
-    pass None on to those none of those reach (reach from a fake run of the FX module, once per
-    pattern of inputs that require grad). Graph replays do this in the runner (region.py)."""
+    differently). Hooks on the outputs note which received a gradient; identity gates on the inputs
+    hand None on to the inputs none of those outputs reach (reach from a fake run of the FX module,
+    once per pattern of inputs that require grad). Graph replays do this in the runner (region.py)."""
 
     def __init__(self, module: torch.fx.GraphModule) -> None:
         self.module = module

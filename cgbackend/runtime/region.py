@@ -180,8 +180,9 @@ class _TrainEntry(_Entry):
 
 _ptrs_equal: Optional[Callable[[list, list, Sequence[int]], bool]] = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-"""PyTorch's C++ check that tensors[i].data_ptr() == ptrs[i] at the given positions, three lists (CUDA builds;
-feature-tested: absent on CPU-only builds, where the key reads each address in Python)."""
+"""PyTorch's C++ check that tensors[i].data_ptr() == ptrs[i] at the given positions, all three
+arguments lists (CUDA builds; feature-tested: absent on CPU-only builds, where the key reads each
+address in Python)."""
 
 
 class RegionRunner:
@@ -306,7 +307,8 @@ class RegionRunner:
     def _param_addresses(self, ins: list) -> tuple:
         """The parameters' part of the key (ParamPolicy.key without volatile parameters: the address)."""
         last, is_list = self._param_ptrs, isinstance(ins, list)  # the C++ check takes lists only
-        if last is not None and is_list and len(last) == len(ins) and _ptrs_equal(ins, last, self._param_idx):
+        if (last is not None and is_list and len(last) == len(ins)
+                and _ptrs_equal(ins, last, self._param_idx)):
             return self._param_key
         ptrs = [ins[p].data_ptr() for p in self._param_pos]
         if _ptrs_equal is not None and is_list:
