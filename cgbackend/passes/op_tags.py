@@ -9,7 +9,8 @@ only its tensor-repeats overload; ``index``: only boolean masks) cannot be decid
 classify.py keeps its argument checks for those.
 
 The tag describes an operator as a whole; where an argument removes the data dependence, it is
-listed in :data:`STATIC_WHEN` with why.
+listed in :data:`STATIC_WHEN` with why. Operators an older supported release leaves untagged are
+in :data:`LATE_TAGGED`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.fx
 
 from ..fx_utils import arg_of, callee_name
 
-__all__ = ["STATIC_WHEN", "tagged_dynamic_output_shape"]
+__all__ = ["LATE_TAGGED", "STATIC_WHEN", "tagged_dynamic_output_shape"]
 
 _TAG = getattr(torch.Tag, "dynamic_output_shape", None)
 
@@ -32,6 +33,14 @@ STATIC_WHEN: dict[str, tuple[Callable[[torch.fx.Node], bool], str]] = {
                 "the tag covers num_classes=-1 (classes from max(input)); with num_classes given the "
                 "size is fixed and CUDA reads nothing back (it relies on scatter's device assert)"),
 }
+
+
+LATE_TAGGED: dict[str, str] = {
+    "_unique": "untagged in torch 2.11 (its fake kernel there even gives a static size of 1); tagged since",
+    "one_hot": "untagged in torch 2.11; tagged since (STATIC_WHEN still exempts num_classes >= 0)",
+}
+"""ATen operators a supported torch release leaves untagged although their output size comes from
+device data: counted as tagged wherever the tag is missing (aten namespace only)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,6 +66,9 @@ def tagged_dynamic_output_shape(node: torch.fx.Node) -> Optional[str]:
     else:
         short = callee_name(node)
         tagged, name = _packet_tagged(short), f"aten::{short}"
+    if not tagged and callee_name(node) in LATE_TAGGED and name.startswith("aten::") \
+            and isinstance(getattr(torch.ops.aten, callee_name(node), None), torch._ops.OpOverloadPacket):
+        tagged = True
     if not tagged:
         return None
     exempt = STATIC_WHEN.get(callee_name(node))
