@@ -222,6 +222,7 @@ def test_decode_mode_tokens_and_logits(tmp_path):
     """Greedy decode with a StaticCache: ms per token, generated tokens compared with eager's
     (cgbackend runs eager's kernels on CPU: all equal), teacher-forced logits judged against a
     float64 run."""
+    pytest.importorskip("transformers")  # in the test extra; the decode models are transformers models
     results, rows = _run(tmp_path, "--models", "hf-llama", "--modes", "decode", "--contenders", "eager,cgbackend")
     for name in ("eager", "cgbackend"):
         row = rows[("hf-llama", "decode", name, None)]
@@ -238,6 +239,7 @@ def test_decode_mode_tokens_and_logits(tmp_path):
 def test_decode_hf_grouped_mm_contender(tmp_path):
     """transformers' grouped_mm experts from the same weights, in decode (bf16: what torch.compile
     can trace); skipped with the probe's reason where torch._grouped_mm cannot run."""
+    pytest.importorskip("transformers")  # in the test extra; the decode models are transformers models
     from cgbackend.models.realsize import grouped_mm_unsupported
     reason = grouped_mm_unsupported("cpu", torch.bfloat16)
     _, rows = _run(tmp_path, "--dtype", "bf16", "--models", "hf-mixtral-eager-experts", "--modes", "decode",
