@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import re
 
 import pytest
 import torch
@@ -61,7 +62,8 @@ def test_smoke_run_writes_complete_results(tmp_path, capsys):
 
     markdown = bench.render_markdown(results)
     assert meta["command"] in markdown
-    assert "## moe / train" in markdown and "| cgbackend" in markdown
+    # A contender faster than the best stock one is bolded (timing decides that, even on CPU).
+    assert "## moe / train" in markdown and re.search(r"^\| (\*\*)?cgbackend", markdown, re.M)
 
 
 def test_failing_contender_is_recorded_not_fatal(tmp_path, monkeypatch):
