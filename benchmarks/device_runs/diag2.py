@@ -5,18 +5,11 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, ".")  # run from the repository root
-import cgbackend  # noqa: E402
-from cgbackend.models.realsize import SHAPES, RealModel, grouped_from, make_hidden_inputs  # noqa: E402
+from pair import contenders  # noqa: E402  (it puts the repository root on the path)
 
-name = sys.argv[1]
-cfg = SHAPES[name]["full"]
-torch.manual_seed(0)
-m = RealModel(cfg).cuda().to(torch.bfloat16).eval()
-xs = make_hidden_inputs(cfg, tokens=4096, n=3, device="cuda", dtype=torch.bfloat16, seed=1)
-g = grouped_from(m).cuda()
-c = cgbackend.compile(m, static_dispatch="auto")
-ro = torch.compile(g, mode="reduce-overhead")
+import cgbackend  # noqa: E402
+
+xs, c, ro = contenders(sys.argv[1])
 
 
 def prof(fn, label):

@@ -10,19 +10,12 @@ import time
 
 import torch
 
-sys.path.insert(0, ".")  # run from the repository root
-import cgbackend  # noqa: E402
-from cgbackend.models.realsize import SHAPES, RealModel, grouped_from, make_hidden_inputs  # noqa: E402
+from pair import contenders  # noqa: E402  (it puts the repository root on the path)
 
-name = sys.argv[1]
+import cgbackend  # noqa: E402
+
 tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
-cfg = SHAPES[name]["full"]
-torch.manual_seed(0)
-m = RealModel(cfg).cuda().to(torch.bfloat16).eval()
-xs = make_hidden_inputs(cfg, tokens=tokens, n=3, device="cuda", dtype=torch.bfloat16, seed=1)
-g = grouped_from(m).cuda()
-c = cgbackend.compile(m, static_dispatch="auto")
-ro = torch.compile(g, mode="reduce-overhead")
+xs, c, ro = contenders(sys.argv[1], tokens)
 
 
 def measure(fn, label):
