@@ -56,7 +56,7 @@ def tagged_dynamic_output_shape(node: torch.fx.Node) -> Optional[str]:
     """The tagged operator ``node`` calls (its qualified name), or None."""
     if _TAG is None or node.op not in ("call_function", "call_method"):
         return None
-    target = node.target
+    target, short = node.target, callee_name(node)
     if isinstance(target, torch._ops.OpOverload):
         tagged, name = _TAG in target.tags, target.name()
     elif isinstance(target, torch._ops.OpOverloadPacket):
@@ -64,14 +64,13 @@ def tagged_dynamic_output_shape(node: torch.fx.Node) -> Optional[str]:
         tagged = bool(overloads) and all(_TAG in o.tags for o in overloads if not o._overloadname.endswith("out"))
         name = target._qualified_op_name
     else:
-        short = callee_name(node)
         tagged, name = _packet_tagged(short), f"aten::{short}"
-    if not tagged and callee_name(node) in LATE_TAGGED and name.startswith("aten::") \
-            and isinstance(getattr(torch.ops.aten, callee_name(node), None), torch._ops.OpOverloadPacket):
+    if not tagged and short in LATE_TAGGED and name.startswith("aten::") \
+            and isinstance(getattr(torch.ops.aten, short, None), torch._ops.OpOverloadPacket):
         tagged = True
     if not tagged:
         return None
-    exempt = STATIC_WHEN.get(callee_name(node))
+    exempt = STATIC_WHEN.get(short)
     if exempt is not None and exempt[0](node):
         return None
     return name
