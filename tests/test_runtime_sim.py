@@ -60,6 +60,52 @@ def test_moe_static_outputs_handed_over_without_copies():
     assert st["copies_avoided"] > 0
 
 
+class _ThreeOut(nn.Module):
+    """Three outputs of different dtypes and layouts (one transposed, one integer) in graph memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h.relu(), (h * 2).t(), h.argmax(-1)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_outputs_copied_out_of_graph_memory_with_one_foreach_copy(batched, monkeypatch):
+    """Inference outputs leave graph memory through one ``_foreach_copy_`` (one launch instead of
+    one per output), each into its own storage with the layout ``clone()`` gives; without the
+    private API (``batched=False``) each is cloned. Either way a later replay overwrites none of
+    them."""
+    from cgbackend.runtime import outputs
+    calls = []
+    real = outputs._foreach_copy
+
+    def counting(dst, src):
+        calls.append(len(dst))
+        return real(dst, src)
+
+    monkeypatch.setattr(outputs, "_foreach_copy", counting if batched else None)
+    torch.manual_seed(0)
+    model = _ThreeOut().eval()
+    compiled = cgbackend.compile(model, **SIM)
+    kept = []
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(5, 8)
+            out, ref = compiled(x), model(x)
+            for o, r in zip(out, ref):
+                assert torch.equal(o, r) and o.stride() == r.stride() and o.dtype == r.dtype
+            assert len({o.untyped_storage().data_ptr() for o in out}) == 3
+            kept.append((out, ref))
+    for out, ref in kept:
+        assert all(torch.equal(o, r) for o, r in zip(out, ref)), "a replay overwrote an earlier output"
+    st = cgbackend.stats(compiled)
+    assert st["replays"] == 3 and st["output_clones"] == 9
+    assert calls == ([3] * 3 if batched else [])
+
+
 def _python_ptrs_equal(tensors, ptrs, indices):
     assert all(type(a) is list for a in (tensors, ptrs, indices))  # as strict as the C++ binding
     return all(tensors[i].data_ptr() == ptrs[i] for i in indices)

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 INPUT, OUTPUT, SHARED = "input", "output", "shared"
 
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+"""Feature-tested private API (present in torch 2.11 and 2.13): several copies, one launch."""
+
 _VIEW, _SAME = "view", "same"
 
 _SIZE_METHODS = {"size", "stride", "dim", "numel", "storage_offset", "__getitem__"}
@@ -274,9 +277,7 @@ class OutputBuilder:
         done: set = set()
         for group in self.shared_groups:
             done |= self._copy_together(group, values)
-        for node in self.plain:
-            if node not in done:
-                values[node] = self._own_memory(values[node])
+        self._own_memory([n for n in self.plain if n not in done], values)
         if anchor is not None:
             anchor(values)
         aliases = self.aliases
@@ -290,14 +291,38 @@ class OutputBuilder:
             values[node] = self._fallback(node, group, env, values)
         return torch.fx.node.map_arg(self.template, values.__getitem__)
 
-    def _own_memory(self, value: Any) -> Any:
-        """A copy of a tensor in graph memory (a later replay would overwrite it); else as it is."""
+    def _own_memory(self, nodes: list, values: dict) -> None:
+        """Copies of the tensors in graph memory (a later replay would overwrite them); the rest as
+        they are. One allocation per tensor, as ``clone()`` makes, but one ``_foreach_copy_`` for
+        all of them rather than a kernel launch each: on a small model the copies' launches were
+        most of the host time a call spent beyond reduce-overhead's (which copies nothing and
+        raises when an overwritten output is read). Tensors autograd must see copied (a training
+        call's outputs) keep ``clone()``."""
         storages = self.shared.persistent_storages
-        if isinstance(value, torch.Tensor) and storages and value.numel() > 0:
-            if value.untyped_storage().data_ptr() in storages:
-                self.shared.counters.output_clones += 1
-                return value.clone()
-        return value
+        if not storages:
+            return
+        batch: list = []
+        grad = torch.is_grad_enabled()
+        counters = self.shared.counters
+        for node in nodes:
+            value = values[node]
+            if not isinstance(value, torch.Tensor) or value.numel() == 0 \
+                    or value.untyped_storage().data_ptr() not in storages:
+                continue
+            counters.output_clones += 1
+            if grad and value.requires_grad:
+                values[node] = value.clone()
+            else:
+                batch.append(node)
+        if len(batch) == 1 or (batch and _foreach_copy is None):
+            for node in batch:
+                values[node] = values[node].clone()
+        elif batch:
+            sources = [values[n] for n in batch]
+            copies = [torch.empty_like(t) for t in sources]
+            _foreach_copy(copies, sources)
+            for node, copy in zip(batch, copies):
+                values[node] = copy
 
     def _copy_together(self, group: AliasGroup, values: dict) -> set:
         """Members of a SHARED group in one graph storage: one copy of the block they cover, the
@@ -353,7 +378,9 @@ class OutputBuilder:
         if node not in self._warned:
             self._warned.add(node)
             log.warning("%s (counted as output_alias_lost)", detail)
-        return self._own_memory(value)
+        own = {node: value}
+        self._own_memory([node], own)
+        return own[node]
 
 
 def _same_storage(a: Any, b: Any) -> bool:
