@@ -193,6 +193,25 @@ def test_device_constants_from_python_scalars_are_hoisted_and_captured(inner):
     assert st["inner_compiled"] == (1 if inner == "auto" else 0)
 
 
+def test_constant_moved_to_the_gpu_is_made_once():
+    """transformers' sliding-window cache: ``torch.tensor(window)`` on the CPU, then ``.to(device)``
+    in every call. The move was a dynamic region (a copy from host memory); now the tensor and its
+    move are made once and the model is one static region."""
+    def f(x):
+        window = torch.tensor(3).to(x.device)
+        idx = torch.arange(x.shape[1], device=x.device)
+        return torch.where(idx < window, x * 2, x).relu()
+
+    xs = [torch.randn(8, 32, device="cuda") for _ in range(5)]
+    compiled = cgbackend.compile(f, warmup=1)
+    for x in xs:
+        torch.testing.assert_close(compiled(x), f(x))
+    st = cgbackend.stats(compiled)
+    assert st["constants_hoisted"] == 3, st
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0, st
+    assert st["graphs_captured"] == 1 and st["replays"] == len(xs) - 1, st
+
+
 def test_capture_failure_falls_back_with_reason():
     model = _OpModel(private_noise).cuda().eval()
     xs = [torch.randn(8, 32, device="cuda") for _ in range(5)]

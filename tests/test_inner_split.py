@@ -88,6 +88,33 @@ def test_constants_written_in_place_or_returned_stay_in_their_region():
     assert st["constants_hoisted"] == 1, st
 
 
+def test_conversions_of_constants_are_constants():
+    """A constant made on one device or in one dtype and converted (transformers' sliding-window
+    cache: ``torch.tensor(window)`` on the CPU, then ``.to(device)``) is made once, conversion
+    included; a conversion of an input, or one whose result is written, stays in its region."""
+    def f(x):
+        window = torch.tensor(3).to(x.device)  # hoisted, and so is the move
+        scale = torch.tensor(2).to(x.dtype)  # hoisted, and so is the conversion
+        half = torch.tensor(0.5).double()  # hoisted, and so is the conversion
+        acc = torch.tensor(1.0).double()  # the source is hoisted, the conversion (a new tensor) is not:
+        acc.add_(x.sum())  # it is written
+        idx = torch.arange(x.shape[1], device=x.device)  # hoisted
+        masked = torch.where(idx < window, x * scale, x * half)
+        return masked + acc, x.to(torch.float32)  # a conversion of the input: per call
+
+    compiled = cgbackend.compile(f, **SIM)
+    for x in _inputs(4, seed=2):
+        out, as32 = compiled(x)
+        ref, ref32 = f(x)
+        assert torch.equal(out, ref) and torch.equal(as32, ref32)
+    st = cgbackend.stats(compiled)
+    assert st["constants_hoisted"] == 8, st
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0 and st["replays"] == 3
+    runtime = cgbackend.report(compiled).graphs[0].runtime
+    ops = sorted(c["op"] for c in runtime["constants"])
+    assert ops == ["Tensor.double", "Tensor.to", "Tensor.to", "arange"] + ["tensor"] * 4, ops
+
+
 class HiddenSync(nn.Module):
     """A region whose middle op synchronizes with the host without the classifier knowing."""
 

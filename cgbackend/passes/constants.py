@@ -27,13 +27,20 @@ The proof, per node (each failing check leaves the node where it is):
 A node that passes depends on nothing but Python constants and is never written: making it once
 and reading that tensor on every call gives the values eager would make on every call.
 
+**Conversions of constants** are constants too: a device move or dtype conversion (:data:`CONVERSIONS`:
+``.to(...)``, ``.cuda()``, ``.float()``, ..., ``aten._to_copy``) whose only tensor argument is a
+hoisted constant, whose other arguments are Python constants, and which passes checks 3 to 6.
+transformers' sliding-window cache makes ``torch.tensor(window)`` on the CPU and moves it to the
+GPU in every call (``cache_utils.py``): the move was a dynamic region of its own (a copy from host
+memory), and the one thing keeping Mistral from running as a single graph.
+
 Complexity: O(N + W) for N nodes and W written storages.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -41,7 +48,7 @@ import torch.fx
 from ..fx_utils import fake_value, storage_ids
 from .effects import Effects
 
-__all__ = ["Constants", "FACTORIES", "MAX_ELEMENTS", "find_constants", "make_constant"]
+__all__ = ["CONVERSIONS", "Constants", "FACTORIES", "MAX_ELEMENTS", "find_constants", "make_constant"]
 
 MAX_ELEMENTS = 1 << 16
 """Largest constant hoisted (elements): bigger ones are left to the region that makes them."""
@@ -54,6 +61,11 @@ FACTORIES: frozenset = frozenset({
     _aten.arange.default, _aten.arange.start, _aten.arange.start_step,
 })
 """Functions that make a tensor from Python values only (no tensor argument)."""
+
+CONVERSIONS: frozenset = frozenset({"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "long", "int",
+                                    "short", "bool", _aten._to_copy.default})
+"""Tensor methods (by name) and functions that convert one tensor (device, dtype) and read no other
+tensor: applied to a hoisted constant, their result is one too."""
 
 _CONSTANT_TYPES = (int, float, bool, complex, str, type(None), torch.device, torch.dtype, torch.layout,
                    torch.memory_format)
@@ -98,12 +110,10 @@ def find_constants(gm: torch.fx.GraphModule, effects: Effects) -> Constants:
     if output is not None:
         for node in output.all_input_nodes:
             escaping |= storage_ids(fake_value(node))
-    found = []
+    found: list[torch.fx.Node] = []
+    hoisted: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in FACTORIES:
-            continue
-        if node.all_input_nodes or not _is_constant(list(node.args)) \
-                or not _is_constant(list(node.kwargs.values())):
+        if not (_is_factory(node) or _is_conversion(node, hoisted)):
             continue
         if node.kwargs.get("requires_grad") or node.kwargs.get("pin_memory"):
             continue
@@ -114,12 +124,38 @@ def find_constants(gm: torch.fx.GraphModule, effects: Effects) -> Constants:
         if not ids or ids & written or ids & escaping:
             continue
         found.append(node)
+        hoisted.add(node)
     return Constants(nodes=found)
 
 
-def make_constant(node: torch.fx.Node) -> torch.Tensor:
-    """Make a hoisted node's tensor (outside any capture); checked against its fake value."""
-    value = node.target(*node.args, **node.kwargs)
+def _python_args_constant(node: torch.fx.Node) -> bool:
+    """Every argument but FX nodes is a Python constant (nodes stand in as None)."""
+    args = torch.fx.node.map_arg((list(node.args), list(node.kwargs.values())), lambda _: None)
+    return _is_constant(args[0]) and _is_constant(args[1])
+
+
+def _is_factory(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in FACTORIES and not node.all_input_nodes
+            and _python_args_constant(node))
+
+
+def _is_conversion(node: torch.fx.Node, hoisted: set) -> bool:
+    """A conversion of one hoisted constant (its first argument) with Python constants otherwise."""
+    if node.op not in ("call_method", "call_function") or node.target not in CONVERSIONS or not node.args:
+        return False
+    inputs = node.all_input_nodes
+    return (len(inputs) == 1 and node.args[0] is inputs[0] and inputs[0] in hoisted
+            and _python_args_constant(node))
+
+
+def make_constant(node: torch.fx.Node, made: Optional[dict] = None) -> torch.Tensor:
+    """Make a hoisted node's tensor (outside any capture); checked against its fake value. ``made``:
+    the tensors of the constants made before it (a conversion reads one)."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), (made or {}).__getitem__)
+    if node.op == "call_method":
+        value = getattr(args[0], node.target)(*args[1:], **kwargs)
+    else:
+        value = node.target(*args, **kwargs)
     expected = fake_value(node)
     if not isinstance(value, torch.Tensor) or value.shape != expected.shape or value.dtype != expected.dtype \
             or value.device.type != expected.device.type:

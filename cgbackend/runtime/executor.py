@@ -163,7 +163,10 @@ class CompiledGraph:
         # Hoisted constants (passes/constants.py): made once, in slots right after the inputs.
         self.constants = tuple(analysis.constants.nodes)
         self._constant_set = set(self.constants)
-        self._constant_values: list = [make_constant(n) for n in self.constants]
+        made: dict = {}
+        for node in self.constants:  # in graph order: a conversion reads a constant made before it
+            made[node] = make_constant(node, made)
+        self._constant_values: list = list(made.values())
         for node in self.constants:
             slot_of[node] = len(slot_of)
         shared.counters.constants_hoisted += len(self.constants)
