@@ -15,7 +15,8 @@ the dtype's unit roundoff), with no error and the same gradients present as eage
 eager is reported too (informational). MoE models also report the fraction of tokens whose top-k
 experts in the first MoE layer differ from the float64 run's (a forward hook on the first router),
 never judged. With ``--time``: median times of eager, cgbackend and
-``torch.compile(mode="reduce-overhead")`` (judged by the same rule first), and their ratios.
+``torch.compile(mode="reduce-overhead")`` (judged by the same rule first), timed in alternating
+blocks on rotating batches, and their ratios.
 """
 
 from __future__ import annotations
@@ -100,17 +101,24 @@ def _float64_copy(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _time(step: Callable[[int], None], n: int, device: str) -> float:
-    times = []
-    for i in range(n):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(i)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _time(steps: dict[str, Callable[[int], None]], n: int, device: str, rounds: int = 5) -> dict[str, float]:
+    """Median ms of each contender's step, timed in ``rounds`` alternating blocks of about ``n /
+    rounds`` steps each (contender A's block, then B's, then A's again, ...): a change of the
+    machine's pace during the run (another process, clocks) shows in every contender alike rather
+    than in whichever was timed then. Each step is timed alone, synchronized before and after."""
+    times: dict[str, list] = {label: [] for label in steps}
+    per = max(1, n // rounds)
+    for r in range(rounds):
+        for label, step in steps.items():
+            for i in range(per):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step(r * per + i)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                times[label].append((time.perf_counter() - t0) * 1e3)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def _error_text(exc: BaseException) -> str:
@@ -216,8 +224,9 @@ class _Case:
             scores.add(self.results(model, fn, x), ref64)
         return judge(scores.vs64, self.eager64, self.dtype)
 
-    def time(self, model: torch.nn.Module, fn: Callable) -> float:
-        """Median ms of a call (inference) or a forward + loss + backward (training)."""
+    def step(self, model: torch.nn.Module, fn: Callable) -> Callable[[int], None]:
+        """Step ``i``: a call (inference) or a forward + loss + backward (training) on batch ``i``
+        (rotating), after three untimed steps."""
         def step(i: int) -> None:
             x = self.xs[i % len(self.xs)]
             if self.train:
@@ -228,7 +237,7 @@ class _Case:
                     _forward(self.kind, fn, x)
         for i in range(3):
             step(i)
-        return _time(step, self.args.iters, self.args.device)
+        return step
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,9 +314,12 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _timings(case: _Case, ref: torch.nn.Module, mine: torch.nn.Module, compiled: Callable,
              probed: bool, options: dict[str, Any]) -> dict[str, Any]:
-    """Eager, cgbackend and reduce-overhead timed on the same batches; torch._dynamo.reset() before
-    each compile."""
-    out: dict[str, Any] = {"eager_ms": case.time(ref, ref)}
+    """Eager, cgbackend and reduce-overhead timed on the same batches, in alternating blocks
+    (``_time``). The routing probe's compile is dropped with ``torch._dynamo.reset()`` before
+    cgbackend's timed compile; reduce-overhead compiles after it without a reset (a reset would
+    drop cgbackend's compiled code; the two compiles are of different model objects under
+    different backends, so neither reuses the other's code)."""
+    out: dict[str, Any] = {}
     if probed:
         # The routing probe is one more output of cgbackend's graphs (a copy out of graph memory):
         # time a fresh compile without it, judged by the same rule (its first calls are its warm-up).
@@ -316,24 +328,28 @@ def _timings(case: _Case, ref: torch.nn.Module, mine: torch.nn.Module, compiled:
         compiled = cgbackend.compile(mine, **options)
         timed = case.judged(mine, compiled)
         out.update(timed_ratio=timed.ratio, timed_ok=timed.ok)
-    out["cgbackend_ms"] = case.time(mine, compiled)
-    out["speedup"] = out["eager_ms"] / out["cgbackend_ms"]
+    steps = {"eager": case.step(ref, ref), "cgbackend": case.step(mine, compiled)}
     skipped = _reduce_overhead_skipped(case.args)
     if skipped:
         out["ro_skipped"] = skipped
-        return out
-    try:  # a contender's failure is a finding for its row, not the end of the run
-        torch._dynamo.reset()
-        model = case.fresh()
-        fn = _reduce_overhead(model)
-        verdict = case.judged(model, fn)
-        out.update(ro_ratio=verdict.ratio, ro_ok=verdict.ok)
-        out["ro_ms"] = case.time(model, fn)
-        out["x_ro"] = out["cgbackend_ms"] / out["ro_ms"]
-    except Exception as exc:
-        out["ro_error"] = _error_text(exc)
+    else:
+        try:  # a contender's failure is a finding for its row, not the end of the run
+            model = case.fresh()
+            fn = _reduce_overhead(model)
+            verdict = case.judged(model, fn)
+            out.update(ro_ratio=verdict.ratio, ro_ok=verdict.ok)
+            steps["ro"] = case.step(model, fn)
+        except Exception as exc:
+            out["ro_error"] = _error_text(exc)
+    try:
+        ms = _time(steps, case.args.iters, case.args.device)
     finally:
         torch._dynamo.reset()
+    out.update(eager_ms=ms["eager"], cgbackend_ms=ms["cgbackend"])
+    out["speedup"] = out["eager_ms"] / out["cgbackend_ms"]
+    if "ro" in ms:
+        out["ro_ms"] = ms["ro"]
+        out["x_ro"] = out["cgbackend_ms"] / out["ro_ms"]
     return out
 
 
@@ -396,7 +412,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
         "- flips (MoE): fraction of tokens whose top-k experts in the first MoE layer differ from the float64"
         " run's, cgbackend (eager); reported, never judged",
         "- RO: `torch.compile(mode=\"reduce-overhead\")` on a fresh copy of the weights, judged by the same rule"
-        " before timing; x RO = cgbackend ms / RO ms",
+        " before timing; x RO = cgbackend ms / RO ms; times: medians of --iters synchronized steps per contender,"
+        " timed in 5 alternating blocks (eager, cgbackend, RO, eager, ...) on rotating batches",
         "- eager after warm-up: static-region calls that ran eagerly after warm-up, by reason",
         "",
         "| model | mode | static op fraction | static/dynamic regions | graphs | eager after warm-up |"
@@ -428,7 +445,7 @@ def main(argv: Any = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--time", action=argparse.BooleanOptionalAction, default=None,
                    help="time eager, cgbackend and reduce-overhead (default: on CUDA)")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=40, help="timed steps per contender, in 5 alternating blocks")
     p.add_argument("--reduce-overhead", action=argparse.BooleanOptionalAction, default=True,
                    help="with --time, also torch.compile(mode='reduce-overhead') (never with --simulate)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

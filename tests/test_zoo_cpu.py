@@ -117,11 +117,34 @@ def test_reduce_overhead_contender_is_judged_and_timed(monkeypatch):
         compiles.append(model)
         return torch.compile(model, backend="eager")
 
+    import cgbackend
+    made, real_compile = [], cgbackend.compile
+
+    def tracked(model, **options):
+        made.append(real_compile(model, **options))
+        return made[-1]
+
     monkeypatch.setattr(zoo, "_reduce_overhead", stand_in)
     monkeypatch.setattr(zoo, "_reduce_overhead_skipped", lambda args: None)
-    args = _zoo_args("cpu", time=True, iters=2)
+    monkeypatch.setattr(zoo.cgbackend, "compile", tracked)
+    seen = []
+    real_time = zoo._time
+
+    def time_and_look(steps, n, device):
+        seen.append((len(made), cgbackend.stats(made[-1])["replays"]))
+        out = real_time(steps, n, device)
+        seen.append((len(made), cgbackend.stats(made[-1])))
+        return out
+
+    monkeypatch.setattr(zoo, "_time", time_and_look)
+    args = _zoo_args("cpu", time=True, iters=10)
     row = zoo.run_one("mixtral", "infer", args)
     assert row["error"] is None, row["error"]
+    # The timed compile (the second: the first carries the routing probe) kept its one Dynamo graph
+    # while the other contender compiled beside it, and replayed in every timed step.
+    (n_before, replays_before), (n_after, timed) = seen
+    assert n_before == n_after == 2 and timed["compiled_graphs"] == 1
+    assert timed["replays"] == replays_before + args.iters, timed
     assert row["match"] and row["timed_ok"], row
     assert row["ro_ok"] and row["ro_ratio"] <= zoo.LIMIT and len(compiles) == 1
     assert row["x_ro"] == pytest.approx(row["cgbackend_ms"] / row["ro_ms"])
@@ -136,6 +159,14 @@ def test_reduce_overhead_contender_is_judged_and_timed(monkeypatch):
     assert row["match"] and "timed_ok" not in row, row  # no probe: cgbackend's accuracy compile is timed
     assert row["ro_error"] == "RuntimeError: no graphs today" and "x_ro" not in row
     assert "error: RuntimeError: no graphs today" in zoo.render([row], args, "cmd")
+
+
+def test_contenders_timed_in_alternating_blocks():
+    order = []
+    steps = {label: (lambda i, label=label: order.append((label, i))) for label in ("a", "b", "c")}
+    ms = zoo._time(steps, 4, "cpu", rounds=2)
+    assert set(ms) == {"a", "b", "c"} and all(v >= 0 for v in ms.values())
+    assert order == [(x, i) for r in range(2) for x in "abc" for i in (2 * r, 2 * r + 1)]
 
 
 def test_float64_copy_unlike_eager_is_an_error(monkeypatch):
