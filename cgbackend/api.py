@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from typing import Any, Callable, Optional
 
@@ -57,6 +58,84 @@ def dynamic_ops_config() -> _TraceDynamicOps:
     return _TraceDynamicOps()
 
 
+class _CompileScope:
+    """The same Dynamo settings as :class:`_TraceDynamicOps`, switched on only while Dynamo compiles
+    a frame inside a ``cgbackend.compile`` call: Dynamo's compile callbacks
+    (``torch._dynamo.callback_handler``, in torch 2.11 and 2.13) set them at the start of a compile
+    when this thread is inside such a call, and they are restored at its end (or, at the latest,
+    when the call returns, on the thread that set them). A call that compiles nothing costs a
+    thread-local count instead of six reads and writes of Dynamo's config (about 11 us a call on a
+    CI machine: host time before the graph launches).
+
+    Dynamo runs start callbacks only for the outermost of overlapping compiles (of any thread), so
+    a compile can start without them; the backend notices (the settings are off while it compiles
+    a graph of a cgbackend call, :func:`trace_scope_missed`), counts it (``trace_scope_missed``)
+    and that instance switches the settings around each call from then on."""
+
+    __slots__ = ()
+    local = threading.local()
+
+    @classmethod
+    def install(cls) -> bool:
+        """Register the callbacks (again after ``torch._dynamo.reset()``, which clears them); False
+        where this torch lacks them."""
+        hooks = cls.__dict__.get("_hooks")
+        if hooks is None:
+            handler = getattr(getattr(torch, "_dynamo", None), "callback_handler", None)
+            names = ("register_start_callback", "register_end_callback", "start_callbacks", "end_callbacks")
+            hooks = (handler, cls._started, cls._ended) if all(hasattr(handler, n) for n in names) else ()
+            cls._hooks = hooks
+        if not hooks:
+            return False
+        handler, started, ended = hooks
+        if started not in handler.start_callbacks:
+            if ended in handler.end_callbacks:
+                handler.end_callbacks.remove(ended)
+            handler.register_start_callback(started)
+            handler.register_end_callback(ended)
+        return True
+
+    @classmethod
+    def _started(cls, args: Any) -> None:
+        here = cls.local
+        if getattr(here, "depth", 0) <= 0 or getattr(here, "applied", None):
+            return
+        cfg = torch._dynamo.config
+        keys = [k for k in _TraceDynamicOps._KEYS if not getattr(cfg, k)]
+        for key in keys:
+            setattr(cfg, key, True)
+        here.applied = keys
+
+    @classmethod
+    def _ended(cls, args: Any = None) -> None:
+        keys = getattr(cls.local, "applied", None)
+        if keys:
+            cls.local.applied = None
+            cfg = torch._dynamo.config
+            for key in keys:
+                setattr(cfg, key, False)
+
+    def __enter__(self) -> None:
+        here = self.local
+        here.depth = getattr(here, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        here = self.local
+        here.depth -= 1
+        if here.depth == 0 and getattr(here, "applied", None):
+            self._ended()
+
+
+def trace_scope_missed() -> bool:
+    """True when Dynamo compiles a graph for a ``cgbackend.compile`` call of this thread without
+    the data-dependent settings on (its compile callbacks did not run for it); read by the
+    backend while it compiles."""
+    if getattr(_CompileScope.local, "depth", 0) <= 0:
+        return False
+    cfg = torch._dynamo.config
+    return not all(getattr(cfg, k) for k in _TraceDynamicOps._KEYS)
+
+
 def _data_dependent_failure(exc: BaseException) -> Optional[BaseException]:
     """The error when Dynamo failed on a data-dependent value that plain torch.compile would have
     met as a graph break (``.tolist()`` of a tensor whose length depends on the data, a branch on an
@@ -85,8 +164,9 @@ def _call_tracing_dynamic_ops(instance: CGBackend, fn: Callable[..., Any], args:
         return fn(*args, **kwargs)
     counters = instance.shared.counters
     calls = counters.graph_calls
+    scope = dynamic_ops_config() if instance.switch_per_call or not _CompileScope.install() else _CompileScope()
     try:
-        with dynamic_ops_config():
+        with scope:
             return fn(*args, **kwargs)
     except Exception as exc:
         cause = _data_dependent_failure(exc)
@@ -109,7 +189,8 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     """``torch.compile`` with a fresh cgbackend instance, tracing data-dependent ops into the graph.
 
     Dynamo's ``capture_dynamic_output_shape_ops`` and ``capture_scalar_outputs`` are switched on
-    around each call of the returned model (never globally), so a dropless MoE arrives as one graph
+    while Dynamo compiles a frame of a call of the returned model (never globally; see
+    ``_CompileScope``), so a dropless MoE arrives as one graph
     and cgbackend decides what runs eagerly. Returns what torch.compile returns; cgbackend.stats()
     and cgbackend.report() accept it.
     """

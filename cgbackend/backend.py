@@ -75,6 +75,9 @@ class CGBackend:
         """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
         self.trace_fallback: Optional[str] = None
         """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
+        self.switch_per_call = False
+        """cgbackend.compile switches Dynamo's data-dependent settings around each call rather than
+        around each compile (api._CompileScope), after a compile ran without them."""
         self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
         """Per-region timing (option profile)."""
         self.shared.watch = self.timer
@@ -92,7 +95,23 @@ class CGBackend:
         self.shared.counters.trace_fallbacks += 1
         log.warning("cgbackend: %s", self.trace_fallback)
 
+    def note_trace_scope_missed(self) -> None:
+        """This graph of a cgbackend.compile call was traced without the data-dependent settings
+        (api._CompileScope: Dynamo ran no start callback for its compile): data-dependent ops in it
+        broke the graph, as in plain torch.compile. Counted; this instance switches the settings
+        around each call from now on."""
+        self.shared.counters.trace_scope_missed += 1
+        if not self.switch_per_call:
+            self.switch_per_call = True
+            log.warning("cgbackend: a graph was traced without capture_scalar_outputs / "
+                        "capture_dynamic_output_shape_ops (Dynamo ran no compile callback for it: "
+                        "another compile was in progress); data-dependent ops in it break the graph. "
+                        "The settings are switched around every call of this model from now on")
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        from .api import trace_scope_missed
+        if trace_scope_missed():
+            self.note_trace_scope_missed()
         with self._lock:
             index = len(self._graphs)
             analysis = analyze(gm, self.config)
@@ -197,6 +216,12 @@ class CGBackend:
                                 "without a copy")
         if self.trace_fallback is not None:
             report.notes.append(self.trace_fallback)
+        missed = self.shared.counters.trace_scope_missed
+        if missed:
+            report.notes.append(f"{missed} graph(s) traced without capture_scalar_outputs / "
+                                "capture_dynamic_output_shape_ops (no Dynamo compile callback ran for them: "
+                                "another compile was in progress): data-dependent ops there break the graph; "
+                                "the settings are switched around every call since")
 
     def _opaque_dict(self) -> dict[str, Any]:
         return self.opaque.to_dict() if self.opaque is not None else {}

@@ -143,3 +143,94 @@ def test_counters_mirrored_into_dynamo_counters():
     _run(compiled, model, n=1)
     assert all(v >= 0 for v in counters["cgbackend"].values())
     assert counters["cgbackend"]["compiled_graphs"] == 1
+
+
+def _nonzero_then_eager(seen: list):
+    @torch._dynamo.disable
+    def look():
+        cfg = torch._dynamo.config
+        seen.append((cfg.capture_scalar_outputs, cfg.capture_dynamic_output_shape_ops))
+
+    def f(x):
+        rows = torch.nonzero(x[:, 0] > 0).squeeze(1)  # traced into the graph only with the settings on
+        look()
+        return x[rows].sum(0) * 2
+
+    return f
+
+
+def test_data_dependent_settings_on_only_while_dynamo_compiles():
+    """cgbackend.compile traces data-dependent ops into the graph (the nonzero makes a dynamic
+    region, not a graph break), but switches Dynamo's settings on only while Dynamo compiles a
+    frame of its call (compile callbacks), not around every call: a call that compiles nothing
+    sees them off, and they are off after it."""
+    cfg = torch._dynamo.config
+    seen: list = []
+    f = _nonzero_then_eager(seen)
+    compiled = cgbackend.compile(f, simulate_graphs=True, warmup=1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(6, 3, generator=g)
+        ref = f(x)
+        torch.testing.assert_close(compiled(x), ref)
+        assert seen[-1] == (False, False)  # seen by the compiled call
+    assert not cfg.capture_scalar_outputs and not cfg.capture_dynamic_output_shape_ops
+    report = cgbackend.report(compiled)
+    # One break, at the disabled function; the nonzero is in the graph (a dynamic region).
+    assert report.summary["dynamic_regions"] >= 1 and len(report.graph_breaks) == 1, report.to_text()
+    assert "disable" in str(report.graph_breaks[0].get("reason")), report.graph_breaks
+    assert cgbackend.stats(compiled)["trace_scope_missed"] == 0
+
+
+def test_compile_without_callbacks_is_counted_and_switches_per_call(monkeypatch):
+    """Dynamo runs start callbacks only for the outermost of overlapping compiles: a compile of a
+    cgbackend call that started without them is traced as plain torch.compile traces (a graph break
+    at the nonzero), counted, warned about, and that instance switches the settings around each
+    call from then on (the next compile, for a new shape, traces the nonzero into the graph)."""
+    from cgbackend.api import _CompileScope
+    torch._dynamo.reset()  # clears Dynamo's callbacks; cgbackend registers them again
+    monkeypatch.setattr(_CompileScope, "_started", classmethod(lambda cls, args: None))
+    monkeypatch.setattr(_CompileScope, "_hooks", None, raising=False)
+    seen: list = []
+    f = _nonzero_then_eager(seen)
+    compiled = cgbackend.compile(f, simulate_graphs=True, warmup=1, dynamic=False)
+    import logging
+    warnings: list = []
+    keep = logging.Handler(level=logging.WARNING)
+    keep.emit = warnings.append  # on cgbackend's logger itself: torch._logging stops propagation above it
+    logger = logging.getLogger("cgbackend")
+    logger.addHandler(keep)
+    try:
+        x = torch.randn(6, 3)
+        torch.testing.assert_close(compiled(x), f(x))
+    finally:
+        logger.removeHandler(keep)
+    instance = cgbackend.find_backend(compiled)
+    missed = instance.shared.counters.trace_scope_missed
+    assert missed == cgbackend.stats(compiled)["compiled_graphs"] >= 1 and instance.switch_per_call
+    assert sum("traced without capture_scalar_outputs" in r.getMessage() for r in warnings) == 1
+    report = cgbackend.report(compiled)
+    assert len(report.graph_breaks) >= 1
+    assert any("traced without capture_scalar_outputs" in n for n in report.notes), report.notes
+    x = torch.randn(9, 3)  # a new shape: recompiled, with the settings switched around the call
+    ref = f(x)
+    torch.testing.assert_close(compiled(x), ref)
+    assert seen[-1] == (True, True) and instance.shared.counters.trace_scope_missed == missed
+    torch._dynamo.reset()
+    monkeypatch.undo()
+    torch._dynamo.reset()
+
+
+def test_settings_switched_per_call_where_torch_has_no_compile_callbacks(monkeypatch):
+    from cgbackend.api import _CompileScope
+    monkeypatch.setattr(_CompileScope, "_hooks", (), raising=False)
+    seen: list = []
+    f = _nonzero_then_eager(seen)
+    compiled = cgbackend.compile(f, simulate_graphs=True, warmup=1)
+    for n in (5, 5):
+        x = torch.randn(n, 3)
+        ref = f(x)
+        torch.testing.assert_close(compiled(x), ref)
+        assert seen[-1] == (True, True)  # the old switch: on around the whole call
+    assert cgbackend.report(compiled).summary["dynamic_regions"] >= 1
+    assert not torch._dynamo.config.capture_scalar_outputs

@@ -76,6 +76,10 @@ class Counters:
     trace_fallbacks: int = 0
     """cgbackend.compile calls re-traced without capture_scalar_outputs / capture_dynamic_output_shape_ops
     after Dynamo failed on a data-dependent value (the backend's ``trace_fallback`` says why)."""
+    trace_scope_missed: int = 0
+    """Graphs of cgbackend.compile calls that Dynamo traced without those settings (no compile
+    callback ran for them: another compile was in progress); the instance then switches them around
+    each call (api._CompileScope)."""
     static_regions: int = 0
     dynamic_regions: int = 0
     graphs_captured: int = 0
