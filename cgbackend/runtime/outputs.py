@@ -294,10 +294,10 @@ class OutputBuilder:
     def _own_memory(self, nodes: list, values: dict) -> None:
         """Copies of the tensors in graph memory (a later replay would overwrite them); the rest as
         they are. One allocation per tensor, as ``clone()`` makes, but one ``_foreach_copy_`` for
-        all of them rather than a kernel launch each: on a small model the copies' launches were
-        most of the host time a call spent beyond reduce-overhead's (which copies nothing and
-        raises when an overwritten output is read). Tensors autograd must see copied (a training
-        call's outputs) keep ``clone()``."""
+        all of them rather than a kernel launch each: on the zoo's small models the per-output
+        clones were the largest item of the host time a call spent beyond reduce-overhead's (which
+        copies nothing and raises when an overwritten output is read). Tensors autograd must see
+        copied (a training call's outputs) keep ``clone()``."""
         storages = self.shared.persistent_storages
         if not storages:
             return
