@@ -109,7 +109,13 @@ for name in sys.argv[1].split(","):
             ro(input_ids=xs[i % 3])
     torch.cuda.synchronize()
     inst = cgbackend.find_backend(c)
-    ours = [g for g in gc.get_objects() if isinstance(g, torch.cuda.CUDAGraph)]
+    ours = []
+    for g in gc.get_objects():
+        try:
+            if isinstance(g, torch.cuda.CUDAGraph):
+                ours.append(g)
+        except ReferenceError:  # a dead weakref.proxy
+            pass
     graph_ids = set()
     for ref in inst._graphs:
         cgraph = ref()
