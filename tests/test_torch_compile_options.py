@@ -132,6 +132,7 @@ def test_counters_mirrored_into_dynamo_counters():
     assert mirrored["compiled_graphs"] == stats["compiled_graphs"] == 1
     assert mirrored["graphs_captured"] == stats["graphs_captured"] == 1
     assert mirrored["replays"] == stats["replays"] == 3
+    assert mirrored["fast_replays"] == stats["fast_replays"] == 2  # the capturing call replays fully
     assert mirrored["eager_calls.warmup"] == 1
     assert mirrored["copies_made"] == stats["copies_made"] > 0
     # Deltas: after Dynamo's counters are cleared, only what happens next is counted.

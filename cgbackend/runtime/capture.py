@@ -63,10 +63,13 @@ class SimulatedGraph:
                     continue
                 if t.numel() and t.untyped_storage().data_ptr() in self._input_storages:
                     continue
-                if t.is_floating_point() or t.is_complex():
-                    t.fill_(float("nan"))
-                elif t.dtype != torch.bool:
-                    t.fill_(2 ** 30 if t.dtype in (torch.int32, torch.int64) else 100)
+                # A graph captured under inference mode has inference tensors for outputs: written
+                # in inference mode (a CUDA replay writes them whatever the mode).
+                with torch.inference_mode(t.is_inference()):
+                    if t.is_floating_point() or t.is_complex():
+                        t.fill_(float("nan"))
+                    elif t.dtype != torch.bool:
+                        t.fill_(2 ** 30 if t.dtype in (torch.int32, torch.int64) else 100)
 
     def check_addresses(self) -> None:
         """A CUDA graph reads the addresses it was captured with: replaying after an input's storage

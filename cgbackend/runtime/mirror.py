@@ -28,16 +28,23 @@ KEY = "cgbackend"
 # Numbers only: counters kept as lists or Counters (failures, fallbacks by reason) are not scalars.
 _SCALARS = tuple(f.name for f in dataclasses.fields(Counters)
                  if type(f.default) is int)
-_read_scalars = operator.attrgetter(*_SCALARS)
+_HOT = ("graph_calls", "replays", "fast_replays", "copies_made", "copies_avoided", "output_clones",
+        "output_views", "copy_backs")
+"""What a replayed call changes: compared one by one on every push. The others (captures,
+compiles, fallbacks...) are compared as one tuple, and walked only when that tuple changed."""
+_COLD = tuple(name for name in _SCALARS if name not in _HOT)
+_read_hot = operator.attrgetter(*_HOT)
+_read_cold = operator.attrgetter(*_COLD)
 
 
 class CounterMirror:
     """What one Counters object last pushed into Dynamo's counters."""
 
-    __slots__ = ("_scalars", "_eager", "_copied", "_failures")
+    __slots__ = ("_hot", "_cold", "_eager", "_copied", "_failures")
 
     def __init__(self) -> None:
-        self._scalars: tuple = (0,) * len(_SCALARS)
+        self._hot: tuple = (0,) * len(_HOT)
+        self._cold: tuple = (0,) * len(_COLD)
         self._eager: dict[str, int] = {}
         self._copied: dict[str, int] = {}
         self._failures = 0
@@ -47,31 +54,42 @@ class CounterMirror:
         self.__init__()
 
     def push(self, counters: Counters) -> None:
-        scalars = _read_scalars(counters)
+        hot = _read_hot(counters)
+        cold = _read_cold(counters)
         eager = counters.eager_calls
         copied = counters.copied_by_kind
         failures = len(counters.capture_failures)
-        if scalars == self._scalars and eager == self._eager and copied == self._copied \
+        if hot == self._hot and cold == self._cold and eager == self._eager and copied == self._copied \
                 and failures == self._failures:
             return
         target = _target()
         if target is None:
             return
-        for name, now, before in zip(_SCALARS, scalars, self._scalars):
+        for name, now, before in zip(_HOT, hot, self._hot):
             if now != before:
                 target[name] += now - before
-        self._scalars = scalars
-        for prefix, now_map, before_map in (("eager_calls.", eager, self._eager),
-                                            ("copied_by_kind.", copied, self._copied)):
-            for key, value in now_map.items():
-                delta = value - before_map.get(key, 0)
-                if delta:
-                    target[prefix + key] += delta
-        self._eager = dict(eager)
-        self._copied = dict(copied)
+        self._hot = hot
+        if cold != self._cold:
+            for name, now, before in zip(_COLD, cold, self._cold):
+                if now != before:
+                    target[name] += now - before
+            self._cold = cold
+        if eager != self._eager:
+            self._eager = _push_map(target, "eager_calls.", eager, self._eager)
+        if copied != self._copied:
+            self._copied = _push_map(target, "copied_by_kind.", copied, self._copied)
         if failures != self._failures:
             target["capture_failures"] += failures - self._failures
             self._failures = failures
+
+
+def _push_map(target: Any, prefix: str, now: dict, before: dict) -> dict:
+    """Add the per-key changes of a Counter of counts to ``target``; returns a copy of ``now``."""
+    for key, value in now.items():
+        delta = value - before.get(key, 0)
+        if delta:
+            target[prefix + key] += delta
+    return dict(now)
 
 
 @functools.lru_cache(maxsize=1)

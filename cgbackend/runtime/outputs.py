@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import math
 import operator
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -269,6 +270,10 @@ class OutputBuilder:
         self.shared_groups = [g for g in aliases.groups if g.kind == SHARED]
         self.fallback = [(m, aliases.group_of(m)) for m in aliases.unreplayable]
         self._warned: set = set()
+        self._plan: Optional[_OwnPlan] = None
+        """Which of the latest call's plain outputs lay in graph memory, by position: reused while
+        the next call returns the same tensor objects (a replayed graph returns its static outputs)
+        and no graph memory was added since."""
 
     def build(self, env: list, anchor: Optional[Callable[[dict], None]] = None) -> Any:
         slot_of = self.slot_of
@@ -277,7 +282,7 @@ class OutputBuilder:
         done: set = set()
         for group in self.shared_groups:
             done |= self._copy_together(group, values)
-        self._own_memory([n for n in self.plain if n not in done], values)
+        self._own_memory([n for n in self.plain if n not in done] if done else self.plain, values)
         if anchor is not None:
             anchor(values)
         aliases = self.aliases
@@ -301,19 +306,23 @@ class OutputBuilder:
         storages = self.shared.persistent_storages
         if not storages:
             return
+        sources = [values[n] for n in nodes]
+        plan = self._plan
+        if plan is None or not plan.holds(nodes, storages, sources):
+            plan = _OwnPlan(nodes, storages, sources)
+            if nodes is self.plain:
+                self._plan = plan
+        if not plan.copied:
+            return
         batch: list = []
         grad = torch.is_grad_enabled()
-        counters = self.shared.counters
-        for node in nodes:
-            value = values[node]
-            if not isinstance(value, torch.Tensor) or value.numel() == 0 \
-                    or value.untyped_storage().data_ptr() not in storages:
-                continue
-            counters.output_clones += 1
+        self.shared.counters.output_clones += len(plan.copied)
+        for i in plan.copied:
+            value = sources[i]
             if grad and value.requires_grad:
-                values[node] = value.clone()
+                values[nodes[i]] = value.clone()
             else:
-                batch.append(node)
+                batch.append(nodes[i])
         if len(batch) == 1 or (batch and _foreach_copy is None):
             for node in batch:
                 values[node] = values[node].clone()
@@ -381,6 +390,42 @@ class OutputBuilder:
         own = {node: value}
         self._own_memory([node], own)
         return own[node]
+
+
+class _OwnPlan:
+    """Which outputs (positions in ``nodes``) lie in graph memory and are copied, decided for the
+    tensor objects ``sources``. It holds for a later call that passes the same ``nodes`` list and
+    the same tensor objects (weakly referenced: a plan keeps no graph memory alive) while the set
+    of graph storages has not grown (it only grows: ``RuntimeShared.register_persistent``)."""
+
+    __slots__ = ("nodes", "storages", "size", "refs", "copied")
+
+    def __init__(self, nodes: list, storages: set, sources: list) -> None:
+        self.nodes = nodes
+        self.storages = storages
+        self.size = len(storages)
+        refs: list = []
+        copied: list = []
+        for i, value in enumerate(sources):
+            if not isinstance(value, torch.Tensor):
+                refs.append(None)
+                continue
+            refs.append(weakref.ref(value))
+            if value.numel() and value.untyped_storage().data_ptr() in storages:
+                copied.append(i)
+        self.refs = tuple(refs)
+        self.copied = tuple(copied)
+
+    def holds(self, nodes: list, storages: set, sources: list) -> bool:
+        if nodes is not self.nodes or storages is not self.storages or len(storages) != self.size:
+            return False
+        for ref, value in zip(self.refs, sources):
+            if ref is None:
+                if isinstance(value, torch.Tensor):
+                    return False
+            elif ref() is not value:
+                return False
+        return True
 
 
 def _same_storage(a: Any, b: Any) -> bool:

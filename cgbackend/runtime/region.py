@@ -178,6 +178,41 @@ class _TrainEntry(_Entry):
         return [outs[i] for i in self.diff_out]
 
 
+class _Fast:
+    """What :meth:`RegionRunner._replay_fast` checks and uses: the entry, the inference mode and
+    key parts of the call that replayed it last, and its static input buffers."""
+
+    __slots__ = ("entry", "inference", "tensors", "values", "params", "static")
+
+    def __init__(self, entry: _Entry, inference: bool, tensors: tuple, values: tuple, params: tuple,
+                 static: list) -> None:
+        self.entry = entry
+        self.inference = inference
+        self.tensors = tensors
+        """(position, shape, stride, dtype) of each tensor input other than parameters."""
+        self.values = values
+        """(position, frozen value) of each number input."""
+        self.params = params
+        """The parameters' addresses (RegionRunner._param_key)."""
+        self.static = static
+        """The static buffers of the copied inputs, in entry.copy_pos order."""
+
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+def _copy_all(dst: list, src: list) -> None:
+    """Copy each of ``src`` into ``dst``: one ``_foreach_copy_`` (one kernel launch for all of them
+    on CUDA, where a ``copy_`` between same-typed device tensors is a ``cudaMemcpyAsync`` that took
+    longer to issue on the H100 host: 11 against 7 us), or ``copy_`` each where torch lacks it or
+    grad mode is on (``copy_`` records autograd history the way it always did)."""
+    if _foreach_copy is not None and dst and not torch.is_grad_enabled():
+        _foreach_copy(dst, src)
+        return
+    for d, v in zip(dst, src):
+        d.copy_(v)
+
+
 _ptrs_equal: Optional[Callable[[list, list, Sequence[int]], bool]] = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 """PyTorch's C++ check that tensors[i].data_ptr() == ptrs[i] at the given positions, all three
@@ -244,6 +279,13 @@ class RegionRunner:
         (inputs.InputViews): a consumer copies them like eager values."""
         self._failure: Optional[str] = None
         """The error of the latest failed capture attempt, until the call decides whose it was."""
+        self._fast_ok = (not mutated and hooks is None and self.bucket is None
+                         and all(k is PARAM or k is COPY or k is VALUE for k in kinds))
+        """Inference calls may take the fast path (:meth:`_replay_fast`): the region reads only
+        parameters, the caller's tensors and numbers, writes no input and pads nothing."""
+        self._fast: Optional[_Fast] = None
+        """The inference entry replayed last and what its key was made of, checked field by field
+        on the next call instead of building the key (cleared when an entry is dropped)."""
 
     # ------------------------------------------------------------------ helpers
 
@@ -275,6 +317,7 @@ class RegionRunner:
         if self.disabled is None:
             self.disabled = reason
             self.disabled_detail = detail
+        self._fast = None
 
     def _keys(self, ins: list, grad_path: bool, slot: int) -> tuple[Optional[tuple], tuple]:
         """(full key: slot, shapes and addresses, or None if a hand-off came from eager code;
@@ -451,6 +494,7 @@ class RegionRunner:
         self._release(entry, sync=False)
 
     def _release(self, entry: _Entry, sync: bool = True) -> None:
+        self._fast = None
         if sync and torch.cuda.is_available() and not self.shared.capturer.simulate:
             torch.cuda.synchronize()  # no replay of it may still be running
         for graph in (entry.graph, getattr(entry, "bwd_graph", None)):
@@ -494,6 +538,11 @@ class RegionRunner:
     def __call__(self, ins: list, call: Any) -> Any:
         if self.rebased_ptrs:
             self.rebased_ptrs = set()
+        fast = self._fast
+        if fast is not None and not call.training and self.shared.params.volatile is None:
+            out = self._replay_fast(fast, ins, call)
+            if out is not None:
+                return out
         if self.disabled is not None:
             return self._eager(ins, self.disabled)
         grad_path = call.training and any(
@@ -521,6 +570,8 @@ class RegionRunner:
                     return self._after_failed_capture(ins, shape_key)
                 if self.disabled is not None:
                     return self._eager(ins, self.disabled)
+            if pad is None and not grad_path:
+                self._note_fast(entry, ins)
             return self._run_entry(entry, ins, call, False, pad)
         warm = self.warm.get(shape_key, 0)
         if warm < self.config.warmup:
@@ -545,6 +596,8 @@ class RegionRunner:
                 return self._after_failed_capture(ins, shape_key)
             return self._eager(ins, self.disabled or EagerReason.CAPTURE_FAILED)
         self.entries[key] = entry
+        if pad is None and not grad_path:
+            self._note_fast(entry, ins)
         return self._run_entry(entry, ins, call, True, pad)
 
     def _fallback(self, ins: list, reason: str) -> Any:
@@ -571,6 +624,60 @@ class RegionRunner:
         self._capture_failed(error)
         self._count_eager(self.disabled or EagerReason.CAPTURE_FAILED)
         return out
+
+    def _note_fast(self, entry: _Entry, ins: list) -> None:
+        """Remember an inference entry this call replays (or captured), with the parts of its key
+        (:meth:`_keys`, just computed for it), for :meth:`_replay_fast`."""
+        if not self._fast_ok or type(entry) is not _Entry or entry.input_views is not None \
+                or entry.pad_dims or self.shared.params.volatile is not None:
+            self._fast = None
+            return
+        kinds = self.kinds
+        tensors = tuple((p, ins[p].shape, ins[p].stride(), ins[p].dtype) for p in self._other_pos
+                        if kinds[p] is not VALUE)
+        values = tuple((p, _freeze(ins[p])) for p in self._other_pos if kinds[p] is VALUE)
+        if entry.copy_kinds is None:
+            entry.copy_kinds = tuple(self._copy_kind(ins[p], p) for p in entry.copy_pos)
+        self._fast = _Fast(entry, torch.is_inference_mode_enabled(), tensors, values, self._param_key,
+                           [entry.static_ins[p] for p in entry.copy_pos])
+
+    def _replay_fast(self, fast: "_Fast", ins: list, call: Any) -> Any:
+        """An inference call whose key is the remembered entry's: the same shapes, strides and
+        dtypes, numbers, parameter addresses (one C++ comparison on CUDA builds) and inference
+        mode; its inputs copied with one ``_foreach_copy_``. None when anything differs, or when
+        the replay-order rule forbids it now: the call then takes the full path (:meth:`__call__`)."""
+        if torch.is_inference_mode_enabled() is not fast.inference:
+            return None
+        for pos, shape, stride, dtype in fast.tensors:
+            value = ins[pos]
+            if value.shape != shape or value.dtype != dtype or value.stride() != stride:
+                return None
+        for pos, frozen in fast.values:
+            if _freeze(ins[pos]) != frozen:
+                return None
+        if self._param_pos:
+            params = self._param_addresses(ins)
+            if params is not fast.params and params != fast.params:
+                return None
+        entry = fast.entry
+        pool = entry.pool
+        if pool.live and pool.hazard(entry.index):
+            return None
+        counters = self.shared.counters
+        copy_pos = entry.copy_pos
+        if copy_pos:
+            _copy_all(fast.static, [ins[p] for p in copy_pos])
+            counters.copies_made += len(copy_pos)
+            by_kind = counters.copied_by_kind
+            for kind in entry.copy_kinds:
+                by_kind[kind] += 1
+        entry.graph.replay()
+        pool.acquire(entry.index)
+        call.live.append((pool, entry.index))
+        self.replays += 1
+        counters.replays += 1
+        counters.fast_replays += 1
+        return entry.outputs
 
     def _run_entry(self, entry: _Entry, ins: list, call: Any, fresh: bool,
                    pad: Optional[_Pad] = None) -> Any:
@@ -602,7 +709,9 @@ class RegionRunner:
         if not fresh:
             static_ins = entry.static_ins
             pad_dims = entry.pad_dims
-            for pos in entry.copy_pos:
+            if not pad_dims:
+                _copy_all([static_ins[p] for p in entry.copy_pos], [ins[p] for p in entry.copy_pos])
+            for pos in entry.copy_pos if pad_dims else ():
                 value = ins[pos]
                 dim = pad_dims.get(pos)
                 if dim is None:
