@@ -212,6 +212,31 @@ def test_constant_moved_to_the_gpu_is_made_once():
     assert st["graphs_captured"] == 1 and st["replays"] == len(xs) - 1, st
 
 
+def test_constant_moved_to_the_gpu_and_returned_is_made_once_and_copied_out():
+    """Mistral's case: the moved sliding-window tensor is an attribute of the cache the model
+    returns, so a graph output. It is made once; each call returns a copy of it."""
+    def f(x):
+        window = torch.tensor(3).to(x.device)
+        idx = torch.arange(x.shape[1], device=x.device)
+        return torch.where(idx < window, x * 2, x).relu(), window
+
+    xs = [torch.randn(8, 32, device="cuda") for _ in range(5)]
+    compiled = cgbackend.compile(f, warmup=1)
+    kept = []
+    for x in xs:
+        out, window = compiled(x)
+        ref, ref_window = f(x)
+        torch.testing.assert_close(out, ref)
+        assert window.device.type == "cuda" and torch.equal(window, ref_window)
+        assert all(window.data_ptr() != k.data_ptr() for k in kept)
+        kept.append(window)
+        window.add_(1)  # the caller's copy: the next call must not see it
+    st = cgbackend.stats(compiled)
+    assert st["constants_hoisted"] == 3, st
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0, st
+    assert st["graphs_captured"] == 1 and st["replays"] == len(xs) - 1, st
+
+
 def test_capture_failure_falls_back_with_reason():
     model = _OpModel(private_noise).cuda().eval()
     xs = [torch.randn(8, 32, device="cuda") for _ in range(5)]

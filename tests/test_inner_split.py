@@ -70,22 +70,35 @@ def test_device_constants_are_hoisted_and_the_region_is_captured_whole():
     assert sorted(c["op"] for c in runtime["constants"]) == ["full", "tensor"]
 
 
-def test_constants_written_in_place_or_returned_stay_in_their_region():
+def test_constants_written_in_place_or_returned_as_views_stay_in_their_region():
+    """A constant written in place, or returned as a view, is made in its region on every call; one
+    returned as it is (transformers' cache returns its moved sliding-window tensor) is hoisted and
+    each call returns a copy of it, which the caller may write."""
     def f(x):
         acc = torch.zeros(4, 16, dtype=x.dtype, device=x.device)
         acc.add_(x)  # written: must be made fresh each call
-        ret = torch.ones(3, dtype=x.dtype, device=x.device)  # returned: the caller may write it
+        ret = torch.ones(3, dtype=x.dtype, device=x.device)  # returned: hoisted, copied out
+        viewed = torch.full((2, 3), 7.0, dtype=x.dtype, device=x.device)  # a view returned: stays
         keep = torch.scalar_tensor(2.0, dtype=x.dtype, device=x.device)  # hoisted
-        return (acc * keep).relu() + 1, ret
+        return (acc * keep).relu() + 1, ret, viewed[1]
 
     compiled = cgbackend.compile(f, **SIM)
-    for x in _inputs(4, seed=1):
-        out, ret = compiled(x)
-        ref, ref_ret = f(x)
-        assert torch.equal(out, ref) and torch.equal(ret, ref_ret)
+    kept = []
+    for x in _inputs(5, seed=1):
+        out, ret, row = compiled(x)
+        ref, ref_ret, ref_row = f(x)
+        assert torch.equal(out, ref) and torch.equal(ret, ref_ret) and torch.equal(row, ref_row)
+        assert all(ret.data_ptr() != k.data_ptr() for k in kept)  # a tensor of its own each call
+        kept.append(ret)
         ret.add_(5)  # must not leak into the next call
+        row.add_(5)
+    assert all(torch.equal(k, torch.full((3,), 6.0, dtype=torch.float64)) for k in kept)
     st = cgbackend.stats(compiled)
-    assert st["constants_hoisted"] == 1, st
+    assert st["constants_hoisted"] == 2, st
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0 and st["replays"] == 4, st
+    runtime = cgbackend.report(compiled).graphs[0].runtime
+    assert sorted((c["op"], c["returned"]) for c in runtime["constants"]) == [
+        ("ones", True), ("scalar_tensor", False)], runtime["constants"]
 
 
 def test_conversions_of_constants_are_constants():

@@ -20,7 +20,10 @@ The proof, per node (each failing check leaves the node where it is):
 3. it does not require grad (``requires_grad=`` absent or False) and is not pinned;
 4. nothing writes its storage in place (no node of ``Effects.writes`` touches it; fake tensors
    keep storage identity across views, so writes through views count);
-5. no graph output aliases it (the caller could write it; the next call would see the change);
+5. no graph output aliases it (the caller could write it; the next call would see the change),
+   except the node itself returned as an output: the runtime then returns a copy of the constant
+   on every call (:attr:`Constants.returned`), as eager returns a fresh tensor; a view of it returned
+   keeps it in its region;
 6. its fake value is a tensor of at most :data:`MAX_ELEMENTS` elements (a constant holds its
    memory for as long as the compiled graph lives).
 
@@ -32,7 +35,8 @@ and reading that tensor on every call gives the values eager would make on every
 hoisted constant, whose other arguments are Python constants, and which passes checks 3 to 6.
 transformers' sliding-window cache makes ``torch.tensor(window)`` on the CPU and moves it to the
 GPU in every call (``cache_utils.py``): the move was a dynamic region of its own (a copy from host
-memory), and the one thing keeping Mistral from running as a single graph.
+memory), and the one thing keeping Mistral from running as a single graph. The moved tensor is an
+attribute of the cache the model returns, so it is a graph output: check 5's exception.
 
 Complexity: O(N + W) for N nodes and W written storages.
 """
@@ -76,6 +80,8 @@ class Constants:
     """Hoisted nodes in graph order; the runtime makes each once with :func:`make_constant`."""
 
     nodes: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    returned: list[torch.fx.Node] = dataclasses.field(default_factory=list)
+    """Hoisted nodes the graph returns (themselves, no view of them): copied out on every call."""
 
     def __contains__(self, node: object) -> bool:
         return node in self._set
@@ -90,7 +96,7 @@ class Constants:
             value = fake_value(node)
             out.append({"node": node.name, "op": op_name(node), "source": source_location(node)[0],
                         "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
-                        "device": str(value.device)})
+                        "device": str(value.device), "returned": node in self.returned})
         return out
 
 
@@ -106,11 +112,14 @@ def find_constants(gm: torch.fx.GraphModule, effects: Effects) -> Constants:
     for ids in effects.writes.values():
         written |= ids
     output = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
-    escaping: set[int] = set()
+    escaping: dict[int, set] = {}
+    """Storage -> the output nodes whose values lie in it."""
     if output is not None:
         for node in output.all_input_nodes:
-            escaping |= storage_ids(fake_value(node))
+            for sid in storage_ids(fake_value(node)):
+                escaping.setdefault(sid, set()).add(node)
     found: list[torch.fx.Node] = []
+    returned: list[torch.fx.Node] = []
     hoisted: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
         if not (_is_factory(node) or _is_conversion(node, hoisted)):
@@ -121,11 +130,16 @@ def find_constants(gm: torch.fx.GraphModule, effects: Effects) -> Constants:
         if not isinstance(value, torch.Tensor) or value.requires_grad or value.numel() > MAX_ELEMENTS:
             continue
         ids = storage_ids(value)
-        if not ids or ids & written or ids & escaping:
+        if not ids or ids & written:
             continue
+        outputs = set().union(*(escaping.get(sid, ()) for sid in ids))
+        if outputs and outputs != {node}:
+            continue  # a view of it, or another value in its storage, reaches the caller
         found.append(node)
         hoisted.add(node)
-    return Constants(nodes=found)
+        if outputs:
+            returned.append(node)
+    return Constants(nodes=found, returned=returned)
 
 
 def _python_args_constant(node: torch.fx.Node) -> bool:

@@ -167,6 +167,9 @@ class CompiledGraph:
         for node in self.constants:  # in graph order: a conversion reads a constant made before it
             made[node] = make_constant(node, made)
         self._constant_values: list = list(made.values())
+        # A constant the graph returns is copied out on every call, like graph memory: the caller
+        # may write its copy (runtime/outputs.py copies outputs lying in these storages).
+        shared.register_persistent([made[n] for n in analysis.constants.returned], handoff=False)
         for node in self.constants:
             slot_of[node] = len(slot_of)
         shared.counters.constants_hoisted += len(self.constants)
