@@ -56,8 +56,8 @@ class CGBackend:
             raise TypeError("CGBackend takes either a Config or keyword options, not both")
         self.config = config if config is not None else Config.from_options(options)
         self.shared = RuntimeShared(self.config)
-        self.shared.mirror = CounterMirror()
-        """Pushes this instance's counters into torch._dynamo.utils.counters["cgbackend"]."""
+        self.shared.mirror = CounterMirror(self.shared.counters)
+        """Brings this instance's counters into torch._dynamo.utils.counters["cgbackend"] (read there)."""
         self._graphs: list[weakref.ReferenceType[CompiledGraph]] = []
         self._analyses: list[tuple[Analysis, Optional[dict[str, str]]]] = []
         self._keep_analyses = False
@@ -92,6 +92,7 @@ class CGBackend:
         self.trace_fallback = (f"Dynamo could not trace a data-dependent value ({type(cause).__name__}: "
                                f"{first[0] if first else ''}{'; ' + caused_by if caused_by else ''}); "
                                "traced as plain torch.compile does, with a graph break there")
+        self.shared.mirror.begin(self.shared.counters)
         self.shared.counters.trace_fallbacks += 1
         log.warning("cgbackend: %s", self.trace_fallback)
 
@@ -110,6 +111,7 @@ class CGBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         from .api import trace_scope_missed
+        self.shared.mirror.begin(self.shared.counters)  # before this compile counts anything
         if trace_scope_missed():
             self.note_trace_scope_missed()
         with self._lock:
@@ -165,8 +167,8 @@ class CGBackend:
         with self._lock:
             self._graphs.clear()
             self._analyses.clear()
+            self.shared.mirror.reset()  # adds what was counted so far, then starts from zero
             self.shared.counters.clear()
-            self.shared.mirror.reset()
             self._no_cuda_logged = False
 
     def stats(self) -> dict[str, Any]:

@@ -146,6 +146,40 @@ def test_counters_mirrored_into_dynamo_counters():
     assert counters["cgbackend"]["compiled_graphs"] == 1
 
 
+def test_mirrored_counters_are_brought_in_when_read(monkeypatch):
+    """Calls only check that the live counter is still Dynamo's; reads bring every instance's
+    changes in (summed), whatever the read; a counter held across a clear stays as it was."""
+    import collections
+    import copy
+    import json
+    from cgbackend.runtime import mirror
+    flushes = []
+    real = mirror.CounterMirror.flush
+    monkeypatch.setattr(mirror.CounterMirror, "flush", lambda self, t: flushes.append(1) or real(self, t))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = _mlp()
+    a = torch.compile(model, backend="cgbackend", options={"simulate_graphs": True, "warmup": 1})
+    b = torch.compile(_mlp(), backend="cgbackend", options={"simulate_graphs": True, "warmup": 1})
+    _run(a, model, n=2)
+    flushes.clear()
+    _run(a, model, n=5)
+    assert flushes == []  # replayed calls walk no counters
+    _run(b, model, n=3)
+    live = counters["cgbackend"]
+    assert isinstance(live, mirror.LiveCounter)
+    total = cgbackend.stats(a)["replays"] + cgbackend.stats(b)["replays"]
+    assert live["replays"] == total == 6 + 2
+    for view in (dict(live), json.loads(json.dumps(live)), copy.deepcopy(live), live.copy(),
+                 dict(live.items()), collections.Counter(live)):
+        assert view["replays"] == total and view["compiled_graphs"] == 2, view
+    assert dict(live.most_common())["replays"] == total and "replays" in live and "replays" in str(live)
+    counters.clear()
+    _run(a, model, n=2)
+    assert live["replays"] == total  # held across the clear: as it was
+    assert counters["cgbackend"]["replays"] == 2 and "compiled_graphs" not in counters["cgbackend"]
+
+
 def _nonzero_then_eager(seen: list):
     @torch._dynamo.disable
     def look():

@@ -235,7 +235,8 @@ class CompiledGraph:
         self.calls = 0
         """Calls of this graph (each runs every dynamic region once): the runtime launch coverage."""
         self._mirror = getattr(shared, "mirror", None)
-        """runtime/mirror.py: pushes the counters into torch._dynamo.utils.counters after each call."""
+        """runtime/mirror.py: torch._dynamo.utils.counters["cgbackend"] reads the counters when read;
+        each call first checks that it was not cleared since (CounterMirror.begin)."""
 
     def _input_kinds(self, region) -> tuple[list[str], list[Optional[RegionRunner]]]:
         """How a static region reads each input (region.py), and the runner producing hand-offs."""
@@ -321,6 +322,8 @@ class CompiledGraph:
             return self._call(args)
 
     def _call(self, args: tuple) -> Any:
+        if self._mirror is not None:
+            self._mirror.begin(self.shared.counters)
         self.shared.counters.graph_calls += 1
         self.calls += 1
         if self.shared.handed:
@@ -343,8 +346,6 @@ class CompiledGraph:
             apply_splits(self)
         if not self._capture_logged:
             self._log_capture_once()
-        if self._mirror is not None:
-            self._mirror.push(self.shared.counters)
         return result
 
     def _env(self, args: tuple) -> list:
