@@ -237,6 +237,33 @@ def test_constant_moved_to_the_gpu_and_returned_is_made_once_and_copied_out():
     assert st["graphs_captured"] == 1 and st["replays"] == len(xs) - 1, st
 
 
+@pytest.mark.parametrize("mode", ["auto", "mul", "copy", "clone"])
+def test_outputs_copied_out_exactly_by_every_form(mode, monkeypatch):
+    """runtime/outputs.copy_out: each form gives tensors equal bit for bit (NaN aside) to the
+    sources, with clone()'s dtype and strides, each in its own storage."""
+    from cgbackend.runtime import outputs
+    if mode == "clone" and outputs._foreach_clone is None:
+        pytest.skip("this torch has no _foreach_clone")
+    monkeypatch.setattr(outputs, "OUTPUT_COPY", mode)
+    tiny = torch.finfo(torch.bfloat16).tiny / 4  # a subnormal
+    sources = [
+        torch.tensor([-0.0, float("inf"), -float("inf"), tiny, 1.5], device="cuda", dtype=torch.bfloat16),
+        torch.randn(8, 6, device="cuda").t(),  # transposed: kept
+        torch.tensor([2 ** 62, -2 ** 63, 7], device="cuda", dtype=torch.int64),
+        torch.tensor([True, False, True], device="cuda"),
+        torch.randint(0, 255, (4, 4), device="cuda", dtype=torch.uint8),
+        torch.randn(3, 5, device="cuda", dtype=torch.float16),
+    ]
+    copies = outputs.copy_out(sources)
+    for c, src in zip(copies, sources):
+        ref = src.clone()
+        assert c.dtype == ref.dtype and c.shape == ref.shape and c.stride() == ref.stride()
+        assert torch.equal(c.view(torch.uint8) if c.is_contiguous() else c, ref.view(torch.uint8) if ref.is_contiguous() else ref)
+        assert c.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    assert len({c.untyped_storage().data_ptr() for c in copies}) == len(copies)
+    assert torch.signbit(copies[0][0]).item()  # -0.0 stays negative
+
+
 def test_capture_failure_falls_back_with_reason():
     model = _OpModel(private_noise).cuda().eval()
     xs = [torch.randn(8, 32, device="cuda") for _ in range(5)]

@@ -72,21 +72,28 @@ class _ThreeOut(nn.Module):
         return h.relu(), (h * 2).t(), h.argmax(-1)
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_outputs_copied_out_of_graph_memory_with_one_foreach_copy(batched, monkeypatch):
-    """Inference outputs leave graph memory through one ``_foreach_copy_`` (one launch instead of
-    one per output), each into its own storage with the layout ``clone()`` gives; without the
-    private API (``batched=False``) each is cloned. Either way a later replay overwrites none of
-    them."""
+@pytest.mark.parametrize("mode", ["clone", "copy", "auto", "none"])
+def test_outputs_copied_out_of_graph_memory_with_one_foreach_call(mode, monkeypatch):
+    """Inference outputs leave graph memory with one foreach call (one launch instead of one per
+    output), each into its own storage with the layout ``clone()`` gives: ``_foreach_clone`` where
+    torch has it, or one ``empty_like`` each and one ``_foreach_copy_`` (``_foreach_mul`` by True is
+    the CUDA form on torch without ``_foreach_clone``: tests/test_cuda_inference.py); without the
+    private APIs (``none``) each is cloned. Either way a later replay overwrites none of them."""
     from cgbackend.runtime import outputs
+    if mode == "clone" and outputs._foreach_clone is None:
+        pytest.skip("this torch has no _foreach_clone")
     calls = []
-    real = outputs._foreach_copy
 
-    def counting(dst, src):
-        calls.append(len(dst))
-        return real(dst, src)
+    def counting(name, real):
+        def wrapped(*args):
+            calls.append((name, len(args[0])))
+            return real(*args)
+        return wrapped
 
-    monkeypatch.setattr(outputs, "_foreach_copy", counting if batched else None)
+    monkeypatch.setattr(outputs, "OUTPUT_COPY", "copy" if mode == "none" else mode)
+    if outputs._foreach_clone is not None:
+        monkeypatch.setattr(outputs, "_foreach_clone", counting("clone", outputs._foreach_clone))
+    monkeypatch.setattr(outputs, "_foreach_copy", None if mode == "none" else counting("copy", outputs._foreach_copy))
     torch.manual_seed(0)
     model = _ThreeOut().eval()
     compiled = cgbackend.compile(model, **SIM)
@@ -103,7 +110,9 @@ def test_outputs_copied_out_of_graph_memory_with_one_foreach_copy(batched, monke
         assert all(torch.equal(o, r) for o, r in zip(out, ref)), "a replay overwrote an earlier output"
     st = cgbackend.stats(compiled)
     assert st["replays"] == 3 and st["output_clones"] == 9
-    assert calls == ([3] * 3 if batched else [])
+    expected = {"clone": "clone", "copy": "copy", "none": None,
+                "auto": "clone" if outputs._foreach_clone is not None else "copy"}[mode]
+    assert calls == ([(expected, 3)] * 3 if expected else []), calls
 
 
 def _python_ptrs_equal(tensors, ptrs, indices):

@@ -3,7 +3,8 @@
 
 1. host time per call (returned, not synchronized) of cgbackend and reduce-overhead, in alternating
    blocks on rotating batches, and of cgbackend variants with one cost taken away (unsafe, for
-   measurement only): no output ownership (graph memory returned as it is), no counter mirror;
+   measurement only): no output ownership (graph memory returned as it is); the forms of copying
+   the outputs out (runtime/outputs.copy_out);
 2. cgbackend's phases (mean us per call of the functions wrapped with a timer);
 3. each CUDA graph's replay alone (host time of graph.replay(), synchronized before each);
 4. the floor of cgbackend's design: input copy + replay + output copies, written out by hand;
@@ -136,12 +137,11 @@ for name in sys.argv[1].split(","):
     t = host_times({"no-own": fns["cgbackend"], "reduce-overhead": fns["reduce-overhead"]}, xs)
     outputs.OutputBuilder._own_memory = own
     print(f"  without output ownership: {t['no-own']:.1f} us (reduce-overhead {t['reduce-overhead']:.1f})")
-    push = mirror.CounterMirror.push
-    mirror.CounterMirror.push = lambda self, counters: None
-    t = host_times({"no-mirror": fns["cgbackend"], "reduce-overhead": fns["reduce-overhead"]}, xs)
-    mirror.CounterMirror.push = push
-    print(f"  without counter mirror: {t['no-mirror']:.1f} us (reduce-overhead {t['reduce-overhead']:.1f})")
-
+    for form in ("mul", "copy"):  # runtime/outputs.copy_out: the forms of one foreach call
+        outputs.OUTPUT_COPY = form
+        t = host_times({form: fns["cgbackend"], "reduce-overhead": fns["reduce-overhead"]}, xs)
+        print(f"  outputs copied with form {form}: {t[form]:.1f} us (reduce-overhead {t['reduce-overhead']:.1f})")
+    outputs.OUTPUT_COPY = "auto"
     # Phases.
     origs = [(executor.CompiledGraph, "__call__", timed(executor.CompiledGraph, "__call__", "CompiledGraph.__call__")),
              (region.RegionRunner, "__call__", timed(region.RegionRunner, "__call__", "RegionRunner.__call__")),
@@ -149,8 +149,7 @@ for name in sys.argv[1].split(","):
              (region.RegionRunner, "_stage_inputs", timed(region.RegionRunner, "_stage_inputs", "_stage_inputs")),
              (torch.cuda.CUDAGraph, "replay", timed(torch.cuda.CUDAGraph, "replay", "CUDAGraph.replay (both)")),
              (outputs.OutputBuilder, "build", timed(outputs.OutputBuilder, "build", "OutputBuilder.build")),
-             (outputs.OutputBuilder, "_own_memory", timed(outputs.OutputBuilder, "_own_memory", "_own_memory")),
-             (mirror.CounterMirror, "push", timed(mirror.CounterMirror, "push", "CounterMirror.push"))]
+             (outputs.OutputBuilder, "_own_memory", timed(outputs.OutputBuilder, "_own_memory", "_own_memory"))]
     PHASES.clear()
     t = host_times({"cgbackend": fns["cgbackend"]}, xs, blocks=1, n=200)
     for cls, attr, orig in origs:
@@ -172,12 +171,14 @@ for name in sys.argv[1].split(","):
     def floor(x, own=True):
         static_in[0].copy_(x)
         entry.graph.replay()
+        if own == "mul":
+            return torch._foreach_mul(outs_t, True)
         if own:
             fresh = [torch.empty_like(o) for o in outs_t]
             torch._foreach_copy_(fresh, outs_t)
             return fresh
         return outs_t
-    t = host_times({"floor": floor, "floor-no-own": lambda x: floor(x, False),
+    t = host_times({"floor": floor, "floor-no-own": lambda x: floor(x, False), "floor-mul": lambda x: floor(x, "mul"),
                     "cgbackend": fns["cgbackend"], "reduce-overhead": fns["reduce-overhead"]}, xs)
     print("  by hand: " + ", ".join(f"{k} {v:.1f} us" for k, v in t.items())
           + f" ({len(static_in)} input copies, {len(outs_t)} outputs)")
