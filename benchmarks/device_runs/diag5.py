@@ -24,7 +24,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE), HERE]
 import cgbackend  # noqa: E402
-from cgbackend.runtime import executor, mirror, outputs, region  # noqa: E402
+from cgbackend.runtime import executor, outputs, region  # noqa: E402
 from zoo import ZOO  # noqa: E402
 
 PHASES = {}

@@ -636,8 +636,6 @@ class RegionRunner:
         tensors = tuple((p, ins[p].shape, ins[p].stride(), ins[p].dtype) for p in self._other_pos
                         if kinds[p] is not VALUE)
         values = tuple((p, _freeze(ins[p])) for p in self._other_pos if kinds[p] is VALUE)
-        if entry.copy_kinds is None:
-            entry.copy_kinds = tuple(self._copy_kind(ins[p], p) for p in entry.copy_pos)
         self._fast = _Fast(entry, torch.is_inference_mode_enabled(), tensors, values, self._param_key,
                            [entry.static_ins[p] for p in entry.copy_pos])
 
@@ -663,14 +661,8 @@ class RegionRunner:
         pool = entry.pool
         if pool.live and pool.hazard(entry.index):
             return None
+        self._stage_inputs(entry, ins, False, fast.static)
         counters = self.shared.counters
-        copy_pos = entry.copy_pos
-        if copy_pos:
-            _copy_all(fast.static, [ins[p] for p in copy_pos])
-            counters.copies_made += len(copy_pos)
-            by_kind = counters.copied_by_kind
-            for kind in entry.copy_kinds:
-                by_kind[kind] += 1
         entry.graph.replay()
         pool.acquire(entry.index)
         call.live.append((pool, entry.index))
@@ -704,20 +696,24 @@ class RegionRunner:
 
     # ------------------------------------------------------------------ inference
 
-    def _stage_inputs(self, entry: _Entry, ins: list, fresh: bool) -> None:
+    def _stage_inputs(self, entry: _Entry, ins: list, fresh: bool, static: Optional[list] = None) -> None:
+        """Copy the caller's inputs into the entry's static buffers (``static``: those buffers in
+        ``copy_pos`` order, when the caller has them at hand) and count the copies."""
         counters = self.shared.counters
         if not fresh:
             static_ins = entry.static_ins
             pad_dims = entry.pad_dims
             if not pad_dims:
-                _copy_all([static_ins[p] for p in entry.copy_pos], [ins[p] for p in entry.copy_pos])
-            for pos in entry.copy_pos if pad_dims else ():
-                value = ins[pos]
-                dim = pad_dims.get(pos)
-                if dim is None:
-                    static_ins[pos].copy_(value)
-                else:  # the actual rows as the prefix of the padded buffer, then copies of the last
-                    fill_padding(static_ins[pos], value, dim, entry.pad_block[pos])
+                _copy_all(static if static is not None else [static_ins[p] for p in entry.copy_pos],
+                          [ins[p] for p in entry.copy_pos])
+            else:
+                for pos in entry.copy_pos:
+                    value = ins[pos]
+                    dim = pad_dims.get(pos)
+                    if dim is None:
+                        static_ins[pos].copy_(value)
+                    else:  # the actual rows as the prefix of the padded buffer, then copies of the last
+                        fill_padding(static_ins[pos], value, dim, entry.pad_block[pos])
             counters.copies_made += len(entry.copy_pos)
             copy_kinds = entry.copy_kinds
             if copy_kinds is None:
