@@ -35,6 +35,8 @@ KEY = "cgbackend"
 _SCALARS = tuple(f.name for f in dataclasses.fields(Counters)
                  if type(f.default) is int)
 _read_scalars = operator.attrgetter(*_SCALARS)
+_ZERO = Counters()
+"""Counters as a fresh instance holds them (all zero): the baseline of a mirror that added nothing."""
 
 
 class LiveCounter(collections.Counter):
@@ -144,13 +146,14 @@ class CounterMirror:
     def __init__(self, counters: Optional[Counters] = None) -> None:
         self._counters = counters
         self._live: Optional[LiveCounter] = None
-        self._zero()
+        self._baseline(_ZERO)
 
-    def _zero(self) -> None:
-        self._scalars: tuple = (0,) * len(_SCALARS)
-        self._eager: dict[str, int] = {}
-        self._copied: dict[str, int] = {}
-        self._failures = 0
+    def _baseline(self, counters: Counters) -> None:
+        """Count from ``counters``' values on: what they hold now is taken as added already."""
+        self._scalars: tuple = _read_scalars(counters)
+        self._eager: dict[str, int] = dict(counters.eager_calls)
+        self._copied: dict[str, int] = dict(counters.copied_by_kind)
+        self._failures = len(counters.capture_failures)
 
     def reset(self) -> None:
         """The counters are about to go back to zero (``CGBackend.reset``): what they counted so
@@ -158,7 +161,7 @@ class CounterMirror:
         live = self._live
         if live is not None and _installed() is live:
             self.flush(live)
-        self._zero()
+        self._baseline(_ZERO)
 
     def begin(self, counters: Counters) -> None:
         """Before an instance counts anything (a call, a compile): if Dynamo's counters were cleared
@@ -168,10 +171,7 @@ class CounterMirror:
             return
         self._counters = counters
         if self._live is not None:  # ours was cleared away (or replaced): start from now
-            self._scalars = _read_scalars(counters)
-            self._eager = dict(counters.eager_calls)
-            self._copied = dict(counters.copied_by_kind)
-            self._failures = len(counters.capture_failures)
+            self._baseline(counters)
         if not isinstance(live, LiveCounter):
             table = _dynamo_counters()
             if table is None:

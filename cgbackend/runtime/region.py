@@ -46,6 +46,7 @@ from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
 from .params import ParamPolicy
 from .inputs import InputViews, SavedTensors, fill_padding, overlap, overlap_candidates, saved_modified_error
+from .outputs import _foreach_copy
 from .pool import PoolSet, PoolState
 from .reach import fake_output_reach, reached_inputs, unreached
 from .stats import Counters, EagerReason
@@ -196,9 +197,6 @@ class _Fast:
         """The parameters' addresses (RegionRunner._param_key)."""
         self.static = static
         """The static buffers of the copied inputs, in entry.copy_pos order."""
-
-
-_foreach_copy = getattr(torch, "_foreach_copy_", None)
 
 
 def _copy_all(dst: list, src: list) -> None:
