@@ -8,15 +8,17 @@ inference and training, and writes JSON where ``--out`` says (default: a new fol
 
 For each model x mode x contender the harness
 
-1. takes a fresh deep copy of one seeded model (same weights for everybody), resets Dynamo,
-   and compiles it (``CONTENDERS[name].make``);
+1. takes a fresh deep copy of one seeded model (same weights for everybody), resets Dynamo
+   (``--timing sequential``; alternating timing keeps the earlier contenders compiled), and compiles it (``CONTENDERS[name].make``);
 2. runs ``--warmup`` calls (the first ones compile and, for CUDA-graph contenders, capture),
    timing each; ``compile_s`` is what they took beyond ``--warmup`` steady-state calls;
 3. checks accuracy on ``--acc-batches`` batches (infer: the output; train: the loss and every
    parameter gradient of one step from the seed weights) against eager and against a float64 run
    of the same weights and inputs (``bench_accuracy``: at most 2x eager's own error);
 4. times ``--iters`` calls (fewer under ``--time-budget``), each on its own (CUDA events on CUDA,
-   perf_counter on CPU), and reports median / p10 / p90.
+   perf_counter on CPU), and reports median / p10 / p90. By default (``--timing alternate``) the
+   case's contenders are kept after step 3 and timed in 5 alternating blocks, so that a drift of
+   the machine's pace shows in all of them alike (``run_contenders``).
 
 Models come from the registry in ``bench_models`` (reference models, real-size shapes with a
 ``--tokens`` sweep, transformers decode models run by ``bench_decode``); contenders that rebuild a
@@ -235,6 +237,8 @@ class Settings:
     tokens: Optional[tuple[int, ...]] = None
     reference: str = "fp64"
     time_budget: Optional[float] = None
+    timing: str = "alternate"
+    """alternate: contenders timed in alternating blocks; sequential: each timed alone (run_contenders)."""
     explicit: frozenset = frozenset()
     """Settings given on the command line: a model's own defaults (bench_models) never override them."""
 
@@ -247,7 +251,7 @@ class Settings:
             "tolerance": self.tol, "seed": self.seed, "lr": self.lr, "smoke": self.smoke,
             "threads": self.threads if self.threads is not None else torch.get_num_threads(),
             "scale": self.scale, "tokens": list(self.tokens) if self.tokens else None,
-            "reference": self.reference, "time_budget_s": self.time_budget,
+            "reference": self.reference, "time_budget_s": self.time_budget, "timing": self.timing,
         }
 
     def for_model(self, spec: Any) -> "Settings":
@@ -295,6 +299,11 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
     p.add_argument("--time-budget", type=float,
                    help="seconds of timed calls per row: --iters is lowered to fit, never below 5 "
                         "(default: none for the reference models, 3 s for shape and decode models)")
+    p.add_argument("--timing", choices=("alternate", "sequential"),
+                   help="alternate (default): a case's contenders are compiled, warmed up and judged one "
+                        "after the other and kept, then timed in 5 alternating blocks; sequential: each is "
+                        "timed alone right after its warm-up and dropped (less memory held; decode rows "
+                        "are always sequential)")
     p.add_argument("--d-model", type=int, help="override d_model")
     p.add_argument("--layers", type=int, help="override n_layers")
     p.add_argument("--heads", type=int, help="override n_heads")
@@ -419,7 +428,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
                     tol=args.tol if args.tol is not None else TOLERANCE[dtype], seed=args.seed, lr=args.lr,
                     out=out, markdown=markdown, smoke=args.smoke, verbose=args.verbose, threads=threads,
                     scale=args.scale or ("tiny" if args.smoke else "full"), tokens=tokens,
-                    reference=args.reference or "fp64", time_budget=args.time_budget, explicit=explicit)
+                    reference=args.reference or "fp64", time_budget=args.time_budget,
+                    timing=args.timing or "alternate", explicit=explicit)
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -575,6 +585,8 @@ class Case:
     eager_flips: Optional[float] = None
     ref64_s: Optional[float] = None
     ref64_error: Optional[str] = None
+    mem_baseline: Optional[int] = None
+    """Device memory allocated when the case's first contender started (alternating timing)."""
 
     @property
     def key(self) -> str:
@@ -825,62 +837,174 @@ def _judge_row(row: dict[str, Any], case: Case, settings: Settings, errs: dict, 
         row["routing_flip_frac"] = max(flips)
 
 
-def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[str, Any]:
+class _Tally:
+    """Dynamo's and Inductor's global counters, read around the windows in which one contender ran
+    (its compile, warm-up and accuracy calls, then each of its timing blocks): the row's counts are
+    the sums of its own windows' deltas, whatever other contenders ran between them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.breaks: dict[str, int] = {}
+        self.unique_graphs = self.cudagraph_skips = 0
+        self.frames: dict[Any, int] = {}
+        self.tree_graphs: Optional[int] = 0
+        self.rerecords: Optional[int] = 0
+        self._before: Optional[tuple] = None
+
+    def _read(self) -> tuple:
+        return (_graph_breaks(), _counter("stats", "unique_graphs"), _counter("inductor", "cudagraph_skips"),
+                _frame_compiles(), _cudagraph_tree_counts(self.device))
+
+    def __enter__(self) -> "_Tally":
+        self._before = self._read()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        (breaks0, unique0, skips0, frames0, trees0), (breaks1, unique1, skips1, frames1, trees1) = \
+            self._before, self._read()
+        for reason, n in breaks1.items():
+            d = int(n - breaks0.get(reason, 0))
+            if d > 0:
+                self.breaks[reason] = self.breaks.get(reason, 0) + d
+        self.unique_graphs += unique1 - unique0
+        self.cudagraph_skips += skips1 - skips0
+        if frames0 is None or frames1 is None:
+            self.frames = None  # type: ignore[assignment]
+        elif self.frames is not None:
+            for frame, n in frames1.items():
+                d = n - frames0.get(frame, 0)
+                if d > 0:
+                    self.frames[frame] = self.frames.get(frame, 0) + d
+        for i, name in enumerate(("tree_graphs", "rerecords")):
+            a, b, total = trees0[i], trees1[i], getattr(self, name)
+            setattr(self, name, None if None in (a, b, total) else total + b - a)
+
+    def graph_breaks(self) -> tuple[int, dict[str, int]]:
+        """The total and the count per reason (first line)."""
+        reasons: dict[str, int] = {}
+        for reason, n in self.breaks.items():
+            key = (str(reason).strip().splitlines() or [""])[0][:200]
+            reasons[key] = reasons.get(key, 0) + n
+        return sum(reasons.values()), reasons
+
+    def recompiles(self) -> Optional[int]:
+        """Compiles of a frame beyond its first, in this contender's windows."""
+        return None if self.frames is None else int(sum(max(0, n - 1) for n in self.frames.values()))
+
+
+def _frame_compiles() -> Optional[dict]:
+    try:
+        from torch._dynamo import convert_frame
+        return dict(convert_frame.FRAME_COMPILE_COUNTER)
+    except Exception:
+        return None
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A contender ready to be timed: compiled, warmed up and judged (``prepare_contender``)."""
+
+    row: dict[str, Any]
+    contender: Contender
+    runner: Runner
+    warm: list[float]
+    tally: _Tally
+    iters: int
+    times: list[float] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    """Wall time spent on this contender so far (preparing and its timing blocks)."""
+
+
+TIMING_ROUNDS = 5
+"""Blocks per contender in alternating timing (``--timing alternate``)."""
+
+
+def prepare_contender(case: Case, contender: Contender, settings: Settings,
+                      alone: bool = True) -> tuple[dict[str, Any], Optional[_Pending]]:
+    """Steps 1-3 of the module docstring for one contender: its row, and what timing it needs (None
+    when it failed or was skipped: the row says why). ``alone``: nothing else is held, so Dynamo
+    and the device are reset first; otherwise earlier contenders stay compiled and in memory, and
+    the peak memory is read now, less the memory they hold."""
     from .bench_accuracy import flip_fraction, group_errors, merge
     row = _empty_row(case, contender, settings)
     device = settings.device
     if contender.needs_cuda and device.type != "cuda":
         row["error"], row["error_stage"] = "needs CUDA", "setup"
-        return row
+        return row, None
     reason = skip_reason(contender, case.spec, settings)
     if reason:
         row["error"], row["error_stage"], row["skip_reason"] = f"skipped: {reason}", "setup", reason
-        return row
+        return row, None
     stage = "setup"
-    runner = model = fn = None
+    runner = None
     cuda = device.type == "cuda"
+    tally = _Tally(device)
     try:
-        _cleanup(device)
-        breaks0 = _graph_breaks()
-        unique0 = _counter("stats", "unique_graphs")
-        skips0 = _counter("inductor", "cudagraph_skips")
+        if alone:
+            _cleanup(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
             row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
-        stage = "compile"
-        model = _new_model(case, settings, contender)
-        fn = contender.make(model)
-        runner = Runner(contender, case, model, fn, settings)
+        with tally:
+            stage = "compile"
+            model = _new_model(case, settings, contender)
+            fn = contender.make(model)
+            runner = Runner(contender, case, model, fn, settings)
+            del model, fn
 
-        # Warm-up: the first call compiles (Dynamo + backend), CUDA-graph contenders capture within.
-        warm: list[float] = []
-        for _ in range(settings.warmup):
-            _sync(device)
-            t0 = time.perf_counter()
-            runner.step()
-            _sync(device)
-            warm.append(time.perf_counter() - t0)
-        row["graph_breaks"], row["graph_break_reasons"] = _graph_break_delta(breaks0)
+            # Warm-up: the first call compiles (Dynamo + backend), CUDA-graph contenders capture within.
+            warm: list[float] = []
+            for _ in range(settings.warmup):
+                _sync(device)
+                t0 = time.perf_counter()
+                runner.step()
+                _sync(device)
+                warm.append(time.perf_counter() - t0)
 
-        stage = "accuracy"
-        errs: dict[str, tuple[float, str]] = {}
-        errs64: dict[str, tuple[float, str]] = {}
-        flips: list[Optional[float]] = []
-        for j, i in enumerate(case.acc_indices):
-            got = runner.results_for(i)
-            merge(errs, group_errors(got, case.ref[j]))
-            if case.ref64:
-                merge(errs64, group_errors(got, case.ref64[j]))
-                flips.append(flip_fraction(got.get("routing"), case.ref64[j].get("routing")))
-            del got
-        _judge_row(row, case, settings, errs, errs64, flips)
+            stage = "accuracy"
+            errs: dict[str, tuple[float, str]] = {}
+            errs64: dict[str, tuple[float, str]] = {}
+            flips: list[Optional[float]] = []
+            for j, i in enumerate(case.acc_indices):
+                got = runner.results_for(i)
+                merge(errs, group_errors(got, case.ref[j]))
+                if case.ref64:
+                    merge(errs64, group_errors(got, case.ref64[j]))
+                    flips.append(flip_fraction(got.get("routing"), case.ref64[j].get("routing")))
+                del got
+            _judge_row(row, case, settings, errs, errs64, flips)
+        row["graph_breaks"], row["graph_break_reasons"] = tally.graph_breaks()
+        if cuda and not alone:
+            _read_peak(row, case, device)
+        row["timed_iters"] = timed_iterations(settings, warm)
+        return row, _Pending(row, contender, runner, warm, tally, row["timed_iters"])
+    except Exception as exc:
+        row["error"], row["error_stage"] = _error_text(exc), stage
+        if settings.verbose:
+            traceback.print_exc()
+        del runner
+        if alone:
+            _cleanup(device)
+        return row, None
 
-        stage = "timing"
-        times: list[float] = []
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        row["timed_iters"] = iters = timed_iterations(settings, warm)
-        for _ in range(iters):
+
+def _read_peak(row: dict[str, Any], case: Case, device: torch.device) -> None:
+    """Peak memory since this contender's start, less what earlier contenders of the case still
+    held then (``case.mem_baseline``: what the first one started with)."""
+    held = row["mem_baseline_bytes"] - (case.mem_baseline if case.mem_baseline is not None
+                                        else row["mem_baseline_bytes"])
+    row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device)) - held
+    row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device)) - held
+    row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - (row["mem_baseline_bytes"] - held)
+
+
+def _time_block(pending: _Pending, n: int, device: torch.device) -> None:
+    runner, times = pending.runner, pending.times
+    cuda = device.type == "cuda"
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with pending.tally:
+        for _ in range(n):
             if cuda:
                 torch.cuda.synchronize(device)
                 start.record()
@@ -893,36 +1017,159 @@ def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[
                 runner.step()
                 times.append((time.perf_counter() - t0) * 1e3)
         _sync(device)
-        row["median_ms"] = statistics.median(times)
-        row["p10_ms"] = _percentile(times, 0.10)
-        row["p90_ms"] = _percentile(times, 0.90)
-        row["mean_ms"] = statistics.fmean(times)
-        if warm:
-            row["first_call_s"] = warm[0]
-            row["compile_s"] = max(0.0, sum(warm) - len(warm) * row["median_ms"] / 1e3)
 
-        stage = "counters"
-        if cuda:
-            row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
-            row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
-            row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - row["mem_baseline_bytes"]
-        row["dynamo_graphs"] = _counter("stats", "unique_graphs") - unique0
-        row["cudagraph_skips"] = _counter("inductor", "cudagraph_skips") - skips0
-        row["recompiles"] = _recompiles()
+
+def finish_row(pending: _Pending, case: Case, settings: Settings, alone: bool = True) -> dict[str, Any]:
+    """Timing statistics and counters into the row; the contender's model and code are dropped."""
+    row, times, warm, tally = pending.row, pending.times, pending.warm, pending.tally
+    device = settings.device
+    try:
+        if row["error"] is None:
+            row["median_ms"] = statistics.median(times)
+            row["p10_ms"] = _percentile(times, 0.10)
+            row["p90_ms"] = _percentile(times, 0.90)
+            row["mean_ms"] = statistics.fmean(times)
+            row["timed_iters"] = len(times)  # eager's, timed beside each group, can be more than --iters
+            if warm:
+                row["first_call_s"] = warm[0]
+                row["compile_s"] = max(0.0, sum(warm) - len(warm) * row["median_ms"] / 1e3)
+            if device.type == "cuda" and alone:
+                _read_peak(row, case, device)
+        row["dynamo_graphs"] = tally.unique_graphs
+        row["cudagraph_skips"] = tally.cudagraph_skips
+        row["recompiles"] = tally.recompiles()
+        contender = pending.contender
         if contender.backend_stats is not None:
-            stats = contender.backend_stats(fn) or {}
+            stats = contender.backend_stats(pending.runner.fn) or {}
             row["backend_stats"] = {k: stats[k] for k in _STATS_KEYS if k in stats}
             row["graphs"] = stats.get("graphs_captured")
         else:
-            row["graphs"], row["rerecords"] = _cudagraph_tree_counts(device)
+            row["graphs"], row["rerecords"] = tally.tree_graphs, tally.rerecords
     except Exception as exc:
-        row["error"], row["error_stage"] = _error_text(exc), stage
+        row["error"], row["error_stage"] = _error_text(exc), "counters"
         if settings.verbose:
             traceback.print_exc()
     finally:
-        del runner, fn, model
-        _cleanup(device)
+        pending.runner = None  # type: ignore[assignment]
+        if alone:
+            _cleanup(device)
     return row
+
+
+def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[str, Any]:
+    """One contender alone: prepared, timed in one block, its row finished (``--timing sequential``)."""
+    row, pending = prepare_contender(case, contender, settings)
+    if pending is None:
+        return row
+    try:
+        _time_block(pending, pending.iters, settings.device)
+    except Exception as exc:
+        row["error"], row["error_stage"] = _error_text(exc), "timing"
+        if settings.verbose:
+            traceback.print_exc()
+    return finish_row(pending, case, settings)
+
+
+def run_contenders(case: Case, names: Sequence[str], settings: Settings,
+                   log_row: Callable[[str, dict[str, Any], float], None]) -> list[dict[str, Any]]:
+    """Every contender of one case, rows in the order of ``names``.
+
+    ``--timing sequential``: each alone, one after the other. ``--timing alternate`` (the default):
+    each is prepared in turn (compile, warm-up, accuracy, peak memory) and kept; then they are
+    timed in ``TIMING_ROUNDS`` alternating blocks (A's block, B's, ..., A's again), so a change of
+    the machine's pace during the run (another tenant, clocks, the CPU of a host-bound model) shows
+    in every contender alike rather than in whichever ran then: two sequential runs of one
+    host-bound model had put cgbackend at 0.83x and 0.60x eager.
+
+    Compiled contenders share Dynamo's per-code state: a graph break in a loop makes Dynamo skip
+    the whole function from then on, for every backend, also where another contender's compiled
+    code was cached (each model object fails the others' guards, but the skip is the code's). So a
+    contender whose compile broke the graph is timed in a group of its own with eager, Dynamo is
+    reset after it, and the contenders prepared before it are prepared again. Eager comes first
+    and is timed beside every group (its times from all of them make its row; it holds no compiled
+    state); the stock contenders, which break graphs, come before cgbackend's."""
+    if settings.timing == "sequential":
+        rows = []
+        for name in names:
+            t0 = time.perf_counter()
+            rows.append(run_contender(case, CONTENDERS[name], settings))
+            log_row(case.key, rows[-1], time.perf_counter() - t0)
+        return rows
+    device = settings.device
+    _cleanup(device)
+    case.mem_baseline = int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
+    order = sorted(names, key=lambda n: (n != "eager", not CONTENDERS[n].stock))
+    rows: dict[str, dict[str, Any]] = {}
+    group: list[_Pending] = []
+    eager: list[_Pending] = []
+    # Each compiled contender adds Dynamo cache entries for the same code objects (its own model
+    # object fails the others' guards): room for all of them, or later ones would run eagerly.
+    limit = max(torch._dynamo.config.recompile_limit, 8 * len(names))
+
+    def prepare(name: str) -> Optional[_Pending]:
+        t0 = time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            row, ready = prepare_contender(case, CONTENDERS[name], settings, alone=False)
+        rows[name] = row
+        if ready is None:
+            log_row(case.key, row, time.perf_counter() - t0)
+        else:
+            ready.seconds = time.perf_counter() - t0
+            _log(f"{case.key} {name}: warmed up and judged in {ready.seconds:.1f}s; timed with the others")
+        return ready
+
+    try:
+        for name in order:
+            ready = prepare(name)
+            if ready is None:
+                continue
+            if name == "eager":
+                eager.append(ready)
+            elif not ready.row["graph_breaks"]:
+                group.append(ready)
+            else:
+                _time_group(eager + [ready], case, settings, log_row, limit)
+                _cleanup(device)
+                if group:
+                    _log(f"{case.key} {name} broke the graph: preparing "
+                         f"{', '.join(p.contender.name for p in group)} again after a reset")
+                    again = [p.contender.name for p in group]
+                    group.clear()
+                    group.extend(p for p in map(prepare, again) if p is not None)
+        if group or (eager and not eager[0].times):
+            _time_group(eager + group, case, settings, log_row, limit)
+        for p in eager:
+            finish_row(p, case, settings, alone=False)
+            log_row(case.key, p.row, p.seconds)
+    finally:
+        group.clear()
+        eager.clear()
+        _cleanup(device)
+    return [rows[n] for n in names]
+
+
+def _time_group(group: list[_Pending], case: Case, settings: Settings,
+                log_row: Callable[[str, dict[str, Any], float], None], limit: int) -> None:
+    """Times ``group`` in alternating blocks and finishes the rows of all but eager's."""
+    device = settings.device
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for r in range(TIMING_ROUNDS):
+            for p in group:
+                if p.row["error"] is not None:
+                    continue
+                n = p.iters // TIMING_ROUNDS + (1 if r < p.iters % TIMING_ROUNDS else 0)
+                t0 = time.perf_counter()
+                try:
+                    _time_block(p, n, device)
+                except Exception as exc:
+                    p.row["error"], p.row["error_stage"] = _error_text(exc), "timing"
+                    if settings.verbose:
+                        traceback.print_exc()
+                p.seconds += time.perf_counter() - t0
+    for p in group:
+        if p.contender.name != "eager":
+            finish_row(p, case, settings, alone=False)
+            log_row(case.key, p.row, p.seconds)
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -1201,12 +1448,7 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
                 cases.append(case)
                 if case.floor_ms is not None:
                     _log(f"{label}: floor {case.floor_ms:.3f} ms/step")
-                for name in names:
-                    contender = CONTENDERS[name]
-                    t0 = time.perf_counter()
-                    row = run_contender(case, contender, ms)
-                    rows.append(row)
-                    _log_row(label, row, time.perf_counter() - t0)
+                rows.extend(run_contenders(case, names, ms, _log_row))
                 # Free the case's device inputs before the next one.
                 case.inputs = []
                 case.base = None

@@ -279,6 +279,86 @@ def test_time_budget_lowers_iterations():
     assert bench.timed_iterations(settings, [5.0, 0.001]) == 50  # never above --iters
 
 
+def _step_order(monkeypatch) -> list:
+    order: list = []
+    real = bench.Runner.step
+
+    def step(self, index=None):
+        order.append(self.contender.name)
+        return real(self, index)
+
+    monkeypatch.setattr(bench.Runner, "step", step)
+    return order
+
+
+def _runs(order: list) -> list:
+    runs: list = []
+    for name in order:
+        if not runs or runs[-1][0] != name:
+            runs.append([name, 0])
+        runs[-1][1] += 1
+    return runs
+
+
+@pytest.mark.parametrize("timing", ["alternate", "sequential"])
+def test_contenders_timed_in_alternating_blocks(tmp_path, monkeypatch, timing):
+    """Alternating timing: every contender warmed up and judged first, then timed in 5 blocks, A's,
+    B's, A's again, ...; each row's counts are its own and equal to those of a run alone (a
+    compiled contender held beside another is not recompiled; the failing one is recorded without
+    stopping the others). Inductor breaks the MoE model's graph in a loop, after which Dynamo skips
+    the whole function for every backend: it is timed with eager alone, before cgbackend is
+    compiled; reduce-overhead (on CUDA) too."""
+    def boom(model):
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setitem(bench.CONTENDERS, "boom", bench.Contender("boom", boom, stock=False))
+    order = _step_order(monkeypatch)
+    out = tmp_path / "bench.json"
+    cuda = torch.cuda.is_available()
+    names = "inductor,eager,boom,reduce-overhead,cgbackend" if cuda else "inductor,eager,boom,cgbackend"
+    assert bench.main(["--smoke", "--models", "moe", "--modes", "train", "--contenders", names,
+                       "--warmup", "2", "--iters", "12", "--timing", timing, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["meta"]["settings"]["timing"] == timing
+    assert [r["contender"] for r in results["rows"]] == names.split(",")  # the order asked for
+    rows = {r["contender"]: r for r in results["rows"]}
+    assert rows["boom"]["error"] == "RuntimeError: compiler exploded" and rows["boom"]["median_ms"] is None
+    timed = [n for n in names.split(",") if n != "boom"]
+    groups = (3 if cuda else 2) if timing == "alternate" else 1  # eager is timed beside each group
+    for name in timed:
+        row = rows[name]
+        assert row["error"] is None and row["median_ms"] > 0, row
+        assert row["timed_iters"] == 12 * (groups if name == "eager" else 1)
+        assert row["accuracy_ok"] is True
+    assert rows["eager"]["dynamo_graphs"] == 0 and rows["eager"]["recompiles"] == 0
+    assert rows["cgbackend"]["dynamo_graphs"] == 1 and rows["cgbackend"]["recompiles"] == 0
+    assert rows["cgbackend"]["graph_breaks"] == 0
+    stats = rows["cgbackend"]["backend_stats"]
+    assert stats["static_regions"] >= 1 and stats["dynamic_regions"] >= 1
+    if cuda:
+        assert stats["eager_calls"] == {"warmup": stats["eager_calls"]["warmup"]} and stats["replays"] > 0
+    else:  # every region call of the 2 warm-up, 2 accuracy and 12 timed calls (the same in both modes)
+        assert set(stats["eager_calls"]) == {"no_cuda"} and stats["eager_calls"]["no_cuda"] % 16 == 0
+    # Inductor breaks the graph at the expert loop; its expert frames recompile for new token counts.
+    assert rows["inductor"]["graph_breaks"] >= 1 and rows["inductor"]["dynamo_graphs"] >= 2
+    runs = _runs(order)
+    if timing == "sequential":
+        assert runs == [[n, 14] for n in timed]
+        return
+    # Eager is prepared first, then the stock contenders, then cgbackend's, 2 warm-up steps each
+    # (the accuracy calls do not go through step()); a contender that broke the graph is timed with
+    # eager at once (5 rounds of both), before anything else is compiled.
+    breakers = ["inductor", "reduce-overhead"] if cuda else ["inductor"]
+    expected_names = ["eager"]
+    for name in breakers:
+        expected_names += [name] + ["eager", name] * 5
+    expected_names += ["cgbackend"] + ["eager", "cgbackend"] * 5
+    assert [n for n, _ in runs] == expected_names
+    prepared = {n: k for n, k in runs[:1]}
+    assert prepared == {"eager": 2}
+    assert all(k in (2, 3) for n, k in runs if n == "eager")
+
+
 @pytest.mark.cuda
 def test_cuda_tiny_scale_every_new_path(tmp_path):
     """A cheap GPU check before the real-size runs: tiny widths, bf16, every new model family,
