@@ -300,8 +300,9 @@ def _runs(order: list) -> list:
     return runs
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("timing", ["alternate", "sequential"])
-def test_contenders_timed_in_alternating_blocks(tmp_path, monkeypatch, timing):
+def test_contenders_timed_in_alternating_blocks(tmp_path, monkeypatch, timing, device):
     """Alternating timing: every contender warmed up and judged first, then timed in 5 blocks, A's,
     B's, A's again, ...; each row's counts are its own and equal to those of a run alone (a
     compiled contender held beside another is not recompiled; the failing one is recorded without
@@ -314,16 +315,18 @@ def test_contenders_timed_in_alternating_blocks(tmp_path, monkeypatch, timing):
     monkeypatch.setitem(bench.CONTENDERS, "boom", bench.Contender("boom", boom, stock=False))
     order = _step_order(monkeypatch)
     out = tmp_path / "bench.json"
-    cuda = torch.cuda.is_available()
-    names = "inductor,eager,boom,reduce-overhead,cgbackend" if cuda else "inductor,eager,boom,cgbackend"
-    assert bench.main(["--smoke", "--models", "moe", "--modes", "train", "--contenders", names,
+    cuda = device == "cuda"
+    names = "inductor,eager,boom,reduce-overhead,cgbackend"
+    assert bench.main(["--smoke", "--device", device, "--models", "moe", "--modes", "train", "--contenders", names,
                        "--warmup", "2", "--iters", "12", "--timing", timing, "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["meta"]["settings"]["timing"] == timing
     assert [r["contender"] for r in results["rows"]] == names.split(",")  # the order asked for
     rows = {r["contender"]: r for r in results["rows"]}
     assert rows["boom"]["error"] == "RuntimeError: compiler exploded" and rows["boom"]["median_ms"] is None
-    timed = [n for n in names.split(",") if n != "boom"]
+    timed = [n for n in names.split(",") if n != "boom" and (cuda or n != "reduce-overhead")]
+    if not cuda:
+        assert rows["reduce-overhead"]["error"] == "needs CUDA"
     groups = (3 if cuda else 2) if timing == "alternate" else 1  # eager is timed beside each group
     for name in timed:
         row = rows[name]
