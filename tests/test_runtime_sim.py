@@ -74,8 +74,8 @@ class _ThreeOut(nn.Module):
 
 @pytest.mark.parametrize("mode", ["clone", "copy", "auto", "none"])
 def test_outputs_copied_out_of_graph_memory_with_one_foreach_call(mode, monkeypatch):
-    """Inference outputs leave graph memory with one foreach call (one launch instead of one per
-    output), each into its own storage with the layout ``clone()`` gives: ``_foreach_clone`` where
+    """Inference outputs leave graph memory with one foreach call per dtype (one launch instead of
+    one per output), each into its own storage with the layout ``clone()`` gives: ``_foreach_clone`` where
     torch has it, or one ``empty_like`` each and one ``_foreach_copy_`` (``_foreach_mul`` by True is
     the CUDA form on torch without ``_foreach_clone``: tests/test_cuda_inference.py); without the
     private APIs (``none``) each is cloned. Either way a later replay overwrites none of them."""
@@ -112,7 +112,43 @@ def test_outputs_copied_out_of_graph_memory_with_one_foreach_call(mode, monkeypa
     assert st["replays"] == 3 and st["output_clones"] == 9
     expected = {"clone": "clone", "copy": "copy", "none": None,
                 "auto": "clone" if outputs._foreach_clone is not None else "copy"}[mode]
-    assert calls == ([(expected, 3)] * 3 if expected else []), calls
+    # One call per dtype (float32: two outputs, int64: one): a foreach op given several dtypes
+    # would take its per-tensor path.
+    assert calls == ([(expected, 2), (expected, 1)] * 3 if expected else []), calls
+
+
+@pytest.mark.parametrize("mode", ["auto", "copy", "clone"])
+def test_mixed_dtype_outputs_copied_with_one_foreach_call_per_dtype(mode, monkeypatch):
+    """A foreach op given several dtypes takes its per-tensor path (a launch each): copy_out
+    groups the outputs by device and dtype, one call per group, and returns them in order."""
+    from cgbackend.runtime import outputs
+    if mode == "clone" and outputs._foreach_clone is None:
+        pytest.skip("this torch has no _foreach_clone")
+    calls = []
+
+    def counting(name, real):
+        def wrapped(*args):
+            tensors = args[-1] if name == "copy" else args[0]
+            calls.append((name, tuple(t.dtype for t in tensors)))
+            return real(*args)
+        return wrapped
+
+    monkeypatch.setattr(outputs, "OUTPUT_COPY", mode)
+    if outputs._foreach_clone is not None:
+        monkeypatch.setattr(outputs, "_foreach_clone", counting("clone", outputs._foreach_clone))
+    monkeypatch.setattr(outputs, "_foreach_copy", counting("copy", outputs._foreach_copy))
+    sources = [torch.tensor(7), torch.randn(3, 4), torch.randn(4, 3).t(), torch.tensor(-2 ** 62),
+               torch.randn(2, dtype=torch.float64), torch.randn(5)]
+    copies = outputs.copy_out(sources)
+    for c, src in zip(copies, sources):
+        assert c.dtype == src.dtype and c.stride() == src.clone().stride() and torch.equal(c, src)
+        assert c.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    form = "clone" if mode == "clone" or (mode == "auto" and outputs._foreach_clone is not None) else "copy"
+    assert sorted(calls, key=str) == sorted([(form, (torch.int64,) * 2), (form, (torch.float32,) * 3),
+                                             (form, (torch.float64,))], key=str)
+    calls.clear()
+    outputs.copy_out(sources[1:3] + sources[5:])  # one dtype: one call, no grouping
+    assert calls == [(form, (torch.float32,) * 3)]
 
 
 def _python_ptrs_equal(tensors, ptrs, indices):

@@ -408,14 +408,36 @@ launch, the outputs allocated in C++), ``"copy"`` (one ``empty_like`` each, then
 
 def copy_out(tensors: list) -> list:
     """New tensors equal to ``tensors`` (same dtype, shape, strides, device), each in its own
-    storage, made with one foreach call where possible: per output, a Python ``empty_like`` cost
-    about 3 us of host time on the H100 host (diag5.py), the zoo's calls return 5."""
+    storage, made with one foreach call per device and dtype: per output, a Python ``empty_like``
+    cost about 3 us of host time on the H100 host (diag5.py), the zoo's calls return 5. A foreach
+    op given several dtypes at once takes its per-tensor path (a launch and an allocation each):
+    Mistral's two int64 scalars beside its five float outputs made its copies 120 us a call against
+    llama's 48 (diag5.py, H100 run 36)."""
+    first = tensors[0]
+    kind = (first.device, first.dtype)
+    for t in tensors:
+        if (t.device, t.dtype) != kind:
+            break
+    else:
+        return _copy_alike(tensors)
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    copies: list = [None] * len(tensors)
+    for positions in groups.values():
+        for i, copy in zip(positions, _copy_alike([tensors[i] for i in positions])):
+            copies[i] = copy
+    return copies
+
+
+def _copy_alike(tensors: list) -> list:
+    """copy_out of tensors of one device and dtype."""
     mode = OUTPUT_COPY
     if mode in ("auto", "clone") and _foreach_clone is not None:
         return _foreach_clone(tensors)
     if mode in ("auto", "mul") and _foreach_mul is not None:
         first = tensors[0]
-        if first.is_cuda and all(t.dtype in _MUL_EXACT and t.device == first.device for t in tensors):
+        if first.is_cuda and first.dtype in _MUL_EXACT:
             return _foreach_mul(tensors, True)
     copies = [torch.empty_like(t) for t in tensors]
     _foreach_copy(copies, tensors)
