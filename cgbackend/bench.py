@@ -942,6 +942,11 @@ def prepare_contender(case: Case, contender: Contender, settings: Settings,
     try:
         if alone:
             _cleanup(device)
+        elif cuda:
+            # Garbage of the contenders before (autograd cycles holding activations) would count in
+            # this one's baseline and be freed during its calls: a peak of 1 MiB in run 38.
+            gc.collect()
+            torch.cuda.synchronize(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
             row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
