@@ -475,14 +475,17 @@ def _graph_breaks() -> dict[str, int]:
 
 def _graph_break_delta(before: dict[str, int]) -> tuple[int, dict[str, int]]:
     """Graph breaks Dynamo counted since ``before``: the total and the count per reason (first line)."""
-    total, reasons = 0, {}
-    for reason, n in _graph_breaks().items():
-        d = int(n - before.get(reason, 0))
-        if d > 0:
-            total += d
+    return _by_first_line({reason: int(n - before.get(reason, 0)) for reason, n in _graph_breaks().items()})
+
+
+def _by_first_line(counts: dict[Any, int]) -> tuple[int, dict[str, int]]:
+    """The positive counts per graph-break reason, summed per first line: (total, per line)."""
+    reasons: dict[str, int] = {}
+    for reason, n in counts.items():
+        if n > 0:
             key = (str(reason).strip().splitlines() or [""])[0][:200]
-            reasons[key] = reasons.get(key, 0) + d
-    return total, reasons
+            reasons[key] = reasons.get(key, 0) + n
+    return sum(reasons.values()), reasons
 
 
 def _counter(group: str, key: str) -> int:
@@ -881,11 +884,7 @@ class _Tally:
 
     def graph_breaks(self) -> tuple[int, dict[str, int]]:
         """The total and the count per reason (first line)."""
-        reasons: dict[str, int] = {}
-        for reason, n in self.breaks.items():
-            key = (str(reason).strip().splitlines() or [""])[0][:200]
-            reasons[key] = reasons.get(key, 0) + n
-        return sum(reasons.values()), reasons
+        return _by_first_line(self.breaks)
 
     def recompiles(self) -> Optional[int]:
         """Compiles of a frame beyond its first, in this contender's windows."""
