@@ -475,16 +475,17 @@ def _graph_breaks() -> dict[str, int]:
 
 def _graph_break_delta(before: dict[str, int]) -> tuple[int, dict[str, int]]:
     """Graph breaks Dynamo counted since ``before``: the total and the count per reason (first line)."""
-    return _by_first_line({reason: int(n - before.get(reason, 0)) for reason, n in _graph_breaks().items()})
+    grown: dict = {}
+    _add_increases(grown, before, _graph_breaks())
+    return _by_first_line(grown)
 
 
 def _by_first_line(counts: dict[Any, int]) -> tuple[int, dict[str, int]]:
-    """The positive counts per graph-break reason, summed per first line: (total, per line)."""
+    """Counts per graph-break reason, summed per first line: (total, per line)."""
     reasons: dict[str, int] = {}
     for reason, n in counts.items():
-        if n > 0:
-            key = (str(reason).strip().splitlines() or [""])[0][:200]
-            reasons[key] = reasons.get(key, 0) + n
+        key = (str(reason).strip().splitlines() or [""])[0][:200]
+        reasons[key] = reasons.get(key, 0) + n
     return sum(reasons.values()), reasons
 
 
@@ -865,19 +866,13 @@ class _Tally:
     def __exit__(self, *exc: Any) -> None:
         (breaks0, unique0, skips0, frames0, trees0), (breaks1, unique1, skips1, frames1, trees1) = \
             self._before, self._read()
-        for reason, n in breaks1.items():
-            d = int(n - breaks0.get(reason, 0))
-            if d > 0:
-                self.breaks[reason] = self.breaks.get(reason, 0) + d
+        _add_increases(self.breaks, breaks0, breaks1)
         self.unique_graphs += unique1 - unique0
         self.cudagraph_skips += skips1 - skips0
         if frames0 is None or frames1 is None:
             self.frames = None  # type: ignore[assignment]
         elif self.frames is not None:
-            for frame, n in frames1.items():
-                d = n - frames0.get(frame, 0)
-                if d > 0:
-                    self.frames[frame] = self.frames.get(frame, 0) + d
+            _add_increases(self.frames, frames0, frames1)
         for i, name in enumerate(("tree_graphs", "rerecords")):
             a, b, total = trees0[i], trees1[i], getattr(self, name)
             setattr(self, name, None if None in (a, b, total) else total + b - a)
@@ -889,6 +884,14 @@ class _Tally:
     def recompiles(self) -> Optional[int]:
         """Compiles of a frame beyond its first, in this contender's windows."""
         return None if self.frames is None else int(sum(max(0, n - 1) for n in self.frames.values()))
+
+
+def _add_increases(into: dict, before: dict, after: dict) -> None:
+    """Adds to ``into`` each count of ``after`` by which it grew since ``before``."""
+    for key, n in after.items():
+        d = int(n - before.get(key, 0))
+        if d > 0:
+            into[key] = into.get(key, 0) + d
 
 
 def _frame_compiles() -> Optional[dict]:
@@ -1002,7 +1005,19 @@ def _read_peak(row: dict[str, Any], case: Case, device: torch.device) -> None:
     row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - (row["mem_baseline_bytes"] - held)
 
 
-def _time_block(pending: _Pending, n: int, device: torch.device) -> None:
+def _time_block(pending: _Pending, n: int, settings: Settings) -> None:
+    """``n`` timed steps of one contender; an exception is recorded in its row (stage ``timing``)."""
+    t0 = time.perf_counter()
+    try:
+        _timed_steps(pending, n, settings.device)
+    except Exception as exc:
+        pending.row["error"], pending.row["error_stage"] = _error_text(exc), "timing"
+        if settings.verbose:
+            traceback.print_exc()
+    pending.seconds += time.perf_counter() - t0
+
+
+def _timed_steps(pending: _Pending, n: int, device: torch.device) -> None:
     runner, times = pending.runner, pending.times
     cuda = device.type == "cuda"
     if cuda:
@@ -1065,12 +1080,7 @@ def run_contender(case: Case, contender: Contender, settings: Settings) -> dict[
     row, pending = prepare_contender(case, contender, settings)
     if pending is None:
         return row
-    try:
-        _time_block(pending, pending.iters, settings.device)
-    except Exception as exc:
-        row["error"], row["error_stage"] = _error_text(exc), "timing"
-        if settings.verbose:
-            traceback.print_exc()
+    _time_block(pending, pending.iters, settings)
     return finish_row(pending, case, settings)
 
 
@@ -1155,21 +1165,12 @@ def run_contenders(case: Case, names: Sequence[str], settings: Settings,
 def _time_group(group: list[_Pending], case: Case, settings: Settings,
                 log_row: Callable[[str, dict[str, Any], float], None], limit: int) -> None:
     """Times ``group`` in alternating blocks and finishes the rows of all but eager's."""
-    device = settings.device
     with torch._dynamo.config.patch(recompile_limit=limit):
         for r in range(TIMING_ROUNDS):
             for p in group:
                 if p.row["error"] is not None:
                     continue
-                n = p.iters // TIMING_ROUNDS + (1 if r < p.iters % TIMING_ROUNDS else 0)
-                t0 = time.perf_counter()
-                try:
-                    _time_block(p, n, device)
-                except Exception as exc:
-                    p.row["error"], p.row["error_stage"] = _error_text(exc), "timing"
-                    if settings.verbose:
-                        traceback.print_exc()
-                p.seconds += time.perf_counter() - t0
+                _time_block(p, p.iters // TIMING_ROUNDS + (1 if r < p.iters % TIMING_ROUNDS else 0), settings)
     for p in group:
         if p.contender.name != "eager":
             finish_row(p, case, settings, alone=False)
