@@ -63,6 +63,15 @@ class Config:
     """Training: how many forwards of one region may wait for their backward at once, each with its
     own graphs and memory pool. A forward beyond that runs eagerly (counted)."""
 
+    handout_graphs: int = 2
+    """Inference: extra graphs of a region whose outputs are the call's (no static region reads
+    them), each captured in a memory pool of its own when first needed, whose outputs go to the
+    caller without a copy. A call replays one whose earlier outputs nobody holds any more (no
+    tensor, view or storage of them is alive), so an output the caller keeps is never overwritten;
+    when every such graph's outputs are still held, the region's own graph runs and its outputs are
+    copied, as with 0. Each costs a capture and the region's memory once more (counted in
+    ``handout_graphs``; ``outputs_handed`` counts the outputs returned without a copy)."""
+
     strict: bool = False
     """Raise instead of falling back to eager when a capture fails or a region cannot be replayed. A
     graph nothing of which can be captured (it computes on the CPU, or the machine has no CUDA
@@ -118,6 +127,7 @@ class Config:
         _check_int(self, "min_region_ops", 1)
         _check_int(self, "max_graphs_per_region", 1)
         _check_int(self, "max_pending_forwards", 1)
+        _check_int(self, "handout_graphs", 0)
         if self.inner not in _INNER_COMPILERS:
             raise ConfigError(
                 f"cgbackend option inner={self.inner!r} is not one of {', '.join(_INNER_COMPILERS)}"

@@ -50,7 +50,40 @@ def test_inference_matches_eager_and_replays(name, grad_mode, dtype):
     assert st["replays"] == regions * (len(inputs) - WARMUP)
     assert st["eager_calls"] == {"warmup": regions * WARMUP}, st["eager_calls"]
     assert st["copied_by_kind"].get("param", 0) == 0
-    assert st["output_clones"] == len(inputs) - WARMUP
+    # Every output is kept: the capturing call copies, two handout graphs hand theirs out, then
+    # both are held and the region's own graph runs and copies (runtime/handout.py).
+    assert st["handout_graphs"] == 2 and st["outputs_handed"] == 2, st
+    assert st["output_clones"] == len(inputs) - WARMUP - 2
+
+
+def test_handout_graphs_hand_outputs_over_and_never_overwrite_what_is_held():
+    """On the GPU: outputs nobody keeps come from a handout graph without a copy; a view the caller
+    keeps of one stays as it was through later calls; results match eager (bitwise: eager kernels)."""
+    torch.manual_seed(0)
+    model = build_model("dense", size="tiny", device="cuda").eval()
+    inputs = make_inputs("dense", model, n=10, device="cuda")
+    compiled = cgbackend.compile(model, warmup=1, inner="eager")
+    with torch.no_grad():
+        for x in inputs[:5]:
+            out = compiled(x)
+            assert torch.equal(out, model(x))
+            del out
+        st = cgbackend.stats(compiled)
+        assert st["handout_graphs"] == 1 and st["handout_replays"] == 3 and st["output_clones"] == 1, st
+        held = compiled(inputs[5])[1:, -3:]
+        want = held.clone()
+        previous = None
+        for x in inputs[6:]:
+            out = compiled(x)
+            assert torch.equal(out, model(x))
+            if previous is not None:
+                assert out.untyped_storage().data_ptr() != previous.untyped_storage().data_ptr()
+            previous = out
+        torch.cuda.synchronize()
+        assert torch.equal(held, want), "a replay overwrote a view the caller kept"
+    st = cgbackend.stats(compiled)
+    assert st["handout_graphs"] == 2 and st["output_clones"] == 1 + 2, st
+    assert st["handout_failures"] == []
 
 
 def test_dense_one_graph_no_copies_but_input():

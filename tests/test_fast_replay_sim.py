@@ -44,9 +44,10 @@ def test_steady_inference_calls_take_the_fast_path():
         assert all(torch.equal(o, r) for o, r in zip(out, ref)), "a replay overwrote an earlier output"
     st = cgbackend.stats(compiled)
     # Call 1 warms up, call 2 captures (and replays: the entry is remembered), calls 3-6 take the
-    # fast path.
+    # fast path: 3 and 4 through the two handout graphs (their outputs are kept: 5 and 6 copy).
     assert st["graphs_captured"] == 1 and st["replays"] == 5 and st["fast_replays"] == 4, st
-    assert st["copied_by_kind"] == {"user_input": 4} and st["output_clones"] == 2 * 5
+    assert st["handout_graphs"] == 2 and st["handout_replays"] == 2 and st["outputs_handed"] == 2 * 2
+    assert st["copied_by_kind"] == {"user_input": 4} and st["output_clones"] == 2 * 3
 
 
 def test_changed_shape_takes_the_full_path():

@@ -196,7 +196,8 @@ def test_a_view_that_cannot_be_replayed_is_rebuilt_or_counted(memory, strict):
     copy_of_x = x.clone()  # what a graph reads: its own copy of the input
     raw = (x if memory == "input" else copy_of_x).view(4, -1)
     shared = types.SimpleNamespace(counters=Counters(), config=Config(strict=strict),
-                                   persistent_storages={copy_of_x.untyped_storage().data_ptr()})
+                                   persistent_storages={copy_of_x.untyped_storage().data_ptr()},
+                                   handout_storages=set())
     builder = OutputBuilder(aliases, (out,), {placeholder: 0, out: 1}, shared)
     if memory == "input":  # the region read x in place (or ran eagerly): as_strided on x
         (result,) = builder.build([x, raw])

@@ -45,7 +45,10 @@ def test_inference_counters_and_exact_results(name):
     assert st["replays"] == regions * (len(inputs) - 1)
     assert st["eager_calls"] == {"warmup": regions}
     assert st["copied_by_kind"].get("param", 0) == 0
-    assert st["output_clones"] == len(inputs) - 1
+    # Every output is kept: the capturing call copies, two handout graphs hand theirs out, and
+    # then both are held, so the region's own graph runs and copies.
+    assert st["handout_graphs"] == 2 and st["outputs_handed"] == 2
+    assert st["output_clones"] == len(inputs) - 1 - 2
 
 
 def test_moe_static_outputs_handed_over_without_copies():
@@ -96,7 +99,7 @@ def test_outputs_copied_out_of_graph_memory_with_one_foreach_call(mode, monkeypa
     monkeypatch.setattr(outputs, "_foreach_copy", None if mode == "none" else counting("copy", outputs._foreach_copy))
     torch.manual_seed(0)
     model = _ThreeOut().eval()
-    compiled = cgbackend.compile(model, **SIM)
+    compiled = cgbackend.compile(model, handout_graphs=0, **SIM)  # every output copied
     kept = []
     with torch.no_grad():
         for i in range(4):

@@ -226,6 +226,7 @@ class CompiledGraph:
             self.steps.append(_Step(ins, outs, frees, runner, module, region,
                                     f"cgbackend g{index}.{region.name} {role}"))
 
+        self.mark_terminal()
         counters = shared.counters
         counters.compiled_graphs += 1
         counters.static_regions += len(self.runners)
@@ -289,6 +290,15 @@ class CompiledGraph:
             self._runner_of[node] = runner
         self.runners.append(runner)
         return runner
+
+    def mark_terminal(self) -> None:
+        """The last static region of the graph: no static region reads its outputs, so its
+        inference graphs may hand them out without a copy (runtime/handout.py)."""
+        runners = [step.runner for step in self.steps if step.runner is not None]
+        for runner in runners:
+            runner.terminal = False
+        if runners:
+            runners[-1].terminal = True
 
     def _request_split(self, runner: RegionRunner, hit: Any) -> bool:
         """A runner saw its op ``hit.node`` synchronize in warm-up: split it after this call."""

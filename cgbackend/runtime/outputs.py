@@ -270,10 +270,11 @@ class OutputBuilder:
         self.shared_groups = [g for g in aliases.groups if g.kind == SHARED]
         self.fallback = [(m, aliases.group_of(m)) for m in aliases.unreplayable]
         self._warned: set = set()
-        self._plan: Optional[_OwnPlan] = None
-        """Which of the latest call's plain outputs lay in graph memory, by position: reused while
-        the next call returns the same tensor objects (a replayed graph returns its static outputs)
-        and no graph memory was added since."""
+        self._plans: list = []
+        """Which plain outputs lay in graph memory, by position, for the latest few sets of tensor
+        objects returned (a replayed graph returns its static outputs; a region with handout graphs
+        alternates between theirs): reused while a call returns the same objects and no graph
+        memory was added since."""
 
     def build(self, env: list, anchor: Optional[Callable[[dict], None]] = None) -> Any:
         slot_of = self.slot_of
@@ -304,14 +305,25 @@ class OutputBuilder:
         copies nothing and raises when an overwritten output is read). Tensors autograd must see
         copied (a training call's outputs) keep ``clone()``."""
         storages = self.shared.persistent_storages
-        if not storages:
+        handout = self.shared.handout_storages
+        if not storages and not handout:
             return
         sources = [values[n] for n in nodes]
-        plan = self._plan
-        if plan is None or not plan.holds(nodes, storages, sources):
-            plan = _OwnPlan(nodes, storages, sources)
+        plan = None
+        for known in self._plans:
+            if known.holds(nodes, storages, handout, sources):
+                plan = known
+                break
+        if plan is None:
+            plan = _OwnPlan(nodes, storages, handout, sources)
             if nodes is self.plain:
-                self._plan = plan
+                self._plans = [plan] + self._plans[:_PLANS_KEPT - 1]
+        if plan.handed:
+            # A handout graph's outputs (runtime/handout.py): a new tensor object on the same memory,
+            # which the graph does not write again while it (or anything made from it) is alive.
+            for i in plan.handed:
+                values[nodes[i]] = sources[i].detach()
+            self.shared.counters.outputs_handed += len(plan.handed)
         if not plan.copied:
             return
         batch: list = []
@@ -444,32 +456,47 @@ def _copy_alike(tensors: list) -> list:
     return copies
 
 
+_PLANS_KEPT = 4
+
+
 class _OwnPlan:
-    """Which outputs (positions in ``nodes``) lie in graph memory and are copied, decided for the
-    tensor objects ``sources``. It holds for a later call that passes the same ``nodes`` list and
-    the same tensor objects (weakly referenced: a plan keeps no graph memory alive) while the set
-    of graph storages has not grown (it only grows: ``RuntimeShared.register_persistent``)."""
+    """Which outputs (positions in ``nodes``) lie in graph memory and are copied, and which are a
+    handout graph's and are handed out as aliases, decided for the tensor objects ``sources``. It
+    holds for a later call that passes the same ``nodes`` list and the same tensor objects (weakly
+    referenced: a plan keeps no graph memory alive) while the sets of graph storages and handout
+    storages have not changed size (graph storages are only added; handout storages go with their
+    entry, whose tensor objects then die, so no plan made for them holds any more)."""
 
-    __slots__ = ("nodes", "storages", "size", "refs", "copied")
+    __slots__ = ("nodes", "storages", "size", "handout", "handout_size", "refs", "copied", "handed")
 
-    def __init__(self, nodes: list, storages: set, sources: list) -> None:
+    def __init__(self, nodes: list, storages: set, handout: set, sources: list) -> None:
         self.nodes = nodes
         self.storages = storages
         self.size = len(storages)
+        self.handout = handout
+        self.handout_size = len(handout)
         refs: list = []
         copied: list = []
+        handed: list = []
         for i, value in enumerate(sources):
             if not isinstance(value, torch.Tensor):
                 refs.append(None)
                 continue
             refs.append(weakref.ref(value))
-            if value.numel() and value.untyped_storage().data_ptr() in storages:
+            if not value.numel():
+                continue
+            ptr = value.untyped_storage().data_ptr()
+            if ptr in storages:
                 copied.append(i)
+            elif ptr in handout:
+                handed.append(i)
         self.refs = tuple(refs)
         self.copied = tuple(copied)
+        self.handed = tuple(handed)
 
-    def holds(self, nodes: list, storages: set, sources: list) -> bool:
-        if nodes is not self.nodes or storages is not self.storages or len(storages) != self.size:
+    def holds(self, nodes: list, storages: set, handout: set, sources: list) -> bool:
+        if nodes is not self.nodes or storages is not self.storages or len(storages) != self.size \
+                or handout is not self.handout or len(handout) != self.handout_size:
             return False
         for ref, value in zip(self.refs, sources):
             if ref is None:

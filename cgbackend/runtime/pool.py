@@ -65,6 +65,16 @@ class PoolSet:
         self._simulate = simulate
         self._pools: dict[tuple[str, int], PoolState] = {}
 
+    def private(self, device: str) -> PoolState:
+        """A pool of its own for one graph (a handout graph, runtime/handout.py): it shares memory
+        with no other graph, so no replay-order rule applies to it. Not kept here: it lives as long
+        as its graph."""
+        handle = None
+        if not self._simulate:
+            with torch.cuda.device(torch.device(device)):
+                handle = torch.cuda.graph_pool_handle()
+        return PoolState(device=device, slot=-1, handle=handle)
+
     def get(self, device: torch.device, slot: int) -> PoolState:
         key = (str(device), slot)
         pool = self._pools.get(key)

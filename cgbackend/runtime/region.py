@@ -44,6 +44,7 @@ import torch
 from ..config import Config
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, Capturer, SimulatedGraph, first_line, non_overlapping
+from .handout import HandoutGraph, handout_supported
 from .params import ParamPolicy
 from .inputs import InputViews, SavedTensors, fill_padding, overlap, overlap_candidates, saved_modified_error
 from .outputs import _foreach_copy
@@ -99,6 +100,9 @@ class RuntimeShared:
         """Called instead of each region of each call when set: ``watch(graph, position, run_step,
         step, ins, call)`` runs ``run_step(step, ins, call)`` and returns its result. Set by explain
         (coverage.py, counting launches) and by the option profile (profile.py, timing regions)."""
+        self.handout_storages: set[int] = set()
+        """Storage base pointers of handout graphs' outputs (runtime/handout.py): outputs lying in
+        them are handed to the caller as aliases, not copied."""
         self.handed: dict[int, tuple["RegionRunner", "_TrainEntry"]] = {}
         """Training entries whose static gradients were handed to autograd and may still be held
         (as .grad or elsewhere): live data of their backward graph until reclaimed."""
@@ -124,10 +128,13 @@ class _Entry:
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
                  "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds",
                  "param_addrs", "volatile_pos",
-                 "pad_block", "input_views")
+                 "pad_block", "input_views", "handouts")
 
     def __init__(self) -> None:
         self.graph = None
+        self.handouts: Optional[list[HandoutGraph]] = None
+        """Inference entries whose outputs may go to the caller without a copy: their handout
+        graphs, captured when first needed (runtime/handout.py); None where that does not apply."""
         self.copy_kinds: Optional[tuple[str, ...]] = None
         """What each copied input is (copied_by_kind), found at the first replay: the isinstance
         check against nn.Parameter costs more than the copy of a small input."""
@@ -284,6 +291,10 @@ class RegionRunner:
         self._fast: Optional[_Fast] = None
         """The inference entry replayed last and what its key was made of, checked field by field
         on the next call instead of building the key (cleared when an entry is dropped)."""
+        self.terminal = False
+        """No static region of the graph runs after this one (set by the executor): its inference
+        entries may hand their outputs out without a copy (runtime/handout.py)."""
+        self._handout_failed: Optional[str] = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -501,7 +512,10 @@ class RegionRunner:
         if entry.views is not None:
             for t in iter_tensors(entry.outputs):
                 self.shared.padded_full.pop((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), None)
-        entry.graph = entry.outputs = entry.static_ins = entry.views = None
+        if entry.handouts:
+            for handout in entry.handouts:
+                self.shared.handout_storages -= handout.storages()
+        entry.graph = entry.outputs = entry.static_ins = entry.views = entry.handouts = None
         if isinstance(entry, _TrainEntry):
             entry.bwd_graph = entry.capture_outs = entry.static_grad_outs = entry.static_grad_ins = None
         self.shared.counters.pool_bytes_held -= entry.nbytes
@@ -661,6 +675,11 @@ class RegionRunner:
             return None
         self._stage_inputs(entry, ins, False, fast.static)
         counters = self.shared.counters
+        if entry.handouts is not None:
+            handout = self._handout(entry)
+            if handout is not None:
+                counters.fast_replays += 1
+                return self._replay_handout(handout)
         entry.graph.replay()
         pool.acquire(entry.index)
         call.live.append((pool, entry.index))
@@ -730,9 +749,78 @@ class RegionRunner:
         self._stage_inputs(entry, ins, fresh)
         if self.hooks is not None:
             self.hooks.before_forward()
+        if entry.handouts is not None and not fresh:
+            handout = self._handout(entry)
+            if handout is not None:
+                return self._replay_handout(handout)
         entry.graph.replay()
         self._after_replay(entry, ins, call)
         return entry.outputs if pad is None else self._views(entry, pad)
+
+    # ------------------------------------------------------------------ handout graphs
+
+    def _handout(self, entry: _Entry) -> Optional[HandoutGraph]:
+        """A handout graph of ``entry`` whose earlier outputs nobody holds (captured now if all are
+        held and the option allows one more), or None: the entry's own graph runs, outputs copied."""
+        handouts = entry.handouts
+        for handout in handouts:
+            if handout.free():
+                return handout
+        if len(handouts) >= self.config.handout_graphs or self._handout_failed is not None:
+            return None
+        return self._capture_handout(entry)
+
+    def _replay_handout(self, handout: HandoutGraph) -> Any:
+        handout.graph.replay()
+        counters = self.shared.counters
+        self.replays += 1
+        counters.replays += 1
+        counters.handout_replays += 1
+        return handout.outputs
+
+    def _capture_handout(self, entry: _Entry) -> Optional[HandoutGraph]:
+        """Capture ``entry``'s region again, from its static inputs (staged for this call), in a
+        pool of its own. A failure is recorded once; the region then copies its outputs."""
+        pool = self.shared.pools.private(entry.pool.device)
+        static_ins = entry.static_ins
+        fn = self.fn
+        device = torch.device(entry.pool.device)
+        reserved_before = _reserved(device)
+        start = time.perf_counter()
+        try:
+            graph, outputs = self.shared.capturer.capture(
+                lambda: fn(*static_ins), pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)])
+        except CaptureError as exc:
+            self._handout_failed = str(exc)
+            self.shared.counters.handout_failures.append({"region": self.name, "error": str(exc)})
+            if self.config.strict:
+                raise RuntimeError(f"cgbackend: capturing a handout graph of region {self.name} failed: {exc}")
+            log.warning("cgbackend: capturing a handout graph of %s failed; its outputs are copied: %s",
+                        self.name, exc)
+            return None
+        elapsed = time.perf_counter() - start
+        if isinstance(graph, SimulatedGraph):
+            graph.attach(pool, pool.new_index())
+        handout = HandoutGraph(graph, outputs, pool)
+        entry.handouts.append(handout)
+        self.shared.handout_storages |= handout.storages()
+        counters = self.shared.counters
+        counters.handout_graphs += 1
+        counters.capture_time_s += elapsed
+        growth = max(_reserved(device) - reserved_before, 0)
+        counters.pool_bytes += growth
+        counters.pool_bytes_held += growth
+        entry.nbytes += growth
+        self.capture_time_s += elapsed
+        log.debug("cgbackend: captured handout graph %d of %s in %.3f s", len(entry.handouts), self.name, elapsed)
+        return handout
+
+    def _hands_out(self, entry: _Entry) -> bool:
+        """May ``entry``'s outputs go to the caller from handout graphs (runtime/handout.py)?"""
+        return (self.terminal and self.config.handout_graphs > 0 and handout_supported()
+                and type(entry) is _Entry and self.hooks is None and entry.input_views is None
+                and not entry.pad_dims and not entry.copy_back_pos and not entry.volatile_pos
+                and any(t.numel() for t in iter_tensors(entry.outputs)))
 
     def _after_replay(self, entry: _Entry, ins: list, call: Any) -> None:
         for pos in entry.copy_back_pos:
@@ -877,6 +965,8 @@ class RegionRunner:
         else:
             entry.outputs = outputs
             self._register_outputs(entry)
+            if pad is None and self._hands_out(entry):
+                entry.handouts = []
         if pad is not None:
             entry.views = {}
             full = self.shared.padded_full

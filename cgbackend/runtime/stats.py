@@ -105,6 +105,17 @@ class Counters:
     """copies_made split by what was copied: user_input, eager_value, grad_output, param."""
     copy_backs: int = 0
     output_clones: int = 0
+    handout_graphs: int = 0
+    """Handout graphs captured (option handout_graphs, runtime/handout.py): second captures of an
+    inference graph, each in a pool of its own, whose outputs go to the caller without a copy. Not
+    part of graphs_captured."""
+    handout_replays: int = 0
+    """Replays of handout graphs (included in replays)."""
+    outputs_handed: int = 0
+    """Returned tensors that are a handout graph's outputs, handed over without a copy."""
+    handout_failures: list = dataclasses.field(default_factory=list)
+    """One entry per handout graph whose capture failed ({"region", "error"}): the region then
+    copies its outputs, as with handout_graphs=0."""
     output_views: int = 0
     """Returned tensors rebuilt as views of what eager returns them as views of: a graph input
     (parameter, buffer, user tensor), another output, or a block copied for several outputs."""
@@ -154,5 +165,6 @@ class Counters:
         d["inner_fallbacks"] = dict(self.inner_fallbacks)
         d["inner_failures"] = list(self.inner_failures)
         d["sync_splits"] = list(self.sync_splits)
+        d["handout_failures"] = list(self.handout_failures)
         return d
 
