@@ -804,15 +804,10 @@ class RegionRunner:
         handout = HandoutGraph(graph, outputs, pool)
         entry.handouts.append(handout)
         self.shared.handout_storages |= handout.storages()
-        counters = self.shared.counters
-        counters.handout_graphs += 1
-        counters.capture_time_s += elapsed
-        growth = max(_reserved(device) - reserved_before, 0)
-        counters.pool_bytes += growth
-        counters.pool_bytes_held += growth
-        entry.nbytes += growth
-        self.capture_time_s += elapsed
-        log.debug("cgbackend: captured handout graph %d of %s in %.3f s", len(entry.handouts), self.name, elapsed)
+        self.shared.counters.handout_graphs += 1
+        self._count_memory(entry, elapsed, _reserved(device) - reserved_before)
+        log.log(logging.INFO if elapsed > 1.0 else logging.DEBUG, "cgbackend: captured handout graph %d of %s in %.3f s",
+                len(entry.handouts), self.name, elapsed)
         return handout
 
     def _hands_out(self, entry: _Entry) -> bool:
@@ -1016,15 +1011,20 @@ class RegionRunner:
         counters.graphs_captured += 1
         if forward:
             counters.fwd_graphs += 1
+        self._count_memory(entry, elapsed, pool_growth)
+        self.n_graphs += 1
+        if elapsed > 1.0:
+            log.info("cgbackend: capturing %s took %.2f s", self.name, elapsed)
+
+    def _count_memory(self, entry: _Entry, elapsed: float, pool_growth: int) -> None:
+        """A capture's time and the reserved memory it added, for ``entry``'s graphs."""
+        counters = self.shared.counters
         counters.capture_time_s += elapsed
         growth = max(pool_growth, 0)
         counters.pool_bytes += growth
         counters.pool_bytes_held += growth
         entry.nbytes += growth
         self.capture_time_s += elapsed
-        self.n_graphs += 1
-        if elapsed > 1.0:
-            log.info("cgbackend: capturing %s took %.2f s", self.name, elapsed)
 
     def _failed_attempt(self, error: str) -> None:
         self._failure = error
