@@ -45,7 +45,7 @@ class HandoutGraph:
     """One handout graph of an entry: the graph, its static outputs, its pool, and each output
     storage's use count when nothing but the runtime held it."""
 
-    __slots__ = ("graph", "outputs", "pool", "_storages", "_counts")
+    __slots__ = ("graph", "outputs", "pool", "_storages", "_base")
 
     def __init__(self, graph: Any, outputs: Any, pool: Any) -> None:
         self.graph = graph
@@ -58,12 +58,12 @@ class HandoutGraph:
         self._storages = tuple(storages.values())
         """Each storage's Python object, kept: a caller holding only ``out.untyped_storage()`` (the
         same object) adds no reference to the storage, only to this object."""
-        cdatas = tuple(storages)
         del storages
-        self._counts = tuple(zip(cdatas, self._now()))
-        """(storage, its use count and its Python object's reference count with nothing handed out)."""
+        self._base = self._now()
+        """Each storage's use count and its Python object's reference count with nothing handed out."""
 
     def _now(self) -> list:
+        """(use count, Python reference count) of each storage, read the same way every time."""
         counts = []
         for storage in self._storages:
             counts.append((_use_count(storage._cdata), sys.getrefcount(storage)))
@@ -71,10 +71,7 @@ class HandoutGraph:
 
     def free(self) -> bool:
         """Nobody outside the runtime holds any of the outputs' storages: replaying is safe."""
-        for (_, base), now in zip(self._counts, self._now()):
-            if now != base:
-                return False
-        return True
+        return self._now() == self._base
 
     def storages(self) -> set[int]:
         """Data pointers of the output storages (the executor hands these out as aliases)."""
