@@ -175,12 +175,16 @@ def test_parameter_replaced_recaptures_and_load_state_dict_does_not(check, monke
     with torch.no_grad():
         compiled(x), compiled(x)
         assert cgbackend.stats(compiled)["graphs_captured"] == 1
+        # Kept: a new weight allocated at a freed one's address would be that graph's key again
+        # (a valid replay, not the new capture this test counts).
+        replaced = [model.lm_head.weight.data]
         model.lm_head.weight.data = torch.randn_like(model.lm_head.weight)
         assert torch.equal(compiled(x), model(x))
         assert cgbackend.stats(compiled)["graphs_captured"] == 2
         model.load_state_dict({k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()})
         assert torch.equal(compiled(x), model(x))
         assert cgbackend.stats(compiled)["graphs_captured"] == 2
+        replaced.append(model.lm_head.weight.data)
         model.lm_head.weight.data = torch.randn_like(model.lm_head.weight)  # a second move, cached or not
         assert torch.equal(compiled(x), model(x))
         assert cgbackend.stats(compiled)["graphs_captured"] == 3
