@@ -176,3 +176,45 @@ def test_fast_path_refuses_a_replay_the_rule_forbids(hazard):
             st["graphs_recaptured"] + sum(st["eager_calls"].values())
     finally:
         pool.release(entry.index + 1)
+
+
+class _Cache(nn.Module):
+    """A static KV cache in miniature: each call writes its rows into a buffer at the given
+    positions (in place) and reads the whole buffer back."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("cache", torch.zeros(16, 8))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(0, pos, self.proj(x))
+        return (x @ self.cache.t()).softmax(-1) @ self.cache
+
+
+def test_region_writing_a_buffer_in_place_takes_the_fast_path():
+    """A region that writes only inputs it reads in place (a decode step's static cache) replays
+    through the fast path; the writes land in the buffer as eagerly; a copied input that lies in the
+    written buffer takes the full path, which runs that call eagerly (aliased inputs)."""
+    torch.manual_seed(0)
+    model = _Cache().eval()
+    ref = _Cache().eval()
+    ref.load_state_dict(model.state_dict())
+    compiled = cgbackend.compile(model, **SIM)
+    with torch.no_grad():
+        for step in range(8):
+            x = torch.randn(2, 8)
+            pos = torch.tensor([2 * step, 2 * step + 1])
+            torch.testing.assert_close(compiled(x, pos), ref(x, pos), rtol=0, atol=0)
+            assert torch.equal(model.cache, ref.cache), step
+        st = cgbackend.stats(compiled)
+        # Call 1 warms up, call 2 captures; calls 3-8 take the fast path.
+        assert st["graphs_captured"] == 1 and st["replays"] == 7 and st["fast_replays"] == 6, st
+        # Rows of the cache itself as the input: they would be copied before the graph writes the
+        # cache, so this call runs eagerly, on the caller's tensors, as eager does.
+        x_model, x_ref = model.cache[:2], ref.cache[:2]
+        pos = torch.tensor([4, 5])
+        torch.testing.assert_close(compiled(x_model, pos), ref(x_ref, pos), rtol=0, atol=0)
+        assert torch.equal(model.cache, ref.cache)
+    st = cgbackend.stats(compiled)
+    assert st["fast_replays"] == 6 and st["eager_calls"].get("aliased_inputs") == 1, st

@@ -206,6 +206,17 @@ class _Fast:
         """The static buffers of the copied inputs, in entry.copy_pos order."""
 
 
+def _shares_written(ins: list, written: tuple, others: tuple) -> bool:
+    """Does a copied input (``others``) lie in the storage of an input the region writes? The fast
+    path's conservative form of inputs.overlap: one storage lookup per position, no spans."""
+    stores = {ins[p].untyped_storage().data_ptr() for p in written}
+    for pos in others:
+        value = ins[pos]
+        if value.layout is not torch.strided or value.untyped_storage().data_ptr() in stores:
+            return True
+    return False
+
+
 def _copy_all(dst: list, src: list) -> None:
     """Copy each of ``src`` into ``dst``: one ``_foreach_copy_`` (one kernel launch for all of them
     on CUDA, where a ``copy_`` between same-typed device tensors is a ``cudaMemcpyAsync`` that took
@@ -284,10 +295,12 @@ class RegionRunner:
         (inputs.InputViews): a consumer copies them like eager values."""
         self._failure: Optional[str] = None
         """The error of the latest failed capture attempt, until the call decides whose it was."""
-        self._fast_ok = (not mutated and hooks is None and self.bucket is None
-                         and all(k is PARAM or k is COPY or k is VALUE for k in kinds))
+        self._fast_ok = (hooks is None and self.bucket is None
+                         and all(k is PARAM or k is COPY or k is VALUE for k in kinds)
+                         and all(kinds[p] is PARAM for p in mutated))
         """Inference calls may take the fast path (:meth:`_replay_fast`): the region reads only
-        parameters, the caller's tensors and numbers, writes no input and pads nothing."""
+        parameters, the caller's tensors and numbers, pads nothing, and writes only inputs it reads
+        in place (a static KV cache's buffers: nothing to copy back)."""
         self._fast: Optional[_Fast] = None
         """The inference entry replayed last and what its key was made of, checked field by field
         on the next call instead of building the key (cleared when an entry is dropped)."""
@@ -669,6 +682,8 @@ class RegionRunner:
             params = self._param_addresses(ins)
             if params is not fast.params and params != fast.params:
                 return None
+        if self.written and _shares_written(ins, self.written, self.overlap_pos):
+            return None  # the full path tells a real overlap (run eagerly) from a shared storage
         entry = fast.entry
         pool = entry.pool
         if pool.live and pool.hazard(entry.index):
