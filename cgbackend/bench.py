@@ -798,7 +798,7 @@ def _empty_row(case: Case, contender: Contender, settings: Settings) -> dict[str
 
 _STATS_KEYS = ("graphs_captured", "static_regions", "dynamic_regions", "replays", "eager_calls",
                "capture_time_s", "capture_failures", "pool_bytes", "nothing_captured_reason",
-               "handout_graphs", "handout_replays", "outputs_handed", "output_clones")
+               "handout_graphs", "handout_replays", "outputs_handed", "output_clones", "fast_replays")
 
 
 def skip_reason(contender: Contender, spec: Any, settings: Settings) -> Optional[str]:

@@ -16,12 +16,16 @@ Per contender:
    bench_accuracy on the group ``output``); ``argmax_agree_frac`` = the share of steps whose
    argmax equals the float64 run's;
 4. timed rounds (each step timed on its own, CUDA events around call + argmax), as many as
-   ``--iters`` or ``--time-budget`` allow (at least 2). ``median_ms`` is per token.
+   ``--iters`` or ``--time-budget`` allow (at least 2). ``median_ms`` is per token. With
+   ``--timing alternate`` (the default) every contender is prepared (steps 1-3) and kept, then
+   the timed rounds run in ``bench.TIMING_ROUNDS`` alternating blocks; ``--timing sequential``
+   times each contender alone right after its preparation.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import statistics
 import time
@@ -213,40 +217,159 @@ def run_decode(spec: Any, s: Any, names: Sequence[str], log_row: Callable[[str, 
         finally:
             bench._cleanup(device)
 
-    rows = []
-    for name in names:
-        contender = bench.CONTENDERS[name]
-        t_row = time.perf_counter()
-        row = _run_one(case, contender, s, shape, prompts, ref_tokens, ref_logits, ref64)
-        rows.append(row)
-        log_row(label, row, time.perf_counter() - t_row)
+    if s.timing == "sequential":
+        rows = []
+        for name in names:
+            t_row = time.perf_counter()
+            prepared = _prepare_one(case, bench.CONTENDERS[name], s, shape, prompts, ref_tokens, ref_logits, ref64,
+                                    alone=True)
+            if prepared.session is not None:
+                prepared.time_rounds(prepared.rounds, prompts)
+                prepared.finish()
+                bench._cleanup(s.device)
+            rows.append(prepared.row)
+            log_row(label, prepared.row, time.perf_counter() - t_row)
+        return rows
+    return _run_alternating(case, names, s, shape, prompts, ref_tokens, ref_logits, ref64, label, log_row)
+
+
+def _run_alternating(case: Any, names: Sequence[str], s: Any, shape: dict[str, Any], prompts: list[torch.Tensor],
+                     ref_tokens: torch.Tensor, ref_logits: list[torch.Tensor], ref64: Optional[list[torch.Tensor]],
+                     label: str, log_row: Callable[[str, dict, float], None]) -> list[dict[str, Any]]:
+    """Every contender prepared in turn (compiled, warmed up, judged) and kept; then timed in
+    ``bench.TIMING_ROUNDS`` alternating blocks of decode rounds, as the other modes are (a change
+    of the machine's pace shows in every contender alike: a decode step is host-bound, and two
+    sequential runs of the same row had put cgbackend at 0.78x and 1.44x reduce-overhead)."""
+    from . import bench
+    device = s.device
+    bench._cleanup(device)
+    case.mem_baseline = int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
+    # Each contender's DecodeStep is its own object: Dynamo's cache for the shared code holds them all.
+    limit = max(torch._dynamo.config.recompile_limit, 8 * len(names))
+    prepared: list[_Prepared] = []
+    rows: list[dict[str, Any]] = []
+    try:
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            for name in names:
+                t0 = time.perf_counter()
+                one = _prepare_one(case, bench.CONTENDERS[name], s, shape, prompts, ref_tokens, ref_logits, ref64,
+                                   alone=False)
+                one.seconds = time.perf_counter() - t0
+                prepared.append(one)
+            timed = [p for p in prepared if p.session is not None]
+            for r in range(bench.TIMING_ROUNDS):
+                for p in timed:
+                    n = p.rounds // bench.TIMING_ROUNDS + (1 if r < p.rounds % bench.TIMING_ROUNDS else 0)
+                    t0 = time.perf_counter()
+                    p.time_rounds(n, prompts)
+                    p.seconds += time.perf_counter() - t0
+            for p in timed:
+                p.finish()
+        for p in prepared:
+            log_row(label, p.row, p.seconds)
+            rows.append(p.row)
+    finally:
+        for p in prepared:
+            p.session = None
+        prepared.clear()
+        bench._cleanup(device)
     return rows
 
 
-def _run_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], prompts: list[torch.Tensor],
-             ref_tokens: torch.Tensor, ref_logits: list[torch.Tensor], ref64: Optional[list[torch.Tensor]]
-             ) -> dict[str, Any]:
+class _Prepared:
+    """One contender of a decode case after its warm-up and accuracy rounds: its row, its session
+    (None when it failed or was skipped: the row says why), and its timings so far."""
+
+    def __init__(self, row: dict[str, Any], contender: Any, s: Any, shape: dict[str, Any]) -> None:
+        self.row = row
+        self.contender = contender
+        self.s = s
+        self.shape = shape
+        self.session: Optional[_Session] = None
+        self.warm: list[float] = []
+        self.times: list[float] = []
+        self.rounds = 0
+        self.seconds = 0.0
+        self.counts: tuple = ()
+
+    def time_rounds(self, n: int, prompts: list[torch.Tensor]) -> None:
+        """``n`` timed decode rounds; an exception is recorded in the row (stage ``timing``)."""
+        from . import bench
+        if self.session is None:
+            return
+        try:
+            start = len(self.times) // max(1, self.shape["new_tokens"] - 1)
+            for r in range(n):
+                self.session.generate(prompts[(start + r) % len(prompts)], times=self.times)
+            bench._sync(self.s.device)
+        except Exception as exc:
+            self.row["error"], self.row["error_stage"] = bench._error_text(exc), "timing"
+            self.session = None
+
+    def finish(self) -> None:
+        """Timing figures and counters into the row."""
+        from . import bench
+        row, s = self.row, self.s
+        if row["error"] is not None or not self.times:
+            self.session = None
+            return
+        times = self.times
+        row["timed_iters"] = len(times)
+        row["median_ms"] = statistics.median(times)
+        row["p10_ms"] = bench._percentile(times, 0.10)
+        row["p90_ms"] = bench._percentile(times, 0.90)
+        row["mean_ms"] = statistics.fmean(times)
+        row["ms_per_token"] = row["median_ms"]
+        row["first_call_s"] = self.warm[0]
+        steps = self.shape["new_tokens"] - 1
+        row["compile_s"] = max(0.0, sum(self.warm) - len(self.warm) * steps * row["median_ms"] / 1e3)
+        try:
+            unique0, skips0 = self.counts
+            row["dynamo_graphs"] = bench._counter("stats", "unique_graphs") - unique0
+            row["cudagraph_skips"] = bench._counter("inductor", "cudagraph_skips") - skips0
+            row["recompiles"] = bench._recompiles()
+            if self.contender.backend_stats is not None:
+                stats = self.contender.backend_stats(self.session.fn) or {}
+                row["backend_stats"] = {k: stats[k] for k in bench._STATS_KEYS if k in stats}
+                row["graphs"] = stats.get("graphs_captured")
+            else:
+                row["graphs"], row["rerecords"] = bench._cudagraph_tree_counts(s.device)
+        except Exception as exc:
+            row["error"], row["error_stage"] = bench._error_text(exc), "counters"
+        self.session = None
+
+
+def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], prompts: list[torch.Tensor],
+                 ref_tokens: torch.Tensor, ref_logits: list[torch.Tensor], ref64: Optional[list[torch.Tensor]],
+                 alone: bool) -> _Prepared:
+    """Steps 1-3 of the module docstring for one contender. ``alone``: nothing else is held (the
+    device is cleaned first, peak memory read from a reset); otherwise earlier contenders stay
+    compiled and in memory, and what they hold is taken off this one's peak."""
     from . import bench
     from .bench_accuracy import LIMIT, judge
     device = s.device
     row = bench._empty_row(case, contender, s)
     row.update(decode_batch=shape["batch"], prompt_len=shape["prompt"], new_tokens=shape["new_tokens"],
                tokens_equal_frac=None, argmax_agree_frac=None)
+    out = _Prepared(row, contender, s, shape)
     if contender.needs_cuda and device.type != "cuda":
         row["error"], row["error_stage"] = "needs CUDA", "setup"
-        return row
+        return out
     reason = bench.skip_reason(contender, case.spec, s)
     if reason:
         row["error"], row["error_stage"], row["skip_reason"] = f"skipped: {reason}", "setup", reason
-        return row
+        return out
     cuda = device.type == "cuda"
     stage = "setup"
     session = model = None
     try:
-        bench._cleanup(device)
+        if alone:
+            bench._cleanup(device)
+        elif cuda:
+            gc.collect()
+            torch.cuda.synchronize(device)
         breaks0 = bench._graph_breaks()
-        unique0 = bench._counter("stats", "unique_graphs")
-        skips0 = bench._counter("inductor", "cudagraph_skips")
+        out.counts = (bench._counter("stats", "unique_graphs"), bench._counter("inductor", "cudagraph_skips"))
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
             row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
@@ -258,7 +381,7 @@ def _run_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], prompts: 
         model.eval()
         session = _Session(model, contender.make, shape, device, s.dtype, contender.mark_step,
                            contender.call_context)
-        warm: list[float] = []
+        warm = out.warm
         for r in range(max(1, s.warmup)):
             bench._sync(device)
             t0 = time.perf_counter()
@@ -281,40 +404,20 @@ def _run_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], prompts: 
             row["argmax_agree_frac"] = float(sum(agree) / len(agree)) if agree else None
         else:
             row["accuracy_ok"] = bool(errs["output"][0] <= s.tol)
+        if cuda:
+            if alone:
+                row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
+                row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
+                row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - row["mem_baseline_bytes"]
+            else:
+                bench._read_peak(row, case, device)
 
-        stage = "timing"
         per_round = min(warm[-3:]) if warm else 0.0  # the first rounds compile
         rounds = s.iters
         if s.time_budget and per_round > 0:
             rounds = max(min(2, s.iters), min(s.iters, int(s.time_budget / per_round)))
-        times: list[float] = []
-        for r in range(rounds):
-            session.generate(prompts[r % len(prompts)], times=times)
-        bench._sync(device)
-        row["timed_iters"] = len(times)
-        row["median_ms"] = statistics.median(times)
-        row["p10_ms"] = bench._percentile(times, 0.10)
-        row["p90_ms"] = bench._percentile(times, 0.90)
-        row["mean_ms"] = statistics.fmean(times)
-        row["ms_per_token"] = row["median_ms"]
-        row["first_call_s"] = warm[0]
-        steps = shape["new_tokens"] - 1
-        row["compile_s"] = max(0.0, sum(warm) - len(warm) * steps * row["median_ms"] / 1e3)
-
-        stage = "counters"
-        if cuda:
-            row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
-            row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
-            row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - row["mem_baseline_bytes"]
-        row["dynamo_graphs"] = bench._counter("stats", "unique_graphs") - unique0
-        row["cudagraph_skips"] = bench._counter("inductor", "cudagraph_skips") - skips0
-        row["recompiles"] = bench._recompiles()
-        if contender.backend_stats is not None:
-            stats = contender.backend_stats(session.fn) or {}
-            row["backend_stats"] = {k: stats[k] for k in bench._STATS_KEYS if k in stats}
-            row["graphs"] = stats.get("graphs_captured")
-        else:
-            row["graphs"], row["rerecords"] = bench._cudagraph_tree_counts(device)
+        out.rounds = rounds
+        out.session = session
     except Exception as exc:
         row["error"], row["error_stage"] = bench._error_text(exc), stage
         if s.verbose:
@@ -322,5 +425,6 @@ def _run_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], prompts: 
             traceback.print_exc()
     finally:
         del session, model
-        bench._cleanup(device)
-    return row
+        if alone and out.session is None:
+            bench._cleanup(device)
+    return out

@@ -238,6 +238,35 @@ def test_decode_mode_tokens_and_logits(tmp_path):
     assert rows[("hf-llama", "decode", "cgbackend", None)]["backend_stats"]["static_regions"] >= 1
 
 
+@pytest.mark.parametrize("timing", ["alternate", "sequential"])
+def test_decode_timing_alternates_contenders(tmp_path, monkeypatch, timing):
+    """--timing alternate (the default): every decode contender is prepared and kept, then timed in
+    bench.TIMING_ROUNDS alternating blocks; sequential: each contender's rounds in one block."""
+    pytest.importorskip("transformers")  # in the test extra; the decode models are transformers models
+    from cgbackend import bench_decode
+    blocks = []
+    real = bench_decode._Prepared.time_rounds
+
+    def spy(self, n, prompts):
+        blocks.append((self.contender.name, n))
+        return real(self, n, prompts)
+
+    monkeypatch.setattr(bench_decode._Prepared, "time_rounds", spy)
+    _, rows = _run(tmp_path, "--models", "hf-llama", "--modes", "decode", "--contenders", "eager,cgbackend",
+                   "--timing", timing, "--iters", "5")
+    names = [name for name, n in blocks if n]
+    if timing == "alternate":
+        assert names == ["eager", "cgbackend"] * bench.TIMING_ROUNDS, blocks
+    else:
+        assert names == ["eager", "cgbackend"], blocks
+    for name in ("eager", "cgbackend"):
+        row = rows[("hf-llama", "decode", name, None)]
+        assert row["error"] is None, row["error"]
+        assert row["timed_iters"] == 5 * (row["new_tokens"] - 1) and row["median_ms"] > 0
+        assert row["tokens_equal_frac"] == 1.0 and row["accuracy_ok"] is True
+    assert "fast_replays" in rows[("hf-llama", "decode", "cgbackend", None)]["backend_stats"]
+
+
 def test_decode_hf_grouped_mm_contender(tmp_path):
     """transformers' grouped_mm experts from the same weights, in decode (bf16: what torch.compile
     can trace); skipped with the probe's reason where torch._grouped_mm cannot run."""
