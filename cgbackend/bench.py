@@ -473,13 +473,6 @@ def _graph_breaks() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
-def _graph_break_delta(before: dict[str, int]) -> tuple[int, dict[str, int]]:
-    """Graph breaks Dynamo counted since ``before``: the total and the count per reason (first line)."""
-    grown: dict = {}
-    _add_increases(grown, before, _graph_breaks())
-    return _by_first_line(grown)
-
-
 def _by_first_line(counts: dict[Any, int]) -> tuple[int, dict[str, int]]:
     """Counts per graph-break reason, summed per first line: (total, per line)."""
     reasons: dict[str, int] = {}
@@ -493,14 +486,6 @@ def _counter(group: str, key: str) -> int:
     from torch._dynamo.utils import counters
     return int(counters[group][key])
 
-
-def _recompiles() -> Optional[int]:
-    """Dynamo compiles of a frame beyond its first, since the last torch._dynamo.reset()."""
-    try:
-        from torch._dynamo import convert_frame
-        return int(sum(max(0, n - 1) for n in convert_frame.FRAME_COMPILE_COUNTER.values()))
-    except Exception:
-        return None
 
 
 def _cudagraph_tree_counts(device: torch.device) -> tuple[Optional[int], Optional[int]]:

@@ -281,6 +281,7 @@ class _Prepared:
     (None when it failed or was skipped: the row says why), and its timings so far."""
 
     def __init__(self, row: dict[str, Any], contender: Any, s: Any, shape: dict[str, Any]) -> None:
+        from . import bench
         self.row = row
         self.contender = contender
         self.s = s
@@ -290,7 +291,8 @@ class _Prepared:
         self.times: list[float] = []
         self.rounds = 0
         self.seconds = 0.0
-        self.counts: tuple = ()
+        self.tally = bench._Tally(s.device)
+        """Dynamo's and Inductor's counters over this contender's own windows (bench._Tally)."""
 
     def time_rounds(self, n: int, prompts: list[torch.Tensor]) -> None:
         """``n`` timed decode rounds; an exception is recorded in the row (stage ``timing``)."""
@@ -299,9 +301,10 @@ class _Prepared:
             return
         try:
             start = len(self.times) // max(1, self.shape["new_tokens"] - 1)
-            for r in range(n):
-                self.session.generate(prompts[(start + r) % len(prompts)], times=self.times)
-            bench._sync(self.s.device)
+            with self.tally:
+                for r in range(n):
+                    self.session.generate(prompts[(start + r) % len(prompts)], times=self.times)
+                bench._sync(self.s.device)
         except Exception as exc:
             self.row["error"], self.row["error_stage"] = bench._error_text(exc), "timing"
             self.session = None
@@ -324,16 +327,16 @@ class _Prepared:
         steps = self.shape["new_tokens"] - 1
         row["compile_s"] = max(0.0, sum(self.warm) - len(self.warm) * steps * row["median_ms"] / 1e3)
         try:
-            unique0, skips0 = self.counts
-            row["dynamo_graphs"] = bench._counter("stats", "unique_graphs") - unique0
-            row["cudagraph_skips"] = bench._counter("inductor", "cudagraph_skips") - skips0
-            row["recompiles"] = bench._recompiles()
+            tally = self.tally
+            row["dynamo_graphs"] = tally.unique_graphs
+            row["cudagraph_skips"] = tally.cudagraph_skips
+            row["recompiles"] = tally.recompiles()
             if self.contender.backend_stats is not None:
                 stats = self.contender.backend_stats(self.session.fn) or {}
                 row["backend_stats"] = {k: stats[k] for k in bench._STATS_KEYS if k in stats}
                 row["graphs"] = stats.get("graphs_captured")
             else:
-                row["graphs"], row["rerecords"] = bench._cudagraph_tree_counts(s.device)
+                row["graphs"], row["rerecords"] = tally.tree_graphs, tally.rerecords
         except Exception as exc:
             row["error"], row["error_stage"] = bench._error_text(exc), "counters"
         self.session = None
@@ -368,32 +371,31 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
         elif cuda:
             gc.collect()
             torch.cuda.synchronize(device)
-        breaks0 = bench._graph_breaks()
-        out.counts = (bench._counter("stats", "unique_graphs"), bench._counter("inductor", "cudagraph_skips"))
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
             row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
-        stage = "compile"
-        if contender.convert is not None:
-            model = contender.convert(case.base, device)
-        else:
-            model = copy.deepcopy(case.base).to(device)
-        model.eval()
-        session = _Session(model, contender.make, shape, device, s.dtype, contender.mark_step,
-                           contender.call_context)
-        warm = out.warm
-        for r in range(max(1, s.warmup)):
-            bench._sync(device)
-            t0 = time.perf_counter()
-            session.generate(prompts[r % len(prompts)])
-            bench._sync(device)
-            warm.append(time.perf_counter() - t0)
-        row["graph_breaks"], row["graph_break_reasons"] = bench._graph_break_delta(breaks0)
+        with out.tally:
+            stage = "compile"
+            if contender.convert is not None:
+                model = contender.convert(case.base, device)
+            else:
+                model = copy.deepcopy(case.base).to(device)
+            model.eval()
+            session = _Session(model, contender.make, shape, device, s.dtype, contender.mark_step,
+                               contender.call_context)
+            warm = out.warm
+            for r in range(max(1, s.warmup)):
+                bench._sync(device)
+                t0 = time.perf_counter()
+                session.generate(prompts[r % len(prompts)])
+                bench._sync(device)
+                warm.append(time.perf_counter() - t0)
 
-        stage = "accuracy"
-        tokens, _ = session.generate(prompts[0])
+            stage = "accuracy"
+            tokens, _ = session.generate(prompts[0])
+            _, logits = session.generate(prompts[0], forced=ref_tokens, keep_logits=True)
+        row["graph_breaks"], row["graph_break_reasons"] = out.tally.graph_breaks()
         row["tokens_equal_frac"] = float((tokens == ref_tokens).float().mean().item())
-        _, logits = session.generate(prompts[0], forced=ref_tokens, keep_logits=True)
         errs = _logits_errors(logits, ref_logits)
         row["accuracy_err"], row["accuracy_worst"] = errs["output"][0], "logits"
         if ref64 is not None:
