@@ -372,7 +372,9 @@ def test_contenders_timed_in_alternating_blocks(tmp_path, monkeypatch, timing, d
         row = rows[name]
         assert row["error"] is None and row["median_ms"] > 0, row
         assert row["timed_iters"] == 12 * (groups if name == "eager" else 1)
-        if not (cuda and name == "cgbackend"):  # see test_cuda_tiny_moe_training_gradients_under_inductor
+        if not (cuda and name == "cgbackend"):
+            # On the GPU, Inductor's bf16 rounding flips a token's top-k in some batch of this 32-token
+            # model, which moves an expert's gradient far past the rule (test_moe_routing_flips.py).
             assert row["accuracy_ok"] is True
     assert rows["eager"]["dynamo_graphs"] == 0 and rows["eager"]["recompiles"] == 0
     assert rows["cgbackend"]["dynamo_graphs"] == 1 and rows["cgbackend"]["recompiles"] == 0
@@ -401,23 +403,6 @@ def test_contenders_timed_in_alternating_blocks(tmp_path, monkeypatch, timing, d
     prepared = {n: k for n, k in runs[:1]}
     assert prepared == {"eager": 2}
     assert all(k in (2, 3) for n, k in runs if n == "eager")
-
-
-@pytest.mark.cuda
-@pytest.mark.xfail(strict=True, reason="known defect (issue 17 note, 2026-11-24): with Inductor in the static regions "
-                   "(the default), the tiny moe model's training gradients of layer 0's experts are wrong on the GPU "
-                   "(36x eager's error against float64; eager kernels and the bench-size model are accurate)")
-def test_cuda_tiny_moe_training_gradients_under_inductor(tmp_path):
-    """Found by the alternating-timing test on the H100 (runs 37, 38): deterministic, whatever ran
-    before, with --warmup 2 or 6. Strict: passes again only once it is fixed."""
-    out = tmp_path / "bench.json"
-    assert bench.main(["--smoke", "--device", "cuda", "--models", "moe", "--modes", "train", "--contenders",
-                       "eager,cgbackend,cgbackend-eager-kernels", "--warmup", "6", "--iters", "5", "--timing",
-                       "sequential", "--out", str(out)]) == 0
-    rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["cgbackend-eager-kernels"]["accuracy_ok"] is True  # the bitwise mode is right
-    assert rows["cgbackend"]["backend_stats"]["graphs_captured"] >= 2
-    assert rows["cgbackend"]["accuracy_ok"] is True, (rows["cgbackend"]["ref64_ratio"], rows["cgbackend"]["ref64_worst"])
 
 
 @pytest.mark.cuda
