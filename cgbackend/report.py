@@ -377,7 +377,9 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
             held += f", {r['recaptured']} recaptured after newer graphs)" if r.get("recaptured") else ")"
         pad = f", padded along {r['bucketed']}" if r.get("bucketed") else ""
         mib = f", pool {r['pool_bytes'] / 2**20:.1f} MiB" if r.get("pool_bytes") else ""
-        lines.append(f"{'':<4}{name.split('.')[-1]}: {r['graphs']} graph(s){held}{pad}{mib}, "
+        handout = (f" + {r['handout_graphs']} handout graph(s) (outputs to the caller without a copy)"
+                   if r.get("handout_graphs") else "")
+        lines.append(f"{'':<4}{name.split('.')[-1]}: {r['graphs']} graph(s){handout}{held}{pad}{mib}, "
                      f"{r['replays']} replays, eager calls: {eager}")
         if r.get("disabled"):
             lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")

@@ -48,6 +48,9 @@ def test_outputs_nobody_keeps_are_handed_out_without_a_copy():
     # Call 1 warms up, call 2 captures (its outputs copied), calls 3-8 replay one handout graph.
     assert _counts(compiled) == {"graphs_captured": 1, "handout_graphs": 1, "handout_replays": 6,
                                  "outputs_handed": 2 * 6, "output_clones": 2, "replays": 7}
+    regions = cgbackend.report(compiled).graphs[0].runtime["regions"]
+    assert [r["handout_graphs"] for r in regions.values()] == [1]
+    assert "1 graph(s) + 1 handout graph(s) (outputs to the caller without a copy)" in cgbackend.report(compiled).to_text()
 
 
 def test_outputs_kept_by_a_loop_variable_alternate_between_two_handout_graphs():

@@ -435,6 +435,7 @@ class CompiledGraph:
                          "bucketed": r.bucket.symbol if r.bucket is not None else None,
                          "thrashing": r.thrashing,
                          "replays": r.replays, "eager_calls": dict(r.eager_calls),
+                         "handout_graphs": sum(len(e.handouts or ()) for e in r.entries.values()),
                          "disabled": r.disabled, "disabled_detail": r.disabled_detail,
                          "capture_time_s": round(r.capture_time_s, 4),
                          "inner": (r.lazy_inner.summary() if r.lazy_inner is not None
