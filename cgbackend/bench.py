@@ -487,7 +487,6 @@ def _counter(group: str, key: str) -> int:
     return int(counters[group][key])
 
 
-
 def _cudagraph_tree_counts(device: torch.device) -> tuple[Optional[int], Optional[int]]:
     """(CUDA graphs recorded, re-records) held by Inductor's cudagraph-tree manager for this device;
     reduce-overhead and backend="cudagraphs" both record through it. (0, 0) when no manager exists;
