@@ -1023,32 +1023,47 @@ def _timed_steps(pending: _Pending, n: int, device: torch.device) -> None:
         _sync(device)
 
 
+def put_times(row: dict[str, Any], times: list[float]) -> None:
+    """The row's timing statistics from its timed steps (ms)."""
+    row["median_ms"] = statistics.median(times)
+    row["p10_ms"] = _percentile(times, 0.10)
+    row["p90_ms"] = _percentile(times, 0.90)
+    row["mean_ms"] = statistics.fmean(times)
+    row["timed_iters"] = len(times)
+
+
+def put_counts(row: dict[str, Any], tally: _Tally, contender: Contender, fn: Any) -> None:
+    """The row's Dynamo and Inductor counts over the contender's own windows, and its graphs:
+    the backend's own counters where it has them, else cudagraph trees'."""
+    row["dynamo_graphs"] = tally.unique_graphs
+    row["cudagraph_skips"] = tally.cudagraph_skips
+    row["recompiles"] = tally.recompiles()
+    if contender.backend_stats is not None:
+        stats = contender.backend_stats(fn) or {}
+        row["backend_stats"] = {k: stats[k] for k in _STATS_KEYS if k in stats}
+        row["graphs"] = stats.get("graphs_captured")
+    else:
+        row["graphs"], row["rerecords"] = tally.tree_graphs, tally.rerecords
+
+
+def block_share(total: int, r: int) -> int:
+    """How many of ``total`` timed units block ``r`` of ``TIMING_ROUNDS`` alternating blocks runs."""
+    return total // TIMING_ROUNDS + (1 if r < total % TIMING_ROUNDS else 0)
+
+
 def finish_row(pending: _Pending, case: Case, settings: Settings, alone: bool = True) -> dict[str, Any]:
     """Timing statistics and counters into the row; the contender's model and code are dropped."""
     row, times, warm, tally = pending.row, pending.times, pending.warm, pending.tally
     device = settings.device
     try:
         if row["error"] is None:
-            row["median_ms"] = statistics.median(times)
-            row["p10_ms"] = _percentile(times, 0.10)
-            row["p90_ms"] = _percentile(times, 0.90)
-            row["mean_ms"] = statistics.fmean(times)
-            row["timed_iters"] = len(times)  # eager's, timed beside each group, can be more than --iters
+            put_times(row, times)  # eager's, timed beside each group, can be more than --iters
             if warm:
                 row["first_call_s"] = warm[0]
                 row["compile_s"] = max(0.0, sum(warm) - len(warm) * row["median_ms"] / 1e3)
             if device.type == "cuda" and alone:
                 _read_peak(row, case, device)
-        row["dynamo_graphs"] = tally.unique_graphs
-        row["cudagraph_skips"] = tally.cudagraph_skips
-        row["recompiles"] = tally.recompiles()
-        contender = pending.contender
-        if contender.backend_stats is not None:
-            stats = contender.backend_stats(pending.runner.fn) or {}
-            row["backend_stats"] = {k: stats[k] for k in _STATS_KEYS if k in stats}
-            row["graphs"] = stats.get("graphs_captured")
-        else:
-            row["graphs"], row["rerecords"] = tally.tree_graphs, tally.rerecords
+        put_counts(row, tally, pending.contender, pending.runner.fn)
     except Exception as exc:
         row["error"], row["error_stage"] = _error_text(exc), "counters"
         if settings.verbose:
@@ -1155,7 +1170,7 @@ def _time_group(group: list[_Pending], case: Case, settings: Settings,
             for p in group:
                 if p.row["error"] is not None:
                     continue
-                _time_block(p, p.iters // TIMING_ROUNDS + (1 if r < p.iters % TIMING_ROUNDS else 0), settings)
+                _time_block(p, block_share(p.iters, r), settings)
     for p in group:
         if p.contender.name != "eager":
             finish_row(p, case, settings, alone=False)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import gc
 import inspect
-import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -259,9 +258,8 @@ def _run_alternating(case: Any, names: Sequence[str], s: Any, shape: dict[str, A
             timed = [p for p in prepared if p.session is not None]
             for r in range(bench.TIMING_ROUNDS):
                 for p in timed:
-                    n = p.rounds // bench.TIMING_ROUNDS + (1 if r < p.rounds % bench.TIMING_ROUNDS else 0)
                     t0 = time.perf_counter()
-                    p.time_rounds(n, prompts)
+                    p.time_rounds(bench.block_share(p.rounds, r), prompts)
                     p.seconds += time.perf_counter() - t0
             for p in timed:
                 p.finish()
@@ -312,31 +310,17 @@ class _Prepared:
     def finish(self) -> None:
         """Timing figures and counters into the row."""
         from . import bench
-        row, s = self.row, self.s
+        row = self.row
         if row["error"] is not None or not self.times:
             self.session = None
             return
-        times = self.times
-        row["timed_iters"] = len(times)
-        row["median_ms"] = statistics.median(times)
-        row["p10_ms"] = bench._percentile(times, 0.10)
-        row["p90_ms"] = bench._percentile(times, 0.90)
-        row["mean_ms"] = statistics.fmean(times)
+        bench.put_times(row, self.times)
         row["ms_per_token"] = row["median_ms"]
         row["first_call_s"] = self.warm[0]
         steps = self.shape["new_tokens"] - 1
         row["compile_s"] = max(0.0, sum(self.warm) - len(self.warm) * steps * row["median_ms"] / 1e3)
         try:
-            tally = self.tally
-            row["dynamo_graphs"] = tally.unique_graphs
-            row["cudagraph_skips"] = tally.cudagraph_skips
-            row["recompiles"] = tally.recompiles()
-            if self.contender.backend_stats is not None:
-                stats = self.contender.backend_stats(self.session.fn) or {}
-                row["backend_stats"] = {k: stats[k] for k in bench._STATS_KEYS if k in stats}
-                row["graphs"] = stats.get("graphs_captured")
-            else:
-                row["graphs"], row["rerecords"] = tally.tree_graphs, tally.rerecords
+            bench.put_counts(row, self.tally, self.contender, self.session.fn)
         except Exception as exc:
             row["error"], row["error_stage"] = bench._error_text(exc), "counters"
         self.session = None
