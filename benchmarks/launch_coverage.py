@@ -20,7 +20,7 @@ import json
 import torch
 
 import cgbackend
-from cgbackend.launch_profile import count_launch_calls
+from cgbackend.reporting.launch_profile import count_launch_calls
 from cgbackend.models import demo_model
 
 

@@ -15,7 +15,7 @@ from .explain import ExplainError, explain
 from .logs import register as _register_logs
 from .marks import mark_dynamic
 from .reasons import Reason, Rule
-from .report import Report
+from .reporting.report import Report
 
 
 _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)

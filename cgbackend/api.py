@@ -16,7 +16,7 @@ from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import (backend_of_wrapper, by_name_backends, default_backend, dynamo_entry, is_compile_wrapper,
                       reset_default_backend)
-from .report import Report
+from .reporting.report import Report
 
 __all__ = ["backend", "compile", "prepare", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]
 
@@ -303,8 +303,8 @@ def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def report(obj: Any = None) -> Report:
     """Partition report of everything the backend behind ``obj`` compiled, with runtime counters
     (a :class:`cgbackend.Report`; its fields: ``help(cgbackend.Report)``, the JSON Schema
-    ``cgbackend/report.schema.json``; the module with the text renderer is ``cgbackend.report``,
-    importable as ``import cgbackend.report``, which this function's name hides)."""
+    ``cgbackend/reporting/report.schema.json``; the data classes and the text renderer are in
+    ``cgbackend.reporting.report``)."""
     return find_backend(obj).report()
 
 

@@ -19,20 +19,20 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from .analysis import Analysis, analyze
-from .breaks import break_text, source_of_stack
+from .passes.pipeline import Analysis, analyze
+from .reporting.breaks import break_text, source_of_stack
 from .config import Config
-from .coverage import runtime_launches
-from .hints import build_hints
+from .reporting.coverage import runtime_launches
+from .reporting.hints import build_hints
 from .distributed import finalizer
 from .opaque import InstallResult
-from .profile import RegionTimer
-from .report import Report, build_report, graph_report, summarize
+from .runtime.timing import RegionTimer
+from .reporting.report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
 from .runtime.mirror import CounterMirror
 from .runtime.region import RuntimeShared
 from .runtime.stats import EagerReason
-from . import structured
+from .reporting import structured
 
 __all__ = ["CGBackend", "by_name_backends", "default_backend", "dynamo_entry", "reset_default_backend"]
 

@@ -12,13 +12,13 @@ from . import opaque
 from .passes.dispatch import source as loop_source
 from .api import _data_dependent_failure, dynamic_ops_config
 from .backend import CGBackend
-from .breaks import break_text, frame_skipped, skipped_frame_source
+from .reporting.breaks import break_text, frame_skipped, skipped_frame_source
 from .config import Config
-from .coverage import measure_launches
-from .launch_profile import LaunchProfiler
-from .hints import build_hints
-from .report import Report
-from .structured import emit_report
+from .reporting.coverage import measure_launches
+from .reporting.launch_profile import LaunchProfiler
+from .reporting.hints import build_hints
+from .reporting.report import Report
+from .reporting.structured import emit_report
 
 __all__ = ["ExplainError", "explain"]
 

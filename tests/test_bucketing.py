@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cgbackend
-from cgbackend.analysis import analyze
+from cgbackend.passes.pipeline import analyze
 from cgbackend.config import Config
 from cgbackend.models import build_model
 from fx_helpers import trace

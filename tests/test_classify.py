@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cgbackend import Config, ConfigError, Rule
-from cgbackend.analysis import analyze
+from cgbackend.passes.pipeline import analyze
 from cgbackend.fx_utils import compute_nodes, module_path, op_name
 from cgbackend.passes import classify
 from fx_helpers import trace

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import cgbackend
 from cgbackend.config import Config
-from cgbackend.coverage import counting_supported
-from cgbackend.hints import build_hints
+from cgbackend.reporting.coverage import counting_supported
+from cgbackend.reporting.hints import build_hints
 from cgbackend.models import build_model, demo_model, make_inputs
 
 needs_counting = pytest.mark.skipif(not counting_supported(),

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import cgbackend
-import cgbackend.structured as structured
+import cgbackend.reporting.structured as structured
 
 FILE = "test_explain_breaks_modes.py"
 

@@ -13,9 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cgbackend
-import cgbackend.inner
+import cgbackend.runtime.inner
 from cgbackend.config import Config
-from cgbackend.inner import InnerFallback, resolve_inner
+from cgbackend.runtime.inner import InnerFallback, resolve_inner
 from cgbackend.runtime.warmup import OpSyncDetector
 
 SIM = dict(simulate_graphs=True, warmup=1)

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import cgbackend
-from cgbackend.analysis import analyze
+from cgbackend.passes.pipeline import analyze
 from cgbackend.config import Config
 from fx_helpers import trace
 

@@ -12,11 +12,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import cgbackend
-from cgbackend import launch_profile
-from cgbackend.coverage import counting_supported
-from cgbackend.launch_profile import LaunchProfiler, attribute, launch_calls, launch_kind
+from cgbackend.reporting import launch_profile
+from cgbackend.reporting.coverage import counting_supported
+from cgbackend.reporting.launch_profile import LaunchProfiler, attribute, launch_calls, launch_kind
 from cgbackend.models import demo_model
-from cgbackend.report_schema import validate_report
+from cgbackend.reporting.schema import validate_report
 
 needs_counting = pytest.mark.skipif(not counting_supported(),
                                     reason="torch without TorchDispatchMode.ignore_compile_internals")
@@ -91,8 +91,8 @@ def test_attribute_follows_the_linked_op_of_a_parentless_launch():
 
 
 def test_tally_weighs_each_op_by_its_attributed_launches():
-    from cgbackend.coverage import LaunchCounter
-    from cgbackend.launch_profile import Attribution
+    from cgbackend.reporting.coverage import LaunchCounter
+    from cgbackend.reporting.launch_profile import Attribution
     counter = LaunchCounter(ranges=True)
     counter.ops = [("g0.S0", True, None, "mm"), ("g0.D1", False, None, "nonzero"),
                    ("g0.D1", False, None, "empty_like"), (None, False, "m.py:3 in f", "add"),
@@ -261,7 +261,7 @@ def test_cuda_explain_coverage_matches_the_profiler(options):
     """explain's launch coverage on CUDA tensors is within 0.05 of the profiler's: one eager call's
     launch API calls versus those a compiled call makes outside graph replays (as
     benchmarks/launch_coverage.py measures it)."""
-    from cgbackend.launch_profile import count_launch_calls
+    from cgbackend.reporting.launch_profile import count_launch_calls
     model, x = demo_model("moe", device="cuda")
     with torch.no_grad():
         report = cgbackend.explain(model, x, options=options)

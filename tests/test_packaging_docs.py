@@ -56,7 +56,7 @@ def test_wheel_metadata_has_license_urls_classifiers(wheel_metadata):
     assert any(c.startswith("Topic ::") for c in classifiers)
     assert wheel_metadata["Requires-Python"] == ">=3.10"
     # The schema ships with the package; the entry points are there.
-    assert "cgbackend/report.schema.json" in wheel_metadata.files
+    assert "cgbackend/reporting/report.schema.json" in wheel_metadata.files
     assert "cgbackend = cgbackend.backend:dynamo_entry" in wheel_metadata.entry_points
     assert "cgbackend = cgbackend.cli:main" in wheel_metadata.entry_points
     # The long description's relative links point into the repository.
@@ -102,10 +102,10 @@ def test_readme_options_table_is_generated_from_the_docstrings():
 def test_help_of_report_shows_the_schema_pointer():
     text = pydoc.render_doc(cgbackend.Report, renderer=pydoc.plaintext)
     assert "report.schema.json" in text and "explain" in text
-    # The function cgbackend.report hides the module of the same name; help() of each says where the other is.
-    assert "report.schema.json" in cgbackend.report.__doc__ and "import cgbackend.report" in cgbackend.report.__doc__
-    assert "report.schema.json" in sys.modules["cgbackend.report"].__doc__
-    # The modules stay importable by their dotted names.
+    # help() of the function cgbackend.report says where the data classes and the schema live.
+    assert "report.schema.json" in cgbackend.report.__doc__ and "cgbackend.reporting.report" in cgbackend.report.__doc__
     import importlib
-    assert importlib.import_module("cgbackend.report").SCHEMA == "cgbackend.report/1"
+    module = importlib.import_module("cgbackend.reporting.report")
+    assert "report.schema.json" in module.__doc__
+    assert module.SCHEMA == "cgbackend.report/1"
     assert "training" in cgbackend.explain.__doc__ and "import cgbackend.explain" in cgbackend.explain.__doc__

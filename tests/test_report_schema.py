@@ -1,6 +1,6 @@
-"""The report's committed JSON Schema (cgbackend/report.schema.json) describes the JSON cgbackend
+"""The report's committed JSON Schema (cgbackend/reporting/report.schema.json) describes the JSON cgbackend
 really prints: the demo's report from the CLI, a compiled model's report with runtime counters, and
-a report with graph breaks. The small checker (cgbackend/report_schema.py) must reject what the
+a report with graph breaks. The small checker (cgbackend/reporting/schema.py) must reject what the
 schema forbids, or these tests could not fail."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import cgbackend
 from cgbackend.models import build_model, make_inputs
-from cgbackend.report_schema import check, load_schema, validate_report
+from cgbackend.reporting.schema import check, load_schema, validate_report
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def demo_json() -> dict:
 
 def test_schema_names_the_report_schema():
     schema = load_schema()
-    from cgbackend.report import SCHEMA
+    from cgbackend.reporting.report import SCHEMA
     assert schema["$id"] == schema["properties"]["schema"]["const"] == SCHEMA
 
 

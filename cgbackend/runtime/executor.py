@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..analysis import Analysis
+from ..passes.pipeline import Analysis
 from ..fx_utils import fake_value
 from ..opaque import opaque_info, region_hooks
 from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionRunner, RuntimeShared,
@@ -32,7 +32,7 @@ from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionR
 from ..passes.bucket import mutated_input_positions
 from ..passes.gather import rewrite_gathers
 from .outputs import INPUT, OutputBuilder, output_aliases
-from ..inner import InnerFallback, LazyInner, resolve_inner
+from .inner import InnerFallback, LazyInner, resolve_inner
 from ..passes.constants import make_constant
 from .split import build_region_module
 from .syncsplit import apply_splits

@@ -54,7 +54,7 @@ from .stats import Counters, EagerReason
 from .warmup import SyncDetector, cuda_sync_detector, warmup_call
 
 if TYPE_CHECKING:
-    from ..inner import LazyInner
+    from .inner import LazyInner
     from ..opaque import RegionHooks
     from ..passes.bucket import BucketPlan
 

@@ -177,7 +177,7 @@ def _run_watched(fn: Callable[[], Any], detector: Optional[SyncDetector]) -> tup
 
 def warmup_call(runner: "RegionRunner", ins: list, shape_key: tuple, last: bool) -> Any:
     """One warm-up call of ``runner``; ``last``: the last before its capture (compile it now)."""
-    from ..inner import InnerFallback
+    from .inner import InnerFallback
 
     detector = runner.shared.sync_detector
     lazy = runner.lazy_inner

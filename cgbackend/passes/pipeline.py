@@ -7,13 +7,13 @@ from typing import Optional
 
 import torch.fx
 
-from .config import Config
-from .passes import (Classification, Effects, Labels, Partition, Schedule, Shapes, analyze_effects,
-                     classify, label, partition, schedule, shapes)
-from .passes.bucket import Buckets, buckets
-from .passes.constants import Constants, find_constants
-from .passes.dispatch import DispatchResult, rewrite_static_dispatch
-from .reasons import Reason
+from ..config import Config
+from . import (Classification, Effects, Labels, Partition, Schedule, Shapes, analyze_effects, classify, label,
+               partition, schedule, shapes)
+from .bucket import Buckets, buckets
+from .constants import Constants, find_constants
+from .dispatch import DispatchResult, rewrite_static_dispatch
+from ..reasons import Reason
 
 __all__ = ["Analysis", "analyze"]
 

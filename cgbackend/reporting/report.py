@@ -1,7 +1,7 @@
 """The partition report: plain dataclasses filled from the analyses, rendered by one function.
 
 JSON schema ``cgbackend.report/1`` (stable; fields are only added). The machine-readable schema is
-``cgbackend/report.schema.json`` (checked against real reports by tests/test_report_schema.py;
+``cgbackend/reporting/report.schema.json`` (checked against real reports by tests/test_report_schema.py;
 ``cgbackend.report_schema.validate_report(report)`` checks one); in short:
 
 ``{"schema", "config", "notes": [str], "graph_breaks": [{"reason", "source"}],
@@ -69,14 +69,14 @@ import dataclasses
 import json
 from typing import Any, Optional
 
-from .analysis import Analysis
+from ..passes.pipeline import Analysis
 from .coverage import launch_text
-from .fx_utils import module_path, op_name
+from ..fx_utils import module_path, op_name
 from .hints import hints_text
-from .opaque import opaque_info
-from .passes.cost import estimate_kernels
-from .profile import timing_text
-from .reasons import Rule
+from ..opaque import opaque_info
+from ..passes.cost import estimate_kernels
+from ..runtime.timing import timing_text
+from ..reasons import Rule
 
 __all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]
 
@@ -134,7 +134,7 @@ class Report:
 
     ``print(report)`` / ``report.to_text()`` renders it for people; ``report.to_json()`` /
     ``to_dict()`` give the data, whose every field is described by the JSON Schema
-    ``cgbackend/report.schema.json`` (``cgbackend.report_schema.load_schema()``; schema name in
+    ``cgbackend/reporting/report.schema.json`` (``cgbackend.reporting.schema.load_schema()``; schema name in
     ``report.schema``). Fields: ``graphs`` (one GraphReport per Dynamo graph, each with its
     ``regions``: id, kind static|dynamic, role, ops, estimated kernels, inputs/outputs as
     shape@dtype, symbols, reasons with source lines), ``graph_breaks`` (``{"reason", "source"}``),
@@ -366,7 +366,7 @@ def _buckets_text(buckets: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _runtime_text(runtime: dict[str, Any]) -> list[str]:
-    from .runtime.stats import EagerReason  # the runtime is optional for an ahead-of-time report
+    from ..runtime.stats import EagerReason  # the runtime is optional for an ahead-of-time report
     lines = ["  runtime:"]
     seen: set[str] = set()
     for name, r in runtime.get("regions", {}).items():

@@ -1,4 +1,4 @@
-"""The report's JSON Schema (``cgbackend/report.schema.json``) and a small checker for the part of
+"""The report's JSON Schema (``cgbackend/reporting/report.schema.json``) and a small checker for the part of
 JSON Schema it uses: ``type`` (one or a list), ``const``, ``enum``, ``properties``, ``required``,
 ``additionalProperties`` (false or a schema), ``items``, ``oneOf``, ``minimum`` / ``maximum`` and
 local ``$ref`` (``#/$defs/...``). Any other keyword in the schema is an error, so the schema cannot
@@ -26,7 +26,7 @@ _TYPES = {
 
 
 def load_schema() -> dict[str, Any]:
-    return json.loads(resources.files("cgbackend").joinpath("report.schema.json").read_text(encoding="utf-8"))
+    return json.loads(resources.files("cgbackend.reporting").joinpath("report.schema.json").read_text(encoding="utf-8"))
 
 
 def check(value: Any, schema: dict[str, Any], root: dict[str, Any], path: str = "$") -> list[str]:

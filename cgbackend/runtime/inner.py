@@ -26,10 +26,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from .config import Config
-from .fx_utils import fake_value
-from .runtime.capture import first_line
-from .runtime.region import no_donated_buffers
+from ..config import Config
+from ..fx_utils import fake_value
+from .capture import first_line
+from .region import no_donated_buffers
 
 __all__ = ["InnerFallback", "LazyInner", "inductor_compile", "resolve_inner"]
 
@@ -79,7 +79,7 @@ def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModu
     weights on every call. Each such call whose arguments are all inputs of the region becomes a
     new input, computed (a view, no kernel) by the caller. Returns the module to compile (a copy
     when anything was hoisted) and, per new input, (function, indices of the inputs it takes)."""
-    from .passes.dispatch.layout import stacked_view
+    from ..passes.dispatch.layout import stacked_view
 
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
@@ -172,7 +172,7 @@ class _Gated:
         if not diff_in or not torch.is_grad_enabled() or _capturing():
             return fn(*args)
         if diff_in not in self.reach:
-            from .runtime.reach import fake_output_reach
+            from .reach import fake_output_reach
             self.reach[diff_in] = fake_output_reach(self.module, args, diff_in)
         found = self.reach[diff_in]
         if found is None or all(len(r) == len(diff_in) for r in found[1]):

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch.fx
 
-from .config import Config
+from ..config import Config
 
 __all__ = ["build_hints", "hints_text"]
 
@@ -46,7 +46,7 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _static_fraction(analysis: Any) -> float:
-    from .passes.cost import estimate_kernels
+    from ..passes.cost import estimate_kernels
     static = total = 0
     for region in analysis.partition.regions:
         k = sum(estimate_kernels(n) for n in region.nodes)
@@ -59,7 +59,7 @@ def _static_fraction(analysis: Any) -> float:
 def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Optional[dict[str, Any]]:
     if config.static_dispatch != "off" or not analyses:
         return None
-    from .analysis import analyze
+    from ..passes.pipeline import analyze
     auto = config.replace(static_dispatch="auto")
     rewrites = regions_before = regions_after = 0
     fractions = []
