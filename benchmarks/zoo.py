@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import cgbackend
-from cgbackend.bench_accuracy import (LIMIT, Judgement, flip_fraction, group_errors, judge, merge, store,
+from cgbackend.bench.accuracy import (LIMIT, Judgement, flip_fraction, group_errors, judge, merge, store,
                                       upcast_inputs, worst)
 
 

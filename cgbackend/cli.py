@@ -226,10 +226,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "cgbackend") -> int:
         from .bench import main as bench_main
         return bench_main(rest, prog=f"{prog} bench")
     if args.command == "bench-dist":
-        from .bench_dist import main as bench_dist_main
+        from .bench.dist import main as bench_dist_main
         return bench_dist_main(rest)
     if args.command == "serve-bench":
-        from .serving import main as serving_main
+        from .bench.serving import main as serving_main
         return serving_main(rest, prog=f"{prog} serve-bench")
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

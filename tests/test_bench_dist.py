@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cgbackend.bench_dist import plan, rows_for
-from cgbackend.dist_check import Scenario
+from cgbackend.bench.dist import plan, rows_for
+from cgbackend.bench.dist_check import Scenario
 
 ROW_FIELDS = {"setup", "model", "mode", "contender", "median_ms", "accuracy_ok", "graphs", "world_size"}
 

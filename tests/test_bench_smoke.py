@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cgbackend import bench
+from cgbackend.bench import cases, contenders, render, settings, timing
 
 MODELS = ("dense", "moe")
 MODES = ("infer", "train")
@@ -60,7 +61,7 @@ def test_smoke_run_writes_complete_results(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "dense / infer" in printed and "moe / train" in printed
 
-    markdown = bench.render_markdown(results)
+    markdown = render.render_markdown(results)
     assert meta["command"] in markdown
     # A contender faster than the best stock one is bolded (timing decides that, even on CPU).
     assert "## moe / train" in markdown and re.search(r"^\| (\*\*)?cgbackend", markdown, re.M)
@@ -70,7 +71,7 @@ def test_failing_contender_is_recorded_not_fatal(tmp_path, monkeypatch):
     def boom(model):
         raise RuntimeError("compiler exploded")
 
-    monkeypatch.setitem(bench.CONTENDERS, "boom", bench.Contender("boom", boom, stock=False))
+    monkeypatch.setitem(contenders.CONTENDERS, "boom", contenders.Contender("boom", boom, stock=False))
     out = tmp_path / "bench.json"
     code = bench.main(["--smoke", "--models", "dense", "--modes", "infer", "--contenders",
                        "eager,boom,reduce-overhead", "--out", str(out)])
@@ -91,7 +92,7 @@ def test_accuracy_failure_is_never_a_win():
 
     rows = [row("eager", 10.0, True), row("inductor", 8.0, False), row("cgbackend", 4.0, False),
             row("cgbackend-inductor", 5.0, True)]
-    bench.add_ratios(rows)
+    timing.add_ratios(rows)
     by = {r["contender"]: r for r in rows}
     assert by["eager"]["best_stock"] == "eager"  # inductor failed accuracy
     assert by["cgbackend"]["ratio_to_best_stock"] is None and by["cgbackend"]["beats_best_stock"] is False
@@ -101,7 +102,7 @@ def test_accuracy_failure_is_never_a_win():
     assert by["cgbackend"]["ratio_to_floor"] == pytest.approx(4.0)
     assert by["cgbackend"]["ratio_to_grouped"] is None and by["cgbackend"]["ratio_to_reduce_overhead"] is None
     rows.append(row("grouped-reduce-overhead", 2.0, True))
-    bench.add_ratios(rows)
+    timing.add_ratios(rows)
     assert {r["contender"]: r["ratio_to_grouped"] for r in rows}["cgbackend-inductor"] == pytest.approx(2.5)
 
 
@@ -114,7 +115,7 @@ def test_usage_errors_exit_2(tmp_path, capsys):
 def test_serving_loop_smoke_on_cpu(tmp_path):
     """The serving-loop harness end to end at tiny sizes (eager and cgbackend; no GPU: graphs are
     blocked, so only the plumbing and the accuracy check run)."""
-    from cgbackend.serving import run
+    from cgbackend.bench.serving import run
     out = tmp_path / "serving.json"
     md = tmp_path / "serving.md"
     results = run(["--size", "tiny", "--calls", "6", "--max-batch", "5", "--seq", "8", "--dtype", "fp32",
@@ -135,7 +136,7 @@ def test_relative_error_never_hides_a_nan_or_a_shape_mismatch():
 
     import torch
 
-    from cgbackend.bench import rel_err
+    from cgbackend.bench.accuracy import rel_err
     ref = torch.tensor([1.0, -2.0])
     assert rel_err(torch.tensor([1.0, -1.0]), ref) == 0.5
     assert rel_err(torch.tensor([float("nan"), -2.0]), ref) == math.inf
@@ -217,7 +218,7 @@ def test_token_sweep_rows_and_mode_selection(tmp_path):
         assert rows[("dense-llama8b-shape", "infer", "cgbackend", tokens)]["accuracy_ok"] is True
     assert results["meta"]["skipped"] == [
         {"model": "dense-llama8b-shape", "mode": "decode", "reason": "dense-llama8b-shape runs modes infer, train"}]
-    assert "dense-llama8b-shape / infer / 32 tokens" in bench.render_markdown(results)
+    assert "dense-llama8b-shape / infer / 32 tokens" in render.render_markdown(results)
 
 
 def test_decode_mode_tokens_and_logits(tmp_path):
@@ -238,12 +239,12 @@ def test_decode_mode_tokens_and_logits(tmp_path):
     assert rows[("hf-llama", "decode", "cgbackend", None)]["backend_stats"]["static_regions"] >= 1
 
 
-@pytest.mark.parametrize("timing", ["alternate", "sequential"])
-def test_decode_timing_alternates_contenders(tmp_path, monkeypatch, timing):
+@pytest.mark.parametrize("mode", ["alternate", "sequential"])
+def test_decode_timing_alternates_contenders(tmp_path, monkeypatch, mode):
     """--timing alternate (the default): every decode contender is prepared and kept, then timed in
-    bench.TIMING_ROUNDS alternating blocks; sequential: each contender's rounds in one block."""
+    timing.TIMING_ROUNDS alternating blocks; sequential: each contender's rounds in one block."""
     pytest.importorskip("transformers")  # in the test extra; the decode models are transformers models
-    from cgbackend import bench_decode
+    from cgbackend.bench import decode as bench_decode
     blocks = []
     real = bench_decode._Prepared.time_rounds
 
@@ -253,10 +254,10 @@ def test_decode_timing_alternates_contenders(tmp_path, monkeypatch, timing):
 
     monkeypatch.setattr(bench_decode._Prepared, "time_rounds", spy)
     _, rows = _run(tmp_path, "--models", "hf-llama", "--modes", "decode", "--contenders", "eager,cgbackend",
-                   "--timing", timing, "--iters", "5")
+                   "--timing", mode, "--iters", "5")
     names = [name for name, n in blocks if n]
-    if timing == "alternate":
-        assert names == ["eager", "cgbackend"] * bench.TIMING_ROUNDS, blocks
+    if mode == "alternate":
+        assert names == ["eager", "cgbackend"] * timing.TIMING_ROUNDS, blocks
     else:
         assert names == ["eager", "cgbackend"], blocks
     for name in ("eager", "cgbackend"):
@@ -286,7 +287,7 @@ def test_decode_hf_grouped_mm_contender(tmp_path):
 
 
 def test_fp64_rule_and_routing_flips():
-    from cgbackend.bench_accuracy import flip_fraction, judge
+    from cgbackend.bench.accuracy import flip_fraction, judge
     eager = {"output": (0.01, "output"), "grads": (0.02, "grad w")}
     assert judge({"output": (0.015, "output"), "grads": (0.039, "grad w")}, eager, torch.bfloat16).ok
     bad = judge({"output": (0.015, "output"), "grads": (0.041, "grad v")}, eager, torch.bfloat16)
@@ -301,18 +302,18 @@ def test_fp64_rule_and_routing_flips():
 
 
 def test_time_budget_lowers_iterations():
-    settings = bench.resolve_settings(bench.build_parser().parse_args(["--smoke", "--iters", "50",
-                                                                      "--time-budget", "1.0"]))
-    assert bench.timed_iterations(settings, [5.0, 0.1, 0.2]) == 10  # the compile call does not count
-    assert bench.timed_iterations(settings, [5.0, 1.0, 1.0]) == 5  # never below 5
-    assert bench.timed_iterations(settings, [5.0, 0.001]) == 50  # never above --iters
+    s = settings.resolve_settings(settings.build_parser().parse_args(["--smoke", "--iters", "50",
+                                                                   "--time-budget", "1.0"]))
+    assert cases.timed_iterations(s, [5.0, 0.1, 0.2]) == 10  # the compile call does not count
+    assert cases.timed_iterations(s, [5.0, 1.0, 1.0]) == 5  # never below 5
+    assert cases.timed_iterations(s, [5.0, 0.001]) == 50  # never above --iters
 
 
 def _step_order(monkeypatch) -> list:
     """The contender of every Runner.step, in order (the eager steps of the CUDA floor left out)."""
     order: list = []
     floor = []
-    real, real_floor = bench.Runner.step, bench._eager_floor
+    real, real_floor = cases.Runner.step, cases._eager_floor
 
     def step(self, index=None):
         if not floor:
@@ -326,8 +327,8 @@ def _step_order(monkeypatch) -> list:
         finally:
             floor.clear()
 
-    monkeypatch.setattr(bench.Runner, "step", step)
-    monkeypatch.setattr(bench, "_eager_floor", eager_floor)
+    monkeypatch.setattr(cases.Runner, "step", step)
+    monkeypatch.setattr(cases, "_eager_floor", eager_floor)
     return order
 
 
@@ -352,7 +353,7 @@ def test_contenders_timed_in_alternating_blocks(tmp_path, monkeypatch, timing, d
     def boom(model):
         raise RuntimeError("compiler exploded")
 
-    monkeypatch.setitem(bench.CONTENDERS, "boom", bench.Contender("boom", boom, stock=False))
+    monkeypatch.setitem(contenders.CONTENDERS, "boom", contenders.Contender("boom", boom, stock=False))
     order = _step_order(monkeypatch)
     out = tmp_path / "bench.json"
     cuda = device == "cuda"
@@ -428,6 +429,6 @@ def test_cuda_tiny_scale_every_new_path(tmp_path):
         assert r["error"] is None, (r["model"], r["mode"], r["contender"], r["error"])
         assert r["median_ms"] > 0 and r["peak_mem_bytes"] > 0
         assert r["accuracy_rule"] == "fp64"
-    grouped = [r for r in rows if r["contender"] in bench.GROUPED_CONTENDERS and not r["skip_reason"]]
+    grouped = [r for r in rows if r["contender"] in contenders.GROUPED_CONTENDERS and not r["skip_reason"]]
     assert len(grouped) == 5 and all(r["accuracy_ok"] for r in grouped)
     assert all(r["graphs"] >= 1 for r in grouped)  # reduce-overhead recorded CUDA graphs

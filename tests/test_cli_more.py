@@ -164,10 +164,10 @@ def test_every_option_has_help(make):
     if make == "cli":
         parser = build_parser()
     elif make == "bench":
-        from cgbackend.bench import build_parser as bench_parser
+        from cgbackend.bench.settings import build_parser as bench_parser
         parser = bench_parser()
     else:
-        from cgbackend.serving import build_parser as serving_parser
+        from cgbackend.bench.serving import build_parser as serving_parser
         parser = serving_parser()
     missing = [name for name, text in _all_options(parser) if not text]
     assert not missing
@@ -190,7 +190,7 @@ def test_help_uses_the_program_name(args, prog):
 
 
 def test_bench_default_output_is_a_new_folder_never_a_tracked_file(tmp_path, monkeypatch):
-    from cgbackend import bench
+    from cgbackend.bench import settings as bench
     monkeypatch.chdir(tmp_path)
     args = bench.build_parser().parse_args(["--device", "cpu", "--models", "dense", "--modes", "infer"])
     first = bench.resolve_settings(args)

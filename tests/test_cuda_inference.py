@@ -395,7 +395,7 @@ def test_moe_graph_count_constant_over_200_rotating_calls():
 
 _MEMORY_SCRIPT = r"""
 import copy, json, torch, cgbackend
-from cgbackend.bench_accuracy import rel_err
+from cgbackend.bench.accuracy import rel_err
 from cgbackend.models import build_model, make_inputs
 from cgbackend.runtime import capture
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import cgbackend
-from cgbackend.dist_check import Scenario, spawn_run
+from cgbackend.bench.dist_check import Scenario, spawn_run
 
 try:
     from torch.distributed.fsdp import fully_shard  # noqa: F401

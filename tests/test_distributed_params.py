@@ -150,7 +150,7 @@ def one_rank_group():
     import os
 
     import torch.distributed as dist
-    from cgbackend.dist_check import free_port
+    from cgbackend.bench.dist_check import free_port
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import cgbackend
-from cgbackend.bench_accuracy import LIMIT  # at most 2x eager-bf16's own error against float64
+from cgbackend.bench.accuracy import LIMIT  # at most 2x eager-bf16's own error against float64
 from cgbackend.models import build_model, make_inputs
 
 

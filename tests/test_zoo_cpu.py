@@ -1,6 +1,6 @@
 """Hugging Face models (small configs, random weights) under cgbackend on CPU with simulated graphs:
 every region is captured and replayed by the same runtime code as on a GPU; results are judged
-against a float64 run of the same weights (at most 2x eager's own error, cgbackend.bench_accuracy)
+against a float64 run of the same weights (at most 2x eager's own error, cgbackend.bench.accuracy)
 and, in float32 on CPU, also equal eager's within 1e-5. The GPU run of the same zoo
 (benchmarks/zoo.py) produced benchmarks/ZOO.md."""
 

@@ -67,14 +67,14 @@ def register_model(spec: BenchModel) -> BenchModel:
 
 
 def _reference(name: str) -> BenchModel:
-    from .models import is_language_model
+    from ..models import is_language_model
 
     def build(s: Any) -> nn.Module:
-        from .models import build_model
+        from ..models import build_model
         return build_model(name, size=s.size, device="cpu", dtype=s.dtype, seed=s.seed, **s.overrides)
 
     def inputs(base: nn.Module, s: Any, tokens: Optional[int]) -> list:
-        from .models import make_inputs
+        from ..models import make_inputs
         return make_inputs(name, base, batch=s.batch, seq=s.seq, n=s.batches, device=s.device, dtype=s.dtype,
                            seed=s.seed + 1)
 
@@ -103,7 +103,7 @@ _SHAPE_DEFAULTS = dict(batches=4, warmup=6, iters=40, acc_batches=1, time_budget
 
 
 def _shape(name: str, contenders: tuple[str, ...], description: str) -> BenchModel:
-    from .models import realsize
+    from ..models import realsize
 
     def cfg(s: Any) -> "realsize.RealConfig":
         return realsize.SHAPES[name][s.scale]
@@ -144,7 +144,7 @@ _DECODE_DEFAULTS = dict(batches=1, warmup=1, iters=4, acc_batches=1, time_budget
 
 def _decode(name: str, contenders: tuple[str, ...], moe: bool, description: str) -> BenchModel:
     def build(s: Any) -> nn.Module:
-        from .bench_decode import build_hf
+        from .decode import build_hf
         return build_hf(name, s)
 
     return BenchModel(name=name, family="decode", modes=("decode",), build=build,

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .dist_check import Scenario, init_process, run_scenario
-from .distributed import NVLS_ENV, set_nvls_env
+from ..distributed import NVLS_ENV, set_nvls_env
 
 __all__ = ["main", "plan", "rows_for", "TOLERANCE"]
 

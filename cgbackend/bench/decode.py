@@ -18,7 +18,7 @@ Per contender:
 4. timed rounds (each step timed on its own, CUDA events around call + argmax), as many as
    ``--iters`` or ``--time-budget`` allow (at least 2). ``median_ms`` is per token. With
    ``--timing alternate`` (the default) every contender is prepared (steps 1-3) and kept, then
-   the timed rounds run in ``bench.TIMING_ROUNDS`` alternating blocks; ``--timing sequential``
+   the timed rounds run in ``timing.TIMING_ROUNDS`` alternating blocks; ``--timing sequential``
    times each contender alone right after its preparation.
 """
 
@@ -32,6 +32,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
+
+from .cases import Case, empty_row, skip_reason
+from .contenders import CONTENDERS
+from .measure import cleanup, error_text, log, sync
+from .timing import TIMING_ROUNDS, Tally, block_share, put_counts, put_times, read_peak
 
 __all__ = ["DECODE_SHAPES", "DecodeStep", "build_hf", "make_static_cache", "run_decode"]
 
@@ -166,7 +171,7 @@ class _Session:
 
 
 def _logits_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str, tuple[float, str]]:
-    from .bench_accuracy import rel_err
+    from .accuracy import rel_err
     err = max((rel_err(a, b) for a, b in zip(got, ref)), default=0.0)
     if len(got) != len(ref):
         err = float("inf")
@@ -176,25 +181,24 @@ def _logits_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str
 def run_decode(spec: Any, s: Any, names: Sequence[str], log_row: Callable[[str, dict, float], None]
                ) -> list[dict[str, Any]]:
     """Rows (one per contender) of the decode benchmark of ``spec`` under settings ``s``."""
-    from . import bench
     shape = DECODE_SHAPES[s.scale]
     device, dtype = s.device, s.dtype
     label = f"{spec.name}/decode"
-    bench._log(f"{label}: batch {shape['batch']}, prompt {shape['prompt']}, {shape['new_tokens']} tokens; "
+    log(f"{label}: batch {shape['batch']}, prompt {shape['prompt']}, {shape['new_tokens']} tokens; "
                "eager and float64 references")
     base = spec.build(s)
     gen = torch.Generator().manual_seed(s.seed + 1)
     prompts = [torch.randint(0, shape["vocab"], (shape["batch"], shape["prompt"]), generator=gen).to(device)
                for _ in range(max(1, s.batches))]
-    case = bench.Case(spec.name, "decode", base, prompts, [0], ref=[], spec=spec)
+    case = Case(spec.name, "decode", base, prompts, [0], ref=[], spec=spec)
 
-    eager = bench.CONTENDERS["eager"]
+    eager = CONTENDERS["eager"]
     model = copy.deepcopy(base).to(device)
     session = _Session(model, eager.make, shape, device, dtype)
     ref_tokens, ref_logits = session.generate(prompts[0], keep_logits=True)
     ref_tokens = ref_tokens.clone()
     del session, model
-    bench._cleanup(device)
+    cleanup(device)
     ref64: Optional[list[torch.Tensor]] = None
     if s.reference == "fp64":
         try:
@@ -207,25 +211,25 @@ def run_decode(spec: Any, s: Any, names: Sequence[str], log_row: Callable[[str, 
             case.eager64 = _logits_errors(ref_logits, ref64)
             case.ref64 = [{"logits": ref64}]
             case.ref64_s = time.perf_counter() - t0
-            bench._log(f"{label}: float64 reference in {case.ref64_s:.1f}s; eager's logits error against it "
+            log(f"{label}: float64 reference in {case.ref64_s:.1f}s; eager's logits error against it "
                        f"{case.eager64['output'][0]:.1e}")
         except Exception as exc:
             case.ref64, case.eager64, ref64 = [], {}, None
-            case.ref64_error = bench._error_text(exc)
-            bench._log(f"{label}: float64 reference failed ({case.ref64_error}); accuracy falls back to --tol")
+            case.ref64_error = error_text(exc)
+            log(f"{label}: float64 reference failed ({case.ref64_error}); accuracy falls back to --tol")
         finally:
-            bench._cleanup(device)
+            cleanup(device)
 
     if s.timing == "sequential":
         rows = []
         for name in names:
             t_row = time.perf_counter()
-            prepared = _prepare_one(case, bench.CONTENDERS[name], s, shape, prompts, ref_tokens, ref_logits, ref64,
+            prepared = _prepare_one(case, CONTENDERS[name], s, shape, prompts, ref_tokens, ref_logits, ref64,
                                     alone=True)
             if prepared.session is not None:
                 prepared.time_rounds(prepared.rounds, prompts)
                 prepared.finish()
-                bench._cleanup(s.device)
+                cleanup(s.device)
             rows.append(prepared.row)
             log_row(label, prepared.row, time.perf_counter() - t_row)
         return rows
@@ -236,12 +240,11 @@ def _run_alternating(case: Any, names: Sequence[str], s: Any, shape: dict[str, A
                      ref_tokens: torch.Tensor, ref_logits: list[torch.Tensor], ref64: Optional[list[torch.Tensor]],
                      label: str, log_row: Callable[[str, dict, float], None]) -> list[dict[str, Any]]:
     """Every contender prepared in turn (compiled, warmed up, judged) and kept; then timed in
-    ``bench.TIMING_ROUNDS`` alternating blocks of decode rounds, as the other modes are (a change
+    ``timing.TIMING_ROUNDS`` alternating blocks of decode rounds, as the other modes are (a change
     of the machine's pace shows in every contender alike: a decode step is host-bound, and two
     sequential runs of the same row had put cgbackend at 0.78x and 1.44x reduce-overhead)."""
-    from . import bench
     device = s.device
-    bench._cleanup(device)
+    cleanup(device)
     case.mem_baseline = int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
     # Each contender's DecodeStep is its own object: Dynamo's cache for the shared code holds them all.
     limit = max(torch._dynamo.config.recompile_limit, 8 * len(names))
@@ -251,15 +254,15 @@ def _run_alternating(case: Any, names: Sequence[str], s: Any, shape: dict[str, A
         with torch._dynamo.config.patch(recompile_limit=limit):
             for name in names:
                 t0 = time.perf_counter()
-                one = _prepare_one(case, bench.CONTENDERS[name], s, shape, prompts, ref_tokens, ref_logits, ref64,
+                one = _prepare_one(case, CONTENDERS[name], s, shape, prompts, ref_tokens, ref_logits, ref64,
                                    alone=False)
                 one.seconds = time.perf_counter() - t0
                 prepared.append(one)
             timed = [p for p in prepared if p.session is not None]
-            for r in range(bench.TIMING_ROUNDS):
+            for r in range(TIMING_ROUNDS):
                 for p in timed:
                     t0 = time.perf_counter()
-                    p.time_rounds(bench.block_share(p.rounds, r), prompts)
+                    p.time_rounds(block_share(p.rounds, r), prompts)
                     p.seconds += time.perf_counter() - t0
             for p in timed:
                 p.finish()
@@ -270,7 +273,7 @@ def _run_alternating(case: Any, names: Sequence[str], s: Any, shape: dict[str, A
         for p in prepared:
             p.session = None
         prepared.clear()
-        bench._cleanup(device)
+        cleanup(device)
     return rows
 
 
@@ -279,7 +282,6 @@ class _Prepared:
     (None when it failed or was skipped: the row says why), and its timings so far."""
 
     def __init__(self, row: dict[str, Any], contender: Any, s: Any, shape: dict[str, Any]) -> None:
-        from . import bench
         self.row = row
         self.contender = contender
         self.s = s
@@ -289,12 +291,11 @@ class _Prepared:
         self.times: list[float] = []
         self.rounds = 0
         self.seconds = 0.0
-        self.tally = bench._Tally(s.device)
-        """Dynamo's and Inductor's counters over this contender's own windows (bench._Tally)."""
+        self.tally = Tally(s.device)
+        """Dynamo's and Inductor's counters over this contender's own windows (timing.Tally)."""
 
     def time_rounds(self, n: int, prompts: list[torch.Tensor]) -> None:
         """``n`` timed decode rounds; an exception is recorded in the row (stage ``timing``)."""
-        from . import bench
         if self.session is None:
             return
         try:
@@ -302,27 +303,26 @@ class _Prepared:
             with self.tally:
                 for r in range(n):
                     self.session.generate(prompts[(start + r) % len(prompts)], times=self.times)
-                bench._sync(self.s.device)
+                sync(self.s.device)
         except Exception as exc:
-            self.row["error"], self.row["error_stage"] = bench._error_text(exc), "timing"
+            self.row["error"], self.row["error_stage"] = error_text(exc), "timing"
             self.session = None
 
     def finish(self) -> None:
         """Timing figures and counters into the row."""
-        from . import bench
         row = self.row
         if row["error"] is not None or not self.times:
             self.session = None
             return
-        bench.put_times(row, self.times)
+        put_times(row, self.times)
         row["ms_per_token"] = row["median_ms"]
         row["first_call_s"] = self.warm[0]
         steps = self.shape["new_tokens"] - 1
         row["compile_s"] = max(0.0, sum(self.warm) - len(self.warm) * steps * row["median_ms"] / 1e3)
         try:
-            bench.put_counts(row, self.tally, self.contender, self.session.fn)
+            put_counts(row, self.tally, self.contender, self.session.fn)
         except Exception as exc:
-            row["error"], row["error_stage"] = bench._error_text(exc), "counters"
+            row["error"], row["error_stage"] = error_text(exc), "counters"
         self.session = None
 
 
@@ -332,17 +332,16 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
     """Steps 1-3 of the module docstring for one contender. ``alone``: nothing else is held (the
     device is cleaned first, peak memory read from a reset); otherwise earlier contenders stay
     compiled and in memory, and what they hold is taken off this one's peak."""
-    from . import bench
-    from .bench_accuracy import LIMIT, judge
+    from .accuracy import LIMIT, judge
     device = s.device
-    row = bench._empty_row(case, contender, s)
+    row = empty_row(case, contender, s)
     row.update(decode_batch=shape["batch"], prompt_len=shape["prompt"], new_tokens=shape["new_tokens"],
                tokens_equal_frac=None, argmax_agree_frac=None)
     out = _Prepared(row, contender, s, shape)
     if contender.needs_cuda and device.type != "cuda":
         row["error"], row["error_stage"] = "needs CUDA", "setup"
         return out
-    reason = bench.skip_reason(contender, case.spec, s)
+    reason = skip_reason(contender, case.spec, s)
     if reason:
         row["error"], row["error_stage"], row["skip_reason"] = f"skipped: {reason}", "setup", reason
         return out
@@ -351,7 +350,7 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
     session = model = None
     try:
         if alone:
-            bench._cleanup(device)
+            cleanup(device)
         elif cuda:
             gc.collect()
             torch.cuda.synchronize(device)
@@ -369,10 +368,10 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
                                contender.call_context)
             warm = out.warm
             for r in range(max(1, s.warmup)):
-                bench._sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 session.generate(prompts[r % len(prompts)])
-                bench._sync(device)
+                sync(device)
                 warm.append(time.perf_counter() - t0)
 
             stage = "accuracy"
@@ -396,7 +395,7 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
                 row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
                 row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - row["mem_baseline_bytes"]
             else:
-                bench._read_peak(row, case, device)
+                read_peak(row, case, device)
 
         per_round = min(warm[-3:]) if warm else 0.0  # the first rounds compile
         rounds = s.iters
@@ -405,12 +404,12 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
         out.rounds = rounds
         out.session = session
     except Exception as exc:
-        row["error"], row["error_stage"] = bench._error_text(exc), stage
+        row["error"], row["error_stage"] = error_text(exc), stage
         if s.verbose:
             import traceback
             traceback.print_exc()
     finally:
         del session, model
         if alone and out.session is None:
-            bench._cleanup(device)
+            cleanup(device)
     return out

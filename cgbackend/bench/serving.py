@@ -26,9 +26,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .bench import DTYPES, TOLERANCE, _command_line, _cudagraph_tree_counts, _device_name, _sync, rel_err
-from .config import Config
-from .models import build_model
+from .accuracy import rel_err
+from .measure import cudagraph_tree_counts, sync
+from .render import command_line, device_name
+from .settings import DTYPES, TOLERANCE
+from ..config import Config
+from ..models import build_model
 
 __all__ = ["main", "run"]
 
@@ -66,12 +69,12 @@ def _inputs(sizes: list[int], seq: int, vocab: int, device: torch.device, seed: 
 
 
 def _loop(fn: Callable[..., Any], xs: list[torch.Tensor], device: torch.device) -> float:
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     with torch.no_grad():
         for x in xs:
             fn(x)
-    _sync(device)
+    sync(device)
     return time.perf_counter() - start
 
 
@@ -109,7 +112,7 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
                             # cgbackend's outputs are the caller's to keep; PyTorch's CUDA graph
                             # trees overwrite theirs at a later replay unless the caller clones.
                             kept.append((out.clone() if name == "reduce-overhead" else out, ref))
-            _sync(device)
+            sync(device)
             row["warm_loop_s"] = round(time.perf_counter() - start, 3)
             worst = max([worst] + [rel_err(o, r) for o, r in kept])
             row["accuracy_err"] = worst
@@ -122,7 +125,7 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
             if eager_s:
                 row["vs_eager"] = round(seconds / eager_s, 3)
             if name == "reduce-overhead":  # the CUDA graphs its graph trees recorded, re-records
-                row["graphs_captured"], row["rerecords"] = _cudagraph_tree_counts(device)
+                row["graphs_captured"], row["rerecords"] = cudagraph_tree_counts(device)
             if name.startswith("cgbackend"):
                 st = cgbackend.stats(fn)
                 row.update({k: st[k] for k in ("static_regions", "graphs_captured", "graphs_evicted",
@@ -198,9 +201,9 @@ def run(argv: Sequence[str], prog: str = "python -m cgbackend serve-bench") -> d
     rows = []
     for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
         rows.extend(run_model(model_name, args, device))
-    meta = {"device": _device_name(device), "torch": torch.__version__,
+    meta = {"device": device_name(device), "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
-            "command": _command_line(argv).replace("cgbackend bench", "cgbackend serve-bench"),
+            "command": command_line(argv).replace("cgbackend bench", "cgbackend serve-bench"),
             "calls": args.calls, "max_batch": args.max_batch, "seq": args.seq, "dtype": args.dtype,
             "size": args.size, "seed": args.seed}
     results = {"meta": meta, "rows": rows}

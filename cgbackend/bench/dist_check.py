@@ -49,7 +49,7 @@ class Scenario:
 
 def spawn_env(backend: str) -> None:
     """Environment for a spawned rank: NVLink multicast off on GPUs (cgbackend.distributed)."""
-    from .distributed import set_nvls_env
+    from ..distributed import set_nvls_env
     if backend == "nccl":
         set_nvls_env()
 
@@ -68,8 +68,8 @@ def init_process(rank: int, world_size: int, backend: str, port: int) -> torch.d
 
 
 def _build(sc: Scenario, rank: int, world: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from .models import build_model
-    from .models.ep import build_ep_model
+    from ..models import build_model
+    from ..models.ep import build_ep_model
     if sc.model == "moe-ep":
         kw = {"tiny": dict(d_model=64, n_layers=2, n_heads=4, n_experts=4),
               "bench": dict(d_model=512, n_layers=4, n_heads=8, n_experts=8, vocab=1024, max_seq=512)}[sc.size]

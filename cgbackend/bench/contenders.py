@@ -1,0 +1,211 @@
+"""Benchmark contenders: one registry of the ways of running a model (eager, the stock torch.compile
+modes, cgbackend with its options, and the hand-written forms that rebuild a model from the same
+weights). A contender is data (:class:`Contender`); ``register_contender`` adds one.
+
+The contenders that rebuild a model in another form from the same weights (``Contender.convert``):
+what a person gets by rewriting the model by hand.
+
+- ``grouped-reduce-overhead``: the shape MoE models (cgbackend/models/realsize.py) with every MoE
+  layer in the grouped-GEMM form (``realsize.GroupedMoE``: sort by expert, device-side offsets,
+  ``torch._grouped_mm``), under ``torch.compile(mode="reduce-overhead")``.
+- ``hf-grouped-mm-reduce-overhead``: a transformers MoE model with
+  ``set_experts_implementation("grouped_mm")`` (its experts are stored stacked, so the weights are
+  the very same tensors' copy), under reduce-overhead; decode mode.
+
+On CPU, where reduce-overhead cannot record CUDA graphs, both run under
+``torch.compile(backend="eager")`` (Dynamo traces the form; no kernels compiled), so the smoke
+tests exercise the tracing, the weights and the gradient mapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+import torch.nn as nn
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One way of running a model.
+
+    make(model) -> callable: compiles (lazily, as torch.compile does) the given module.
+    stock: a PyTorch-only contender (eligible for "best stock").
+    needs_cuda: skipped with error "needs CUDA" when the run is on CPU.
+    mark_step: call torch.compiler.cudagraph_mark_step_begin() before every call (cudagraph trees).
+    call_context: a fresh context manager entered around every call (including the first).
+    backend_stats(compiled) -> dict | None: counters of a cgbackend contender.
+    """
+
+    name: str
+    make: Callable[[nn.Module], Callable[..., Any]]
+    stock: bool
+    needs_cuda: bool = False
+    mark_step: bool = False
+    call_context: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+    backend_stats: Optional[Callable[[Any], Optional[dict]]] = None
+    description: str = ""
+    convert: Optional[Callable[[nn.Module, torch.device], nn.Module]] = None
+    """convert(base, device): the contender's own module on ``device``, built from the seed weights
+    ``base`` in another structure (used instead of a plain copy of ``base``)."""
+    applies_to: Optional[Callable[[Any], Optional[str]]] = None
+    """BenchModel -> None, or why this contender does not apply to that model (row skipped)."""
+    unsupported: Optional[Callable[[torch.device, torch.dtype], Optional[str]]] = None
+    """Feature probe: None, or why this torch/device/dtype cannot run it (row skipped with the reason)."""
+    restore: Optional[Callable[[nn.Module, nn.Module], None]] = None
+    """restore(model, base): copy the seed weights back into a converted module."""
+    named_grads: Optional[Callable[[nn.Module], Any]] = None
+    """(name, grad) pairs under the base model's parameter names, for a converted module."""
+    modes: tuple[str, ...] = ("infer", "train", "decode")
+
+
+def _eager(model: nn.Module) -> Callable[..., Any]:
+    return model
+
+
+def _inductor(model: nn.Module) -> Callable[..., Any]:
+    return torch.compile(model)
+
+
+def _reduce_overhead(model: nn.Module) -> Callable[..., Any]:
+    return torch.compile(model, mode="reduce-overhead")
+
+
+def _dynops_context() -> ContextManager[Any]:
+    return torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+
+
+def _cudagraphs(model: nn.Module) -> Callable[..., Any]:
+    return torch.compile(model, backend="cudagraphs")
+
+
+def _cgbackend(**options: Any) -> Callable[[nn.Module], Callable[..., Any]]:
+    def make(model: nn.Module) -> Callable[..., Any]:
+        import cgbackend
+        return cgbackend.compile(model, **options)
+    return make
+
+
+def _cgbackend_stats(compiled: Any) -> Optional[dict]:
+    import cgbackend
+    return cgbackend.stats(compiled)
+
+
+CONTENDERS: dict[str, Contender] = {}
+
+
+"""name -> Contender, in the default run order (eager first: everything is compared to it)."""
+
+
+STOCK_CONTENDERS = ("eager", "inductor", "reduce-overhead", "reduce-overhead-dynops", "cudagraphs")
+
+
+GROUPED_CONTENDERS = ("grouped-reduce-overhead", "hf-grouped-mm-reduce-overhead")
+
+
+"""The hand-written grouped-GEMM forms (bench_contenders) that ``ratio_to_grouped`` divides by."""
+
+
+def register_contender(contender: Contender) -> Contender:
+    """Add (or replace) a contender."""
+    CONTENDERS[contender.name] = contender
+    return contender
+
+
+for _c in (
+    Contender("eager", _eager, stock=True, description="the module as is"),
+    Contender("inductor", _inductor, stock=True, description="torch.compile(model)"),
+    Contender("reduce-overhead", _reduce_overhead, stock=True, needs_cuda=True, mark_step=True,
+              description='torch.compile(model, mode="reduce-overhead")'),
+    Contender("reduce-overhead-dynops", _reduce_overhead, stock=True, needs_cuda=True, mark_step=True,
+              call_context=_dynops_context,
+              description='reduce-overhead with capture_dynamic_output_shape_ops and '
+                          'capture_scalar_outputs patched on around every call'),
+    Contender("cudagraphs", _cudagraphs, stock=True, needs_cuda=True, mark_step=True,
+              description='torch.compile(model, backend="cudagraphs")'),
+    Contender("cgbackend", _cgbackend(), stock=False, backend_stats=_cgbackend_stats,
+              description="cgbackend.compile(model) (default options: Inductor's kernels in the graphs on CUDA)"),
+    Contender("cgbackend-eager-kernels", _cgbackend(inner="eager"), stock=False,
+              backend_stats=_cgbackend_stats, description='cgbackend.compile(model, inner="eager") (the bitwise mode)'),
+    Contender("cgbackend-inductor", _cgbackend(inner="inductor"), stock=False,
+              backend_stats=_cgbackend_stats, description='cgbackend.compile(model, inner="inductor")'),
+    Contender("cgbackend-static-dispatch", _cgbackend(static_dispatch="auto"), stock=False,
+              backend_stats=_cgbackend_stats,
+              description='cgbackend.compile(model, static_dispatch="auto") (MoE dispatch rewritten '
+                          'into a static form, passes/dispatch/)'),
+    Contender("cgbackend-static-dispatch-eager-kernels", _cgbackend(static_dispatch="auto", inner="eager"),
+              stock=False, backend_stats=_cgbackend_stats,
+              description='cgbackend.compile(model, static_dispatch="auto", inner="eager")'),
+    Contender("cgbackend-static-dispatch-inductor", _cgbackend(static_dispatch="auto", inner="inductor"),
+              stock=False, backend_stats=_cgbackend_stats,
+              description='cgbackend.compile(model, static_dispatch="auto", inner="inductor")'),
+):
+    register_contender(_c)
+
+
+del _c
+
+
+# --------------------------------------------- contenders that rebuild the model from the same weights
+
+def _reduce_overhead_on_cuda(model: nn.Module) -> Callable[..., Any]:
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "cuda":
+        return torch.compile(model, mode="reduce-overhead")
+    return torch.compile(model, backend="eager")
+
+
+def _grouped_convert(base: nn.Module, device: torch.device) -> nn.Module:
+    from ..models.realsize import grouped_from
+    return grouped_from(base, device)
+
+
+def _grouped_restore(model: nn.Module, base: nn.Module) -> None:
+    from ..models.realsize import load_weights
+    load_weights(model, base)
+
+
+def _grouped_grads(model: nn.Module) -> Any:
+    from ..models.realsize import named_grads
+    return named_grads(model)
+
+
+def _grouped_unsupported(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    from ..models.realsize import grouped_mm_unsupported
+    return grouped_mm_unsupported(device, dtype)
+
+
+def _needs_grouped_form(spec: Any) -> Optional[str]:
+    if getattr(spec, "grouped", False):
+        return None
+    return f"{spec.name} has no hand-written grouped-GEMM form (only the shape MoE models do)"
+
+
+def _hf_grouped_convert(base: nn.Module, device: torch.device) -> nn.Module:
+    model = copy.deepcopy(base).to(device)
+    model.set_experts_implementation("grouped_mm")
+    return model
+
+
+def _needs_hf_moe(spec: Any) -> Optional[str]:
+    if spec.family == "decode" and spec.moe:
+        return None
+    return f"{spec.name} is not a transformers MoE model"
+
+
+register_contender(Contender(
+    "grouped-reduce-overhead", _reduce_overhead_on_cuda, stock=False, mark_step=True,
+    convert=_grouped_convert, applies_to=_needs_grouped_form, unsupported=_grouped_unsupported,
+    restore=_grouped_restore, named_grads=_grouped_grads, modes=("infer", "train"),
+    description='the MoE layers rewritten by hand in the grouped-GEMM form (torch._grouped_mm, device-side '
+                'offsets; cgbackend/models/realsize.py GroupedMoE), same weights, under '
+                'torch.compile(mode="reduce-overhead") (CPU: backend="eager")'))
+
+register_contender(Contender(
+    "hf-grouped-mm-reduce-overhead", _reduce_overhead_on_cuda, stock=False, mark_step=True,
+    convert=_hf_grouped_convert, applies_to=_needs_hf_moe, unsupported=_grouped_unsupported, modes=("decode",),
+    description='transformers experts with set_experts_implementation("grouped_mm"), same weights, under '
+                'torch.compile(mode="reduce-overhead") (CPU: backend="eager")'))

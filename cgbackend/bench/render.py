@@ -1,0 +1,210 @@
+"""The bench's output: the run's metadata, the stdout table, the Markdown tables and the JSON file."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .cases import Case
+from .contenders import CONTENDERS
+from .measure import sanitize
+from .settings import Settings
+
+SCHEMA_VERSION = 1
+"""Version of the results file's layout (``meta.schema_version``)."""
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine() or "cpu"
+    return f"CPU ({name}, {os.cpu_count()} cores)"
+
+
+def command_line(argv: Sequence[str]) -> str:
+    orig = list(getattr(sys, "orig_argv", []) or [])
+    argv = list(argv)
+    tail_matches = orig[-len(argv):] == argv if argv else bool(orig) and orig[-1].endswith(("bench", "run.py"))
+    if orig and tail_matches:
+        return shlex.join(orig)
+    return shlex.join(["python", "-m", "cgbackend", "bench", *argv]) + "  # called in-process"
+
+
+def build_meta(settings: Settings, argv: Sequence[str], cases: list[Case],
+               skipped: Optional[list[dict[str, Any]]] = None, rows: Sequence[dict[str, Any]] = ()
+               ) -> dict[str, Any]:
+    from .models import MODELS
+    _ran = {r["contender"] for r in rows}
+    try:
+        import cgbackend
+        version = cgbackend.__version__
+    except Exception:
+        version = None
+    return {
+        "schema": SCHEMA_VERSION,
+        "device": device_name(settings.device),
+        "device_type": settings.device.type,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cgbackend": version,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+        "command": command_line(argv),
+        "argv": list(argv),
+        "settings": settings.to_meta(),
+        "timing": ("CUDA events around each call, synchronized before and after" if settings.device.type == "cuda"
+                   else "time.perf_counter around each call"),
+        "compile_s": "sum of the --warmup call times minus --warmup x median_ms",
+        "floor": {c.key: {"floor_ms": c.floor_ms, "error": c.floor_error} for c in cases},
+        "reference64": {c.key: {"seconds": c.ref64_s, "eager_err": {g: e for g, (e, _) in c.eager64.items()},
+                                "eager_routing_flip_frac": c.eager_flips, "error": c.ref64_error}
+                        for c in cases if c.ref64 or c.ref64_error},
+        "contenders": {name: c.description for name, c in CONTENDERS.items()
+                       if name in settings.contenders or name in _ran},
+        "models": {name: MODELS[name].description for name in settings.models},
+        "skipped": list(skipped or []),
+    }
+
+
+def fmt(value: Any, spec: str = ".3f", none: str = "-") -> str:
+    if value is None:
+        return none
+    if spec == "ratio" and isinstance(value, float):
+        return format(value, ".2f") if value >= 0.1 else format(value, ".2g")
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return format(value, spec)
+    return str(value)
+
+
+def mib(value: Optional[int]) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def acc(row: dict[str, Any]) -> str:
+    """"ok 1.3x64" (fp64 rule: worst error against float64 over eager's own), or "ok 3.0e-03" (error
+    against eager, --tol rule); ", flips 0.4%" for MoE routing that differs from float64's."""
+    flips = row.get("routing_flip_frac")
+    tail = "" if flips is None else f", flips {flips:.1%}"
+    if row.get("tokens_equal_frac") is not None:
+        tail += f", tokens {row['tokens_equal_frac']:.0%}"
+    if row["accuracy_ok"] is None:
+        return "-" + tail
+    verdict = "ok" if row["accuracy_ok"] else "FAIL"
+    if row.get("accuracy_rule") == "fp64":
+        ratio = row.get("ref64_ratio")
+        return f"{verdict} {'inf' if ratio is None or math.isinf(ratio) else format(ratio, '.2f')}x64" + tail
+    err = "inf" if row["accuracy_err"] is None else f"{row['accuracy_err']:.1e}"
+    return f"{verdict} {err}" + tail
+
+
+_COLUMNS = ("contender", "median ms", "p10", "p90", "x eager", "x best stock", "x floor", "accuracy",
+            "peak MiB", "compile s", "graphs", "breaks", "error")
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    name = row["contender"] + (" *" if row.get("beats_best_stock") else "")
+    return [name, fmt(row["median_ms"]), fmt(row["p10_ms"]), fmt(row["p90_ms"]),
+            fmt(row["ratio_to_eager"], "ratio"), fmt(row["ratio_to_best_stock"], "ratio"),
+            fmt(row["ratio_to_floor"], "ratio"), acc(row), mib(row["peak_mem_bytes"]),
+            fmt(row["compile_s"], ".2f"), fmt(row["graphs"]), fmt(row["graph_breaks"]),
+            (row["error"] or "")[:80]]
+
+
+def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(title, rows) per model x mode (x token count for the shape models)."""
+    out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for row in rows:
+        out.setdefault((row["model"], row["mode"], row.get("tokens")), []).append(row)
+    titles = []
+    for (model, mode, tokens), group in out.items():
+        shown = tokens is not None and group[0].get("family") == "shape"
+        titles.append((f"{model} / {mode}" + (f" / {tokens} tokens" if shown else ""), group))
+    return titles
+
+
+def render_table(results: dict[str, Any]) -> str:
+    """Plain-text tables (one per model x mode) for stdout."""
+    meta = results["meta"]
+    lines = [f"device: {meta['device']}  torch {meta['torch']}  {meta['date']}",
+             f"command: {meta['command']}"]
+    for title, rows in _groups(results["rows"]):
+        floor = rows[0]["floor_ms"]
+        best = rows[0].get("best_stock")
+        lines.append("")
+        lines.append(f"== {title}   floor {fmt(floor)} ms   best stock: {best or '-'}")
+        table = [list(_COLUMNS)] + [_cells(r) for r in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
+        for i, cells in enumerate(table):
+            lines.append("  ".join(c.ljust(w) if j in (0, 7, 12) else c.rjust(w)
+                                   for j, (c, w) in enumerate(zip(cells, widths))).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("x = median / reference median (below 1 is faster); * = faster than the best stock "
+                 "contender with accuracy ok; accuracy 'ok 1.3x64' = worst error against the float64 run "
+                 "over eager's own (limit 2); decode rows: ms per token")
+    return "\n".join(lines)
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """RESULTS.md: header (device, torch, date, command) and one table per model x mode."""
+    meta = results["meta"]
+    s = meta.get("settings", {})
+    out = ["# Benchmark results", "",
+           "Generated by `cgbackend.bench` from the JSON results; see `benchmarks/README.md` for what each "
+           "column measures.", "",
+           f"- device: {meta['device']}",
+           f"- torch: {meta['torch']}" + (f" (CUDA {meta['cuda']})" if meta.get("cuda") else ""),
+           f"- cgbackend: {meta.get('cgbackend')}",
+           f"- date: {meta['date']}",
+           f"- command: `{meta['command']}`",
+           f"- dtype {s.get('dtype')}, batch {s.get('batch')}, seq {s.get('seq')}, {s.get('batches')} "
+           f"distinct batches, {s.get('warmup')} warm-up + {s.get('iters')} timed calls, size "
+           f"{s.get('size')} {s.get('size_overrides') or ''}".rstrip(),
+           f"- timing: {meta.get('timing')}; ratios are median / reference median (below 1 is faster)",
+           ""]
+    for title, rows in _groups(results["rows"]):
+        out.append(f"## {title}")
+        out.append("")
+        out.append(f"Eager kernel-time floor: {fmt(rows[0]['floor_ms'])} ms/step. "
+                   f"Best stock contender: {rows[0].get('best_stock') or '-'}.")
+        out.append("")
+        header = ["contender", "median ms", "p10 / p90 ms", "x eager", "x best stock", "x floor", "accuracy",
+                  "peak MiB", "compile s", "graphs", "graph breaks", "error"]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join("---" for _ in header) + "|")
+        for r in rows:
+            name = f"**{r['contender']}**" if r.get("beats_best_stock") else r["contender"]
+            err = (r["error"] or "").replace("|", "\\|")[:120]
+            cells = [name, fmt(r["median_ms"]), f"{fmt(r['p10_ms'])} / {fmt(r['p90_ms'])}",
+                     fmt(r["ratio_to_eager"], "ratio"), fmt(r["ratio_to_best_stock"], "ratio"),
+                     fmt(r["ratio_to_floor"], "ratio"), acc(r), mib(r["peak_mem_bytes"]),
+                     fmt(r["compile_s"], ".2f"), fmt(r["graphs"]), fmt(r["graph_breaks"]), err]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    out.append("Bold: faster than the best stock contender, with accuracy ok. Accuracy `ok 1.31x64`: worst error "
+               "against the float64 run over eager's own (limit 2); `ok 3.0e-03`: error against eager "
+               "(--reference eager); flips: MoE routing that differs from float64's; tokens: decode tokens "
+               "equal to eager's. Decode rows: ms per token.")
+    out.append("")
+    return "\n".join(out)
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(sanitize(results), indent=2, allow_nan=False)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
