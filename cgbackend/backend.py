@@ -22,19 +22,20 @@ import torch.fx
 from .passes.pipeline import Analysis, analyze
 from .reporting.breaks import break_text, source_of_stack
 from .config import Config
+from .tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
-from .distributed import finalizer
 from .opaque import InstallResult
 from .runtime.timing import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
 from .runtime.mirror import CounterMirror
-from .runtime.region import RuntimeShared
+from .runtime.release import finalizer, release_graphs
+from .runtime.entries import RuntimeShared
 from .runtime.stats import EagerReason
 from .reporting import structured
 
-__all__ = ["CGBackend", "by_name_backends", "default_backend", "dynamo_entry", "reset_default_backend"]
+__all__ = ["CGBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class CGBackend:
         """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
         self.switch_per_call = False
         """cgbackend.compile switches Dynamo's data-dependent settings around each call rather than
-        around each compile (api._CompileScope), after a compile ran without them."""
+        around each compile (tracing.CompileScope), after a compile ran without them."""
         self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
         """Per-region timing (option profile)."""
         self.shared.watch = self.timer
@@ -98,7 +99,7 @@ class CGBackend:
 
     def note_trace_scope_missed(self) -> None:
         """This graph of a cgbackend.compile call was traced without the data-dependent settings
-        (api._CompileScope: Dynamo ran no start callback for its compile): data-dependent ops in it
+        (tracing.CompileScope: Dynamo ran no start callback for its compile): data-dependent ops in it
         broke the graph, as in plain torch.compile. Counted; this instance switches the settings
         around each call from now on."""
         self.shared.counters.trace_scope_missed += 1
@@ -110,7 +111,6 @@ class CGBackend:
                         "The settings are switched around every call of this model from now on")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        from .api import trace_scope_missed
         self.shared.mirror.begin(self.shared.counters)  # before this compile counts anything
         if trace_scope_missed():
             self.note_trace_scope_missed()
@@ -153,7 +153,6 @@ class CGBackend:
     def release(self) -> int:
         """Drop every graph this instance holds (later calls capture again); returns how many
         entries were dropped. Done at process exit too."""
-        from .distributed import release_graphs
         return release_graphs(self._graphs, self.config.simulate_graphs)
 
     # ------------------------------------------------------------------ introspection
@@ -237,8 +236,3 @@ class CGBackend:
         report.opaque_modules = self._opaque_dict()
         self._annotate(report)
         return report
-
-
-# The torch_dynamo_backends entry point ("cgbackend.backend:dynamo_entry") and the instances made by
-# name live in by_name.py; imported last, as that module builds on CGBackend.
-from .by_name import by_name_backends, default_backend, dynamo_entry, reset_default_backend  # noqa: E402

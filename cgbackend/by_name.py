@@ -154,3 +154,42 @@ def _reset_by_name() -> None:
 # torch._dynamo.reset() calls reset() on each backend it cached; by name that is torch's compile
 # wrapper, which forwards to its compiler function's reset.
 dynamo_entry.reset = _reset_by_name
+
+
+def find_backend(obj: Any = None) -> CGBackend:
+    """The CGBackend behind a compiled model or function. A model compiled by name
+    (``torch.compile(model, backend="cgbackend")``) has its own instance, one per torch.compile
+    call; None gives the instance used by name where torch's compile wrapper cannot be found."""
+    if obj is None:
+        return default_backend()
+    if isinstance(obj, CGBackend):
+        return obj
+    # Only the object's own attribute: an OptimizedModule's getattr falls through to the module.
+    found = getattr(obj, "__dict__", {}).get("_cgbackend")
+    if isinstance(found, CGBackend):
+        return found
+    # torch.compile(model, backend=...): the backend sits behind the OptimizeContext's callback; a
+    # compiled function keeps that context (or its callback) in its closure.
+    starts = [getattr(getattr(obj, "dynamo_ctx", None), "callback", None)]
+    for cell in getattr(obj, "__closure__", None) or ():
+        try:
+            content = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        starts.append(getattr(content, "callback", None) or content)
+    for candidate in starts:
+        for _ in range(8):
+            if candidate is None:
+                break
+            if isinstance(candidate, CGBackend):
+                return candidate
+            if is_compile_wrapper(candidate):
+                return backend_of_wrapper(candidate)
+            if candidate is dynamo_entry:
+                return default_backend()
+            candidate = (getattr(candidate, "_torchdynamo_orig_backend", None)
+                         or getattr(candidate, "compiler_fn", None))
+    raise TypeError(
+        "cgbackend could not find the backend behind this object; pass the backend instance "
+        "(cgbackend.backend(...)), a model from cgbackend.compile(...), or a module compiled "
+        "with torch.compile(..., backend=...)")

@@ -23,11 +23,13 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
-__all__ = ["track_fsdp", "release", "fsdp_modules", "release_graphs", "FSDPParamSet", "NVLS_ENV",
+from .by_name import find_backend
+
+__all__ = ["track_fsdp", "release", "fsdp_modules", "FSDPParamSet", "NVLS_ENV",
            "set_nvls_env"]
 
 log = logging.getLogger(__name__)
@@ -121,8 +123,6 @@ def track_fsdp(backend_or_model: Any, model: Optional[torch.nn.Module] = None) -
     static buffers before each replay). ``cgbackend.compile`` does this itself; call it after
     ``torch.compile(model, backend=instance)`` as ``track_fsdp(instance, model)``. Returns how many
     fully_shard'ed modules were found (0: nothing changes)."""
-    from .api import find_backend
-
     backend = find_backend(backend_or_model)
     target = model if model is not None else backend_or_model
     target = getattr(target, "_orig_mod", target)
@@ -134,38 +134,9 @@ def track_fsdp(backend_or_model: Any, model: Optional[torch.nn.Module] = None) -
     return len(modules)
 
 
-def release_graphs(graph_refs: list, simulate: bool) -> int:
-    """Drop every graph and static buffer of the compiled graphs in ``graph_refs`` (weak
-    references); returns how many graph entries were dropped. Later calls capture again."""
-    dropped = 0
-    if torch.cuda.is_available() and not simulate:
-        try:
-            torch.cuda.synchronize()  # no replay may still run
-        except Exception:  # a broken context at exit: dropping the Python objects is all we can do
-            log.debug("cgbackend: synchronize before releasing graphs failed", exc_info=True)
-    for ref in list(graph_refs):
-        graph = ref()
-        if graph is None:
-            continue
-        for runner in graph.runners:
-            for entry in list(runner.entries.values()):
-                runner.release_entry(entry)
-                dropped += 1
-            runner.entries.clear()
-        graph.shared.handed.clear()
-    return dropped
-
-
 def release(obj: Any = None) -> int:
     """Release the graphs of the backend behind ``obj`` now (before destroy_process_group)."""
-    from .api import find_backend
-
     return find_backend(obj).release()
-
-
-def finalizer(owner: Any, graph_refs: list, simulate: bool) -> Callable[[], Any]:
-    """A weakref.finalize releasing ``owner``'s graphs when it dies or the process exits."""
-    return weakref.finalize(owner, release_graphs, graph_refs, simulate)
 
 
 def is_ddp(model: Any) -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from . import opaque
 from .passes.dispatch import source as loop_source
-from .api import _data_dependent_failure, dynamic_ops_config
+from .tracing import data_dependent_failure, dynamic_ops_config
 from .backend import CGBackend
 from .reporting.breaks import break_text, frame_skipped, skipped_frame_source
 from .config import Config
@@ -154,7 +154,7 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
                 with scope:
                     compiled(*args, **kwargs)
             except Exception as exc:
-                cause = _data_dependent_failure(exc) if trace_dynamic_ops else None
+                cause = data_dependent_failure(exc) if trace_dynamic_ops else None
                 if cause is None:
                     raise
                 # as cgbackend.compile does: trace as plain torch.compile, with a graph break there

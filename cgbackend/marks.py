@@ -8,7 +8,7 @@ Per-backend choices go through the options ``dynamic_ops`` / ``dynamic_modules``
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 

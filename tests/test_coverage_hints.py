@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import cgbackend
 from cgbackend.config import Config
+import cgbackend.reporting.coverage
 from cgbackend.reporting.coverage import counting_supported
 from cgbackend.reporting.hints import build_hints
 from cgbackend.models import build_model, demo_model, make_inputs
@@ -175,7 +176,7 @@ def test_launch_counting_off_or_unsupported(monkeypatch):
     with torch.no_grad():
         off = cgbackend.explain(model, x, count_launches=False)
     assert "launch_coverage" not in off.summary and "launch coverage" not in off.to_text()
-    monkeypatch.setattr(cgbackend.coverage, "counting_supported", lambda: False)
+    monkeypatch.setattr(cgbackend.reporting.coverage, "counting_supported", lambda: False)
     with torch.no_grad():
         old = cgbackend.explain(model, x)
     assert "launch_coverage" not in old.summary

@@ -25,8 +25,8 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 def test_entry_point_is_registered():
     eps = [ep for ep in importlib.metadata.entry_points(group="torch_dynamo_backends") if ep.name == "cgbackend"]
     assert len(eps) == 1
-    assert eps[0].value == "cgbackend.backend:dynamo_entry"
-    assert eps[0].load() is sys.modules["cgbackend.backend"].dynamo_entry
+    assert eps[0].value == "cgbackend.by_name:dynamo_entry"
+    assert eps[0].load() is sys.modules["cgbackend.by_name"].dynamo_entry
 
 
 def test_backend_by_name_in_a_fresh_interpreter():

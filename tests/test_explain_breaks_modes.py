@@ -59,7 +59,7 @@ def test_counts_agree_with_torch_dynamo_explain(trace_dynamic_ops):
     x = torch.randn(5)
     ours = cgbackend.explain(TwoItems(), x, trace_dynamic_ops=trace_dynamic_ops)
     # The same Dynamo settings for both (a branch on a host value breaks the graph either way).
-    from cgbackend.api import dynamic_ops_config
+    from cgbackend.tracing import dynamic_ops_config
     import contextlib
     with dynamic_ops_config() if trace_dynamic_ops else contextlib.nullcontext():
         theirs = torch._dynamo.explain(TwoItems())(x)
@@ -160,7 +160,7 @@ def test_torch_trace_directory_receives_the_report(tmp_path):
     import subprocess
     import sys
     code = ("import torch, torch.nn as nn, cgbackend\n"
-            "from cgbackend import structured\n"
+            "from cgbackend.reporting import structured\n"
             "assert structured.structured_tracing_on()\n"
             "with torch.no_grad():\n"
             "    cgbackend.explain(nn.Linear(4, 4), torch.randn(2, 4))\n")

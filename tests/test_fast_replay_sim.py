@@ -1,4 +1,4 @@
-"""The inference fast path (region.RegionRunner._replay_fast) with simulated graphs: a call whose key
+"""The inference fast path (runtime/fast.py) with simulated graphs: a call whose key
 is that of the entry replayed last replays it after a check field by field; anything else (shapes,
 numbers, moved parameters, inference mode, the replay-order rule) takes the full path. Results are
 compared with eager on varied inputs, and outputs returned earlier must survive later replays."""
@@ -106,10 +106,10 @@ def test_moved_parameter_and_inference_mode_take_the_full_path():
 def test_grad_mode_inference_call_copies_inputs_with_copy(monkeypatch):
     """Grad mode on and a graph without grad-requiring inputs: inputs are copied with ``copy_``
     (as before), with grad off with one ``_foreach_copy_``."""
-    from cgbackend.runtime import region
+    from cgbackend.runtime import entries
     calls = []
-    real = region._foreach_copy
-    monkeypatch.setattr(region, "_foreach_copy", lambda d, s: calls.append(len(d)) or real(d, s))
+    real = entries.foreach_copy
+    monkeypatch.setattr(entries, "foreach_copy", lambda d, s: calls.append(len(d)) or real(d, s))
     torch.manual_seed(0)
     model = _Net().eval().requires_grad_(False)
     compiled = cgbackend.compile(model, **SIM)
@@ -160,8 +160,8 @@ def test_fast_path_refuses_a_replay_the_rule_forbids(hazard):
     backend = cgbackend.find_backend(compiled)
     graph = backend._graphs[0]()
     runner = graph.runners[0]
-    assert runner._fast is not None
-    entry = runner._fast.entry
+    assert runner.fast.last is not None
+    entry = runner.fast.last.entry
     pool = entry.pool
     pool.acquire(entry.index + 1)  # a newer graph's outputs are live
     try:

@@ -253,13 +253,13 @@ def _dense():
 
 def test_regions_compile_lazily_only_when_they_reach_capture(monkeypatch):
     compiled_modules = []
-    real = cgbackend.inner.inductor_compile
+    real = cgbackend.runtime.inner.inductor_compile
 
     def counting(module):
         compiled_modules.append(module)
         return real(module)
 
-    monkeypatch.setattr(cgbackend.inner, "inductor_compile", counting)
+    monkeypatch.setattr(cgbackend.runtime.inner, "inductor_compile", counting)
     model = _dense().eval()
     compiled = cgbackend.compile(copy.deepcopy(model), inner="inductor", simulate_graphs=True, warmup=3)
     xs = _inputs(5, seed=3)
@@ -276,7 +276,7 @@ def test_regions_compile_lazily_only_when_they_reach_capture(monkeypatch):
 
 
 def test_capture_false_compiles_nothing(monkeypatch):
-    monkeypatch.setattr(cgbackend.inner, "inductor_compile", lambda m: pytest.fail("compiled"))
+    monkeypatch.setattr(cgbackend.runtime.inner, "inductor_compile", lambda m: pytest.fail("compiled"))
     compiled = cgbackend.compile(_dense().eval(), inner="inductor", capture=False, warmup=1)
     with torch.no_grad():
         for x in _inputs(3):
@@ -297,7 +297,7 @@ def _broken_first_call(module):
 @pytest.mark.parametrize("compiler, reason", [(_broken_compile, InnerFallback.COMPILE_FAILED),
                                               (_broken_first_call, InnerFallback.FIRST_CALL_FAILED)])
 def test_inductor_failure_runs_eager_kernels_with_counted_reason(monkeypatch, compiler, reason):
-    monkeypatch.setattr(cgbackend.inner, "inductor_compile", compiler)
+    monkeypatch.setattr(cgbackend.runtime.inner, "inductor_compile", compiler)
     model = _dense().eval()
     compiled = cgbackend.compile(copy.deepcopy(model), inner="inductor", **SIM)
     with torch.no_grad():
@@ -313,7 +313,7 @@ def test_inductor_failure_runs_eager_kernels_with_counted_reason(monkeypatch, co
 
 
 def test_inductor_failure_raises_under_strict(monkeypatch):
-    monkeypatch.setattr(cgbackend.inner, "inductor_compile", _broken_compile)
+    monkeypatch.setattr(cgbackend.runtime.inner, "inductor_compile", _broken_compile)
     compiled = cgbackend.compile(_dense().eval(), inner="inductor", strict=True, **SIM)
     with torch.no_grad(), pytest.raises(RuntimeError, match="inductor_compile_failed"):
         compiled(_inputs(1)[0])

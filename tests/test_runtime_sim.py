@@ -96,7 +96,7 @@ def test_outputs_copied_out_of_graph_memory_with_one_foreach_call(mode, monkeypa
     monkeypatch.setattr(outputs, "OUTPUT_COPY", "copy" if mode == "none" else mode)
     if outputs._foreach_clone is not None:
         monkeypatch.setattr(outputs, "_foreach_clone", counting("clone", outputs._foreach_clone))
-    monkeypatch.setattr(outputs, "_foreach_copy", None if mode == "none" else counting("copy", outputs._foreach_copy))
+    monkeypatch.setattr(outputs, "foreach_copy", None if mode == "none" else counting("copy", outputs.foreach_copy))
     torch.manual_seed(0)
     model = _ThreeOut().eval()
     compiled = cgbackend.compile(model, handout_graphs=0, **SIM)  # every output copied
@@ -139,7 +139,7 @@ def test_mixed_dtype_outputs_copied_with_one_foreach_call_per_dtype(mode, monkey
     monkeypatch.setattr(outputs, "OUTPUT_COPY", mode)
     if outputs._foreach_clone is not None:
         monkeypatch.setattr(outputs, "_foreach_clone", counting("clone", outputs._foreach_clone))
-    monkeypatch.setattr(outputs, "_foreach_copy", counting("copy", outputs._foreach_copy))
+    monkeypatch.setattr(outputs, "foreach_copy", counting("copy", outputs.foreach_copy))
     sources = [torch.tensor(7), torch.randn(3, 4), torch.randn(4, 3).t(), torch.tensor(-2 ** 62),
                torch.randn(2, dtype=torch.float64), torch.randn(5)]
     copies = outputs.copy_out(sources)
@@ -163,7 +163,7 @@ def _python_ptrs_equal(tensors, ptrs, indices):
 def test_parameter_replaced_recaptures_and_load_state_dict_does_not(check, monkeypatch):
     """"cached": the key reuses the parameters' part while one comparison says no address changed
     (PyTorch's C++ comparison on CUDA builds; a Python stand-in here, counted)."""
-    from cgbackend.runtime import region
+    from cgbackend.runtime import graph_cache as region
     calls = []
     if check == "cached":
         monkeypatch.setattr(region, "_ptrs_equal", lambda *a: calls.append(1) or _python_ptrs_equal(*a))
@@ -472,11 +472,11 @@ def test_autograd_grad_results_survive_later_backwards():
 def test_out_of_memory_while_preparing_a_capture_falls_back(monkeypatch):
     """The static input buffers are allocated before the capture: running out of memory there is a
     capture failure like any other (the GPU version of this test squeezes real memory)."""
-    from cgbackend.runtime import region as region_module
+    from cgbackend.runtime import recorder as region_module
 
     def no_memory(value):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
-    monkeypatch.setattr(region_module, "_static_buffer_like", no_memory)
+    monkeypatch.setattr(region_module, "static_buffer_like", no_memory)
     model = build_model("dense").eval()
     compiled = cgbackend.compile(model, **SIM)
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """Benchmark mode ``decode``: greedy decoding with a transformers ``StaticCache``, ms per token.
 
-Models (``bench_models``): ``hf-llama`` (transformers Llama) and ``hf-mixtral-eager-experts``
+Models (``models.py``): ``hf-llama`` (transformers Llama) and ``hf-mixtral-eager-experts``
 (transformers Mixtral with ``set_experts_implementation("eager")``), random weights from a small
 config. What each contender compiles is one decode step (:class:`DecodeStep`: one token per
 sequence through the model with the static cache, the last position's logits), not ``generate``:
@@ -13,7 +13,7 @@ Per contender:
    tokens equal to eager's (greedy tokens diverge for good once one differs);
 3. a teacher-forced round on that prompt (each step fed eager's token), so the logits of every
    step compare with eager's and with a float64 run fed the same tokens (the fp64 rule of
-   bench_accuracy on the group ``output``); ``argmax_agree_frac`` = the share of steps whose
+   accuracy.py on the group ``output``); ``argmax_agree_frac`` = the share of steps whose
    argmax equals the float64 run's;
 4. timed rounds (each step timed on its own, CUDA events around call + argmax), as many as
    ``--iters`` or ``--time-budget`` allow (at least 2). ``median_ms`` is per token. With
@@ -36,41 +36,10 @@ import torch.nn as nn
 from .cases import Case, empty_row, skip_reason
 from .contenders import CONTENDERS
 from .measure import cleanup, error_text, log, sync
+from .models import DECODE_SHAPES
 from .timing import TIMING_ROUNDS, Tally, block_share, put_counts, put_times, read_peak
 
-__all__ = ["DECODE_SHAPES", "DecodeStep", "build_hf", "make_static_cache", "run_decode"]
-
-DECODE_SHAPES: dict[str, dict[str, Any]] = {
-    "full": dict(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, expert_ffn=1024, experts=8, top_k=2,
-                 vocab=32000, batch=8, prompt=16, new_tokens=32),
-    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, expert_ffn=64, experts=4, top_k=2,
-                 vocab=256, batch=2, prompt=4, new_tokens=6),
-}
-
-
-def build_hf(name: str, s: Any) -> nn.Module:
-    """The transformers model behind ``name`` from a small config, random weights from ``s.seed``,
-    on CPU in ``s.dtype``, in eval mode."""
-    import transformers
-    shape = DECODE_SHAPES[s.scale]
-    common = dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
-                  num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-                  max_position_embeddings=max(256, shape["prompt"] + shape["new_tokens"]))
-    torch.manual_seed(s.seed)
-    if name == "hf-llama":
-        cfg = transformers.LlamaConfig(intermediate_size=shape["ffn"], **common)
-        cfg._attn_implementation = "sdpa"
-        model = transformers.LlamaForCausalLM(cfg)
-    elif name == "hf-mixtral-eager-experts":
-        cfg = transformers.MixtralConfig(intermediate_size=shape["expert_ffn"], num_local_experts=shape["experts"],
-                                         num_experts_per_tok=shape["top_k"], **common)
-        cfg._attn_implementation = "sdpa"
-        model = transformers.MixtralForCausalLM(cfg)
-        model.set_experts_implementation("eager")
-    else:
-        raise ValueError(f"no decode model {name!r}")
-    return model.to(dtype=s.dtype).eval()
-
+__all__ = ["DecodeStep", "make_static_cache", "run_decode"]
 
 def make_static_cache(model: nn.Module, max_len: int, batch: int, device: torch.device, dtype: torch.dtype) -> Any:
     """A transformers StaticCache for ``model`` (newer transformers size it lazily at the first

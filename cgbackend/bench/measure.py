@@ -37,14 +37,6 @@ def error_text(exc: BaseException, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def lm_loss(model_name: str, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The training loss, computed in float32 (float64 for the reference) outside the compiled model:
-    next-token cross entropy for the language models (logits[:, :-1] vs tokens[:, 1:]), mean square
-    of the output otherwise (``BenchModel.loss``)."""
-    from .models import MODELS
-    return MODELS[model_name].loss(out, x)
-
-
 def graph_breaks() -> dict[str, int]:
     from torch._dynamo.utils import counters
     return dict(counters["graph_break"])

@@ -6,7 +6,7 @@ Families:
 - ``shape``: real-size decoder stacks (``cgbackend/models/realsize.py``), ``--scale full|tiny``,
   ``--tokens`` (a sweep gives one row group per token count, same model name).
 - ``decode``: transformers models from small configs, greedy decode with a StaticCache
-  (``cgbackend/bench_decode.py``).
+  (``decode.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["BenchModel", "MODELS", "register_model", "upcast_float"]
+__all__ = ["BenchModel", "DECODE_SHAPES", "MODELS", "build_hf", "register_model", "upcast_float"]
 
 
 def upcast_float(t: torch.Tensor) -> torch.Tensor:
@@ -139,12 +139,43 @@ register_model(_shape("dense-llama8b-shape", _DENSE_SHAPE_CONTENDERS,
 
 # ---------------------------------------------------------------------------------- decode
 
+DECODE_SHAPES: dict[str, dict[str, Any]] = {
+    "full": dict(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, expert_ffn=1024, experts=8, top_k=2,
+                 vocab=32000, batch=8, prompt=16, new_tokens=32),
+    "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, expert_ffn=64, experts=4, top_k=2,
+                 vocab=256, batch=2, prompt=4, new_tokens=6),
+}
+
+
+def build_hf(name: str, s: Any) -> nn.Module:
+    """The transformers model behind ``name`` from a small config, random weights from ``s.seed``,
+    on CPU in ``s.dtype``, in eval mode."""
+    import transformers
+    shape = DECODE_SHAPES[s.scale]
+    common = dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+                  num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                  max_position_embeddings=max(256, shape["prompt"] + shape["new_tokens"]))
+    torch.manual_seed(s.seed)
+    if name == "hf-llama":
+        cfg = transformers.LlamaConfig(intermediate_size=shape["ffn"], **common)
+        cfg._attn_implementation = "sdpa"
+        model = transformers.LlamaForCausalLM(cfg)
+    elif name == "hf-mixtral-eager-experts":
+        cfg = transformers.MixtralConfig(intermediate_size=shape["expert_ffn"], num_local_experts=shape["experts"],
+                                         num_experts_per_tok=shape["top_k"], **common)
+        cfg._attn_implementation = "sdpa"
+        model = transformers.MixtralForCausalLM(cfg)
+        model.set_experts_implementation("eager")
+    else:
+        raise ValueError(f"no decode model {name!r}")
+    return model.to(dtype=s.dtype).eval()
+
+
 _DECODE_DEFAULTS = dict(batches=1, warmup=1, iters=4, acc_batches=1, time_budget=3.0)
 
 
 def _decode(name: str, contenders: tuple[str, ...], moe: bool, description: str) -> BenchModel:
     def build(s: Any) -> nn.Module:
-        from .decode import build_hf
         return build_hf(name, s)
 
     return BenchModel(name=name, family="decode", modes=("decode",), build=build,

@@ -40,7 +40,7 @@ from .classify import Classification
 from .cost import estimate_kernels
 from .effects import Effects
 
-__all__ = ["Region", "Partition", "partition"]
+__all__ = ["Region", "Partition", "levels", "partition", "set_boundaries"]
 
 
 @dataclasses.dataclass
@@ -92,7 +92,7 @@ def _container_source(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     return None
 
 
-def _levels(nodes: list[torch.fx.Node], static: dict[torch.fx.Node, bool],
+def levels(nodes: list[torch.fx.Node], static: dict[torch.fx.Node, bool],
             effects: Effects) -> dict[torch.fx.Node, int]:
     level: dict[torch.fx.Node, int] = {}
     for node in nodes:
@@ -156,7 +156,7 @@ def partition(gm: torch.fx.GraphModule, classification: Classification, effects:
 
     grad_before = _grad_mode_before(effects.barriers, classification.grad_enabled)
     for _round in range(len(effects.barriers) + 1):
-        level = _levels(nodes, static, effects)
+        level = levels(nodes, static, effects)
         cut: list[torch.fx.Node] = []
         grad_switches: dict[int, list[torch.fx.Node]] = {}
         for barrier in effects.barriers:
@@ -219,11 +219,11 @@ def partition(gm: torch.fx.GraphModule, classification: Classification, effects:
         regions.append(region)
         for n in members:
             region_of[n] = region
-    _set_boundaries(gm, regions, region_of)
+    set_boundaries(gm, regions, region_of)
     return Partition(regions=regions, region_of=region_of, extra_reasons=extra)
 
 
-def _set_boundaries(gm: torch.fx.GraphModule, regions: list[Region],
+def set_boundaries(gm: torch.fx.GraphModule, regions: list[Region],
                     region_of: dict[torch.fx.Node, Region]) -> None:
     for region in regions:
         seen: set[torch.fx.Node] = set()

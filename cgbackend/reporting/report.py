@@ -2,7 +2,7 @@
 
 JSON schema ``cgbackend.report/1`` (stable; fields are only added). The machine-readable schema is
 ``cgbackend/reporting/report.schema.json`` (checked against real reports by tests/test_report_schema.py;
-``cgbackend.report_schema.validate_report(report)`` checks one); in short:
+``cgbackend.reporting.schema.validate_report(report)`` checks one); in short:
 
 ``{"schema", "config", "notes": [str], "graph_breaks": [{"reason", "source"}],
 "summary": {...}, "graphs": [{"index", "ops", "static_ops", "compute_device", "training",

@@ -27,14 +27,15 @@ import torch.fx
 from ..passes.pipeline import Analysis
 from ..fx_utils import fake_value
 from ..opaque import opaque_info, region_hooks
-from .region import (COPY, EAGER, HANDOFF, PARAM, QUEUE_CALLBACK, VALUE, RegionRunner, RuntimeShared,
-                     is_static_address)
+from .backward import QUEUE_CALLBACK
+from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, RuntimeShared, is_static_address
+from .region import RegionRunner
 from ..passes.bucket import mutated_input_positions
 from ..passes.gather import rewrite_gathers
 from .outputs import INPUT, OutputBuilder, output_aliases
 from .inner import InnerFallback, LazyInner, resolve_inner
 from ..passes.constants import make_constant
-from .split import build_region_module
+from .split import Step, build_region_module
 from .syncsplit import apply_splits
 from .stats import EagerReason
 
@@ -117,20 +118,6 @@ class CallState:
             self.release()
 
 
-class _Step:
-    __slots__ = ("ins", "outs", "frees", "runner", "module", "region", "range_name")
-
-    def __init__(self, ins, outs, frees, runner, module, region, range_name="") -> None:
-        self.ins = ins
-        self.outs = outs
-        self.frees = frees
-        self.runner = runner
-        self.module = module
-        self.region = region
-        self.range_name = range_name
-        """Profiler range of this region: "cgbackend g0.S0 attention" (report id and role)."""
-
-
 def _never() -> bool:
     return False
 
@@ -204,7 +191,7 @@ class CompiledGraph:
         self._runner_of: dict[torch.fx.Node, RegionRunner] = {}
         """Node -> the runner of the static region computing it (hand-off producers)."""
         self._pending_splits: list = []
-        self.steps: list[_Step] = []
+        self.steps: list[Step] = []
         self.runners: list[RegionRunner] = []
         self.gather_rewrites: dict[int, int] = {}
         """Dynamic region index -> row gathers rewritten to index_select (passes/gather.py)."""
@@ -223,7 +210,7 @@ class CompiledGraph:
                 if self.training_graph:
                     self.gather_rewrites[region.index] = rewrite_gathers(module)
             role = analysis.labels.region_roles.get(region.index, "other")
-            self.steps.append(_Step(ins, outs, frees, runner, module, region,
+            self.steps.append(Step(ins, outs, frees, runner, module, region,
                                     f"cgbackend g{index}.{region.name} {role}"))
 
         self.mark_terminal()
@@ -405,7 +392,7 @@ class CompiledGraph:
         env = self._env(args)
         for step in self.steps:
             if step.runner is not None:
-                step.runner._count_eager(reason)
+                step.runner.count_eager(reason)
             out = step.module(*[env[i] for i in step.ins])
             for i, value in zip(step.outs, out):
                 env[i] = value
@@ -449,7 +436,7 @@ class CompiledGraph:
         }
 
 
-def run_step(step: _Step, ins: list, call: CallState) -> Any:
+def run_step(step: Step, ins: list, call: CallState) -> Any:
     """One region of one call, as ``_run`` runs it; what a watch (RuntimeShared.watch) wraps."""
     if step.runner is not None:
         return step.runner(ins, call)

@@ -29,11 +29,17 @@ import torch.fx
 from ..config import Config
 from ..fx_utils import fake_value
 from .capture import first_line
-from .region import no_donated_buffers
 
-__all__ = ["InnerFallback", "LazyInner", "inductor_compile", "resolve_inner"]
+__all__ = ["InnerFallback", "LazyInner", "inductor_compile", "no_donated_buffers", "resolve_inner"]
 
 log = logging.getLogger(__name__)
+
+
+def no_donated_buffers():
+    """Donated buffers let AOT autograd's backward reuse saved tensors' memory, which forbids
+    retain_graph=True; cgbackend keeps the captured forward's autograd graph to capture the backward
+    (and to run it eagerly if that capture fails). Read at compile time and at backward time."""
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 class InnerFallback:

@@ -42,13 +42,13 @@ from ..fx_utils import fake_value
 from ..passes.effects import mutated_args
 from .capture import non_overlapping
 
-__all__ = ["INPUT", "OUTPUT", "SHARED", "AliasGroup", "OutputAliases", "OutputBuilder", "output_aliases"]
+__all__ = ["INPUT", "OUTPUT", "SHARED", "AliasGroup", "OutputAliases", "OutputBuilder", "foreach_copy", "output_aliases"]
 
 log = logging.getLogger(__name__)
 
 INPUT, OUTPUT, SHARED = "input", "output", "shared"
 
-_foreach_copy = getattr(torch, "_foreach_copy_", None)
+foreach_copy = getattr(torch, "_foreach_copy_", None)
 """Feature-tested private API (present in torch 2.11 and 2.13): several copies, one launch."""
 
 _VIEW, _SAME = "view", "same"
@@ -335,7 +335,7 @@ class OutputBuilder:
                 values[nodes[i]] = value.clone()
             else:
                 batch.append(nodes[i])
-        if len(batch) == 1 or (batch and _foreach_copy is None):
+        if len(batch) == 1 or (batch and foreach_copy is None):
             for node in batch:
                 values[node] = values[node].clone()
         elif batch:
@@ -452,7 +452,7 @@ def _copy_alike(tensors: list) -> list:
         if first.is_cuda and first.dtype in _MUL_EXACT:
             return _foreach_mul(tensors, True)
     copies = [torch.empty_like(t) for t in tensors]
-    _foreach_copy(copies, tensors)
+    foreach_copy(copies, tensors)
     return copies
 
 

@@ -16,7 +16,7 @@ import torch.fx
 
 from ..passes.partition import Region
 
-__all__ = ["build_region_module"]
+__all__ = ["Step", "build_region_module"]
 
 
 def _assert_scalar(cond: Any, msg: str) -> None:
@@ -57,3 +57,19 @@ def build_region_module(gm: torch.fx.GraphModule, region: Region,
     """The region module's node -> the node of Dynamo's graph it copies (runtime/syncsplit.py)."""
     return module
 
+
+class Step:
+    """One region of a compiled graph, in execution order: where its inputs come from, where its
+    outputs go, what is freed after it, and the runner (static) or module (eager) that runs it."""
+
+    __slots__ = ("ins", "outs", "frees", "runner", "module", "region", "range_name")
+
+    def __init__(self, ins, outs, frees, runner, module, region, range_name="") -> None:
+        self.ins = ins
+        self.outs = outs
+        self.frees = frees
+        self.runner = runner
+        self.module = module
+        self.region = region
+        self.range_name = range_name
+        """Profiler range of this region: "cgbackend g0.S0 attention" (report id and role)."""

@@ -79,7 +79,7 @@ class Counters:
     trace_scope_missed: int = 0
     """Graphs of cgbackend.compile calls that Dynamo traced without those settings (no compile
     callback ran for them: another compile was in progress); the instance then switches them around
-    each call (api._CompileScope)."""
+    each call (tracing.CompileScope)."""
     static_regions: int = 0
     dynamic_regions: int = 0
     graphs_captured: int = 0
@@ -139,7 +139,7 @@ class Counters:
     """Time spent in those compiles (lazily, before each region's last warm-up call)."""
     inner_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Regions that should have been compiled by Inductor but run eager's kernels, by reason
-    (cgbackend.inner.InnerFallback)."""
+    (cgbackend.runtime.inner.InnerFallback)."""
     inner_failures: list = dataclasses.field(default_factory=list)
     """One entry per inner fallback: {"region", "reason", "detail"}."""
     constants_hoisted: int = 0

@@ -25,8 +25,8 @@ import torch.fx
 
 from ..fx_utils import op_name, source_location
 from ..passes.cost import estimate_kernels
-from ..passes.partition import Region, _levels, _set_boundaries
-from .split import build_region_module
+from ..passes.partition import Region, levels, set_boundaries
+from .split import Step, build_region_module
 
 if TYPE_CHECKING:
     from .executor import CompiledGraph
@@ -53,7 +53,7 @@ def split_region(region: Region, node: torch.fx.Node, effects: Any, min_region_o
     every node of the graph to its region (the parts' inputs and outputs are found with it)."""
     nodes = list(region.nodes)
     static = {n: n is not node for n in nodes}
-    level = _levels(nodes, static, effects)
+    level = levels(nodes, static, effects)
     groups: dict[tuple[int, int], list[torch.fx.Node]] = {}
     for n in nodes:
         groups.setdefault((level[n], 0 if static[n] else 1), []).append(n)
@@ -78,7 +78,7 @@ def split_region(region: Region, node: torch.fx.Node, effects: Any, min_region_o
         parts.append(part)
         for n in members:
             local[n] = part
-    _set_boundaries(None, parts, local)
+    set_boundaries(None, parts, local)
     return parts
 
 
@@ -90,7 +90,6 @@ def apply_splits(graph: "CompiledGraph") -> None:
 
 
 def _apply(graph: "CompiledGraph", step: Any, hit: Any) -> None:
-    from .executor import _Step
 
     region, old = step.region, step.runner
     region_of: dict[torch.fx.Node, Region] = {}
@@ -117,7 +116,7 @@ def _apply(graph: "CompiledGraph", step: Any, hit: Any) -> None:
         outs = tuple(slot_of[n] for n in part.outputs)
         frees = tuple(s for s in ins if last_part.get(s) == i and (s in step.frees or s >= base))
         runner = graph._make_runner(part, module, None) if part.is_static else None
-        new_steps.append(_Step(ins, outs, frees, runner, module, part, f"{step.range_name}.{i}"))
+        new_steps.append(Step(ins, outs, frees, runner, module, part, f"{step.range_name}.{i}"))
     position = graph.steps.index(step)
     graph.steps[position:position + 1] = new_steps
     graph.mark_terminal()

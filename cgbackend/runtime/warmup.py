@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .inner import InnerFallback
 from .stats import EagerReason
 
 if TYPE_CHECKING:
@@ -177,8 +178,6 @@ def _run_watched(fn: Callable[[], Any], detector: Optional[SyncDetector]) -> tup
 
 def warmup_call(runner: "RegionRunner", ins: list, shape_key: tuple, last: bool) -> Any:
     """One warm-up call of ``runner``; ``last``: the last before its capture (compile it now)."""
-    from .inner import InnerFallback
-
     detector = runner.shared.sync_detector
     lazy = runner.lazy_inner
     if last and lazy is not None and lazy.state == "pending":

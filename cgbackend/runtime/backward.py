@@ -1,0 +1,277 @@
+"""The training side of a region: the autograd.Function that replays a training entry's forward
+graph, and its backward: captured at the first backward in the entry's pool, replayed after, or
+run as autograd through the captured forward (a parameter moved, the capture failed, the replay
+order or a held gradient forbids the replay), each counted with its reason.
+
+The static gradients a backward replay produces are handed to autograd as fresh aliases; a
+``.grad`` that keeps one is given its own memory before the next backward replay rewrites them
+(``reclaim_grads``), so ``.grad`` accumulates as eagerly."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from .capture import CaptureError, SimulatedGraph, first_line
+from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
+from .inner import no_donated_buffers
+from .inputs import saved_modified_error
+from .params import ParamPolicy
+from .reach import unreached
+from .stats import EagerReason
+
+if TYPE_CHECKING:
+    from .region import RegionRunner
+
+__all__ = ["Backward", "RegionFunction", "QUEUE_CALLBACK"]
+
+log = logging.getLogger(__name__)
+
+
+def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
+    """The autograd engine's end-of-backward-pass hook (semi-private; feature-tested)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return getattr(engine, "queue_callback", None)
+
+
+QUEUE_CALLBACK = _queue_callback()
+
+
+class Backward:
+    """The backward graphs of one region's training entries (RegionRunner.backward)."""
+
+    def __init__(self, runner: "RegionRunner") -> None:
+        self.runner = runner
+
+    def capture(self, entry: TrainEntry, grads: tuple) -> None:
+        """First backward of a training entry: capture its backward graph in the entry's pool."""
+        runner = self.runner
+        shared = runner.shared
+        try:
+            grad_outs = [static_buffer_like(entry.outputs[i]) for i in entry.diff_out]
+            fill_grads(grad_outs, entry.diff_out, grads)
+        except torch.OutOfMemoryError as exc:
+            self._capture_failed(first_line(exc), entry)
+            return
+        entry.static_grad_outs = grad_outs
+        shared.register_persistent(grad_outs, handoff=False)
+        inputs = [entry.static_ins[p] for p in entry.diff_in]
+
+        def run() -> Any:
+            with no_donated_buffers():
+                grads_in = torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
+                                               retain_graph=True, allow_unused=True)
+            return tuple(grads_in)
+
+        if getattr(runner.fn, "needs_backward_prewarm", False):
+            # Inductor compiles the keep-graph variant of its backward on first use: not in a capture.
+            self.eager(entry, grads)
+        device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None
+        reserved_before = reserved(device)
+        start = time.perf_counter()
+        try:
+            graph, static_grad_ins = shared.capturer.capture(
+                run, entry.pool, hooks=runner.hooks,
+                reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
+        except CaptureError as exc:
+            self._capture_failed(str(exc), entry)
+            return
+        elapsed = time.perf_counter() - start
+        entry.bwd_graph = graph
+        entry.bwd_index = entry.pool.new_index()
+        if isinstance(graph, SimulatedGraph):
+            graph.attach(entry.pool, entry.bwd_index)
+        entry.static_grad_ins = static_grad_ins
+        entry.grad_ptrs = frozenset(g.data_ptr() for g in static_grad_ins if g is not None)
+        shared.register_persistent([g for g in static_grad_ins if g is not None], handoff=False)
+        shared.counters.bwd_graphs += 1
+        runner.recorder.count_capture(entry, elapsed, reserved(device) - reserved_before, forward=False)
+
+    def reclaim_grads(self, entry: TrainEntry, leaves: list[torch.Tensor]) -> bool:
+        """Before a backward replay rewrites the static gradients: may it?
+
+        The last backward handed out aliases of them (autograd's AccumulateGrad keeps such an alias
+        as ``param.grad`` instead of copying it). A ``.grad`` still aliasing one gets its own copy
+        now; if anything else still holds one (``torch.autograd.grad`` results, a saved ``.grad``),
+        return False: this backward must not overwrite it."""
+        if not entry.handed:
+            return True
+        shared = self.runner.shared
+        alive = [t for t in (ref() for ref in entry.handed) if t is not None]
+        if alive:
+            held = {id(t) for t in alive}
+            del alive
+            for leaf in leaves:
+                grad = leaf.grad
+                if grad is not None and id(grad) in held:
+                    leaf.grad = grad.clone()
+                    counters = shared.counters
+                    counters.copies_made += 1
+                    counters.copied_by_kind["grad_reclaimed"] += 1
+                del grad
+            if any(ref() is not None for ref in entry.handed):
+                return False
+        entry.handed = []
+        entry.leaves = []
+        if shared.handed.pop(id(entry), None) is not None:
+            entry.pool.release(entry.bwd_index)
+        return True
+
+    def hand_out(self, entry: TrainEntry, leaves: list[torch.Tensor]) -> tuple:
+        """Fresh aliases of the static gradients for autograd (which may keep them as ``.grad``
+        without a copy); remembered weakly, with the ``.grad`` that end up aliasing them."""
+        if QUEUE_CALLBACK is None:
+            # Without the hook nobody could tell which .grad keeps an alias: hand out the buffers
+            # themselves, which autograd copies because we hold them.
+            return entry.static_grad_ins
+        out = tuple(None if g is None else g.detach() for g in entry.static_grad_ins)
+        entry.handed = [weakref.ref(t) for t in out if t is not None]
+        entry.leaves = leaves
+        shared = self.runner.shared
+        if id(entry) not in shared.handed:
+            # Until reclaimed, the gradients are live data of the backward graph: the replay-order
+            # rule then keeps graphs captured before it from running over them.
+            shared.handed[id(entry)] = (self, entry)
+            entry.pool.acquire(entry.bwd_index)
+
+        def record_grads() -> None:
+            for leaf in leaves:
+                grad = leaf.grad
+                if grad is not None and grad.data_ptr() in entry.grad_ptrs:
+                    entry.handed.append(weakref.ref(grad))
+
+        QUEUE_CALLBACK(record_grads)
+        return out
+
+    def _capture_failed(self, error: str, entry: TrainEntry) -> None:
+        runner = self.runner
+        runner.shared.counters.capture_failures.append({"region": runner.name + " (backward)", "error": error})
+        if runner.config.strict:
+            raise RuntimeError(f"cgbackend: capturing the backward of {runner.name} failed: {error}")
+        log.warning("cgbackend: capturing the backward of %s failed; its backward runs eagerly "
+                    "through the captured forward: %s", runner.name, error)
+        entry.bwd_failed = error
+
+    def eager(self, entry: TrainEntry, grads: tuple) -> tuple:
+        """Backward without the backward graph: autograd through the captured forward's graph."""
+        grad_outs = []
+        for i in entry.diff_out:
+            grad = grads[i]
+            grad_outs.append(torch.zeros_like(entry.outputs[i]) if grad is None else grad)
+        inputs = [entry.static_ins[p] for p in entry.diff_in]
+        hooks = self.runner.hooks
+        quiet = hooks.quiet_backward() if hooks is not None else contextlib.nullcontext()
+        with no_donated_buffers(), quiet:
+            return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
+                                       retain_graph=True, allow_unused=True)
+
+    def run(self, ctx: Any, grads: tuple) -> tuple:
+        """The backward of one replayed forward (RegionFunction.backward after its checks): the
+        gradients of the entry's differentiable inputs, by position."""
+        runner, entry = self.runner, ctx.entry
+        counters = runner.shared.counters
+        if entry.reach is None:  # which inputs each output reaches, from the forward's autograd graph
+            entry.reach = runner.reach_of(entry)
+        if ctx.volatile:
+            copied = ParamPolicy.refresh(entry.static_ins, ctx.volatile)
+            counters.copies_made += copied
+            counters.copied_by_kind["param"] += copied
+        moved = ParamPolicy.moved(entry.static_ins, entry.param_addrs) if entry.param_addrs else None
+        fresh = moved is None and entry.bwd_graph is None and entry.bwd_failed is None
+        if fresh:
+            self.capture(entry, grads)
+        if moved is not None:
+            # An engine re-allocated a parameter since the forward was captured (FSDP2 without
+            # cgbackend.distributed.track_fsdp): a graph would read the old address.
+            log.debug("cgbackend: %s backward: parameter moved (%s)", runner.name, moved)
+            reason = EagerReason.PARAM_MOVED
+        elif entry.bwd_graph is None:
+            reason = "backward_capture_failed"
+        elif entry.pool.hazard(entry.bwd_index):
+            reason = EagerReason.REPLAY_ORDER
+        elif not self.reclaim_grads(entry, ctx.leaves):
+            reason = EagerReason.GRAD_HELD
+        else:
+            reason = None
+        if reason is not None:
+            runner.count_eager(reason)
+            grads_in = self.eager(entry, grads)
+        else:
+            if not fresh:
+                copied = fill_grads(entry.static_grad_outs, entry.diff_out, grads)
+                counters.copies_made += copied
+                counters.copied_by_kind["grad_output"] += copied
+            entry.bwd_graph.replay()
+            counters.replays += 1
+            counters.bwd_replays += 1
+            grads_in = self.hand_out(entry, ctx.leaves)
+        return grads_in
+
+
+class RegionFunction(torch.autograd.Function):
+    """Forward: replay the entry's forward graph. Backward: replay (or capture) its backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, info: tuple, *tensors: torch.Tensor) -> Any:
+        runner, entry, call, fresh = info
+        ins = list(tensors)
+        full = [None] * len(runner.kinds)
+        for p, t in zip(entry.tensor_pos, ins):
+            full[p] = t
+        runner.stage_inputs(entry, full, fresh)
+        ctx.hook_token = runner.hooks.before_forward() if runner.hooks is not None else None
+        entry.graph.replay()
+        runner.after_replay(entry, full, call)
+        ctx.versions = [(full[p], full[p]._version) for p in entry.saved_pos]
+        runner.shared.counters.fwd_replays += 1
+        ctx.runner, ctx.entry, ctx.call = runner, entry, call
+        ctx.generation = call.generation
+        ctx.leaves = [t for t in tensors if t.requires_grad and t.is_leaf]
+        # Volatile parameters (FSDP2's) by position: copied into the entry again before backward.
+        ctx.volatile = [(p, full[p]) for p in entry.volatile_pos]
+        call.add_token()
+        ctx.set_materialize_grads(False)
+        # Fresh aliases each call: autograd attaches this call's history to the returned objects,
+        # never to the static buffers themselves.
+        outs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in entry.outputs)
+        if entry.nondiff_out:
+            ctx.mark_non_differentiable(*(outs[i] for i in entry.nondiff_out))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
+        runner, entry, call = ctx.runner, ctx.entry, ctx.call
+        if entry.saved_modified is not None:
+            raise saved_modified_error(entry.saved_modified, runner.name)
+        for t, version in ctx.versions:
+            if t._version != version:
+                raise saved_modified_error(
+                    f"an input of shape {tuple(t.shape)}@{t.dtype} saved by the region was written in "
+                    f"place between forward and backward (version {t._version}; expected {version})",
+                    runner.name)
+        if torch.is_grad_enabled():  # the engine runs backward in grad mode only for create_graph
+            raise RuntimeError(
+                f"cgbackend: backward with create_graph=True (double backward) through graphed region "
+                f"{runner.name} is not supported: its backward replays a graph, which records no "
+                "autograd history to differentiate again. Compute higher-order gradients without "
+                "cgbackend for this model.")
+        if not call.still_valid(ctx.generation):
+            raise RuntimeError(
+                f"cgbackend: backward through graphed region {runner.name} after its memory was reused "
+                "by a later forward (a second backward over a retained graph). Run backward before the "
+                "next forward of the model, or compile without CUDA graphs for this pattern.")
+        call.on_backward()
+        grads_in = runner.backward.run(ctx, grads)
+        if runner.hooks is not None:
+            runner.hooks.after_backward(ctx.hook_token)
+        by_pos = dict(zip(entry.diff_in, grads_in))
+        # Inputs only outputs without a gradient reach: None, as eager autograd leaves them (the
+        # graph computed zeros for them).
+        for i in unreached(entry.reach, [grads[k] for k in entry.diff_out]):
+            by_pos[entry.diff_in[i]] = None
+        return (None,) + tuple(by_pos.get(p) for p in entry.tensor_pos)

@@ -1,0 +1,124 @@
+"""The inference fast path of a region: the entry replayed last is remembered with the parts of its
+key, and the next call checks those parts one by one (same shapes, strides, dtypes, numbers,
+parameter addresses and inference mode) instead of building the full key. A call that differs in
+anything, or that the replay-order rule forbids now, takes the full path (``RegionRunner.__call__``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from .entries import COPY, PARAM, VALUE, Entry, freeze
+
+if TYPE_CHECKING:
+    from .region import RegionRunner
+
+__all__ = ["FastPath"]
+
+
+class _Remembered:
+    """The entry, the inference mode and key parts of the call that replayed it last, and its static
+    input buffers."""
+
+    __slots__ = ("entry", "inference", "tensors", "values", "params", "static")
+
+    def __init__(self, entry: Entry, inference: bool, tensors: tuple, values: tuple, params: tuple,
+                 static: list) -> None:
+        self.entry = entry
+        self.inference = inference
+        self.tensors = tensors
+        """(position, shape, stride, dtype) of each tensor input other than parameters."""
+        self.values = values
+        """(position, frozen value) of each number input."""
+        self.params = params
+        """The parameters' addresses (GraphCache.param_key)."""
+        self.static = static
+        """The static buffers of the copied inputs, in entry.copy_pos order."""
+
+
+def _shares_written(ins: list, written: tuple, others: tuple) -> bool:
+    """Does a copied input (``others``) lie in the storage of an input the region writes? The fast
+    path's conservative form of inputs.overlap: one storage lookup per position, no spans."""
+    stores = {ins[p].untyped_storage().data_ptr() for p in written}
+    for pos in others:
+        value = ins[pos]
+        if value.layout is not torch.strided or value.untyped_storage().data_ptr() in stores:
+            return True
+    return False
+
+
+class FastPath:
+    def __init__(self, runner: "RegionRunner") -> None:
+        self.runner = runner
+        kinds, mutated = runner.kinds, runner.mutated
+        self.ok = (runner.hooks is None and runner.bucket is None
+                   and all(k is PARAM or k is COPY or k is VALUE for k in kinds)
+                   and all(kinds[p] is PARAM for p in mutated))
+        """Inference calls may take the fast path: the region reads only parameters, the caller's
+        tensors and numbers, pads nothing, and writes only inputs it reads in place (a static KV
+        cache's buffers: nothing to copy back)."""
+        self.last: Optional[_Remembered] = None
+        """The inference entry replayed last and what its key was made of (cleared when an entry is
+        dropped)."""
+
+    def clear(self) -> None:
+        self.last = None
+
+    def note(self, entry: Entry, ins: list) -> None:
+        """Remember an inference entry this call replays (or captured), with the parts of its key
+        (GraphCache.keys, just computed for it)."""
+        runner = self.runner
+        if not self.ok or type(entry) is not Entry or entry.input_views is not None \
+                or entry.pad_dims or runner.shared.params.volatile is not None:
+            self.last = None
+            return
+        kinds = runner.kinds
+        other_pos = runner.cache.other_pos
+        tensors = tuple((p, ins[p].shape, ins[p].stride(), ins[p].dtype) for p in other_pos
+                        if kinds[p] is not VALUE)
+        values = tuple((p, freeze(ins[p])) for p in other_pos if kinds[p] is VALUE)
+        self.last = _Remembered(entry, torch.is_inference_mode_enabled(), tensors, values,
+                                runner.cache.param_key, [entry.static_ins[p] for p in entry.copy_pos])
+
+    def replay(self, ins: list, call: Any) -> Any:
+        """Replay the remembered entry if this call's key is its key; None otherwise. Its inputs are
+        copied with one ``_foreach_copy_``; the parameter addresses take one C++ comparison on CUDA
+        builds."""
+        fast = self.last
+        if torch.is_inference_mode_enabled() is not fast.inference:
+            return None
+        for pos, shape, stride, dtype in fast.tensors:
+            value = ins[pos]
+            if value.shape != shape or value.dtype != dtype or value.stride() != stride:
+                return None
+        for pos, frozen in fast.values:
+            if freeze(ins[pos]) != frozen:
+                return None
+        runner = self.runner
+        cache = runner.cache
+        if cache.param_pos:
+            params = cache.param_addresses(ins)
+            if params is not fast.params and params != fast.params:
+                return None
+        if runner.written and _shares_written(ins, runner.written, runner.overlap_pos):
+            return None  # the full path tells a real overlap (run eagerly) from a shared storage
+        entry = fast.entry
+        pool = entry.pool
+        if pool.live and pool.hazard(entry.index):
+            return None
+        runner.stage_inputs(entry, ins, False, fast.static)
+        counters = runner.shared.counters
+        if entry.handouts is not None:
+            handout = runner.recorder.handout(entry)
+            if handout is not None:
+                counters.fast_replays += 1
+                return runner.replay_handout(handout)
+        entry.graph.replay()
+        pool.acquire(entry.index)
+        call.live.append((pool, entry.index))
+        runner.replays += 1
+        counters.replays += 1
+        counters.fast_replays += 1
+        return entry.outputs

@@ -1,0 +1,317 @@
+"""Capturing a region's graphs: the static input buffers of a new entry, the capture of its forward
+(inference or training) graph in the call slot's pool, its handout graphs, and what a capture
+costs (time, pool memory), counted; a failed capture is recorded once and the region then runs
+eagerly (RegionRunner decides, after asking eager whose error it was)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ..fx_utils import iter_tensors
+from .capture import CaptureError, SimulatedGraph, first_line
+from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reserved, static_buffer_like
+from .handout import HandoutGraph, handout_supported
+from .inputs import InputViews, SavedTensors, fill_padding
+from .params import ParamPolicy
+from .stats import EagerReason
+
+if TYPE_CHECKING:
+    from .region import RegionRunner
+
+__all__ = ["Recorder"]
+
+log = logging.getLogger(__name__)
+
+
+class Recorder:
+    """Captures the graphs of one region (RegionRunner.recorder)."""
+
+    def __init__(self, runner: "RegionRunner") -> None:
+        self.runner = runner
+        self.failure: Optional[str] = None
+        """The error of the latest failed capture attempt, until the call decides whose it was."""
+        self.handout_failed: Optional[str] = None
+
+    # ------------------------------------------------------------------ forward and inference graphs
+
+    def prepare_static_inputs(self, ins: list, grad_path: bool, entry: Entry, pad: Optional[Pad] = None) -> None:
+        runner = self.runner
+        shared = runner.shared
+        static_ins: list = []
+        copy_pos, handoff_pos, volatile_pos = [], [], []
+        persistent = shared.persistent_ptrs
+        plan = runner.bucket if pad is not None else None
+        for pos, value in enumerate(ins):
+            kind = runner.kinds[pos]
+            if plan is not None and pos in plan.value_inputs:
+                static_ins.append(plan.value_inputs[pos](pad.padded))
+                continue
+            if plan is not None and pos in plan.pad_inputs:
+                dim, size = plan.pad_inputs[pos]
+                shape, full = runner.cache.padded_full(value, dim, size(pad.padded))
+                if full is not None:
+                    static_ins.append(full)
+                    handoff_pos.append(pos)
+                    continue
+                # Padding rows are copies of the last real row (inputs.fill_padding): the region is
+                # row-independent, so they compute what that row computed, and no value an eager
+                # call would not see (an index out of range) reaches the graph.
+                buf = torch.zeros(shape, dtype=value.dtype, device=value.device)
+                block = size(pad.actual) // pad.actual[plan.symbol]
+                fill_padding(buf, value, dim, block)
+                static_ins.append(buf)
+                copy_pos.append(pos)
+                entry.pad_dims[pos] = dim
+                entry.pad_block[pos] = block
+                continue
+            volatile = kind == PARAM and shared.params.is_volatile(value)
+            if volatile:
+                volatile_pos.append(pos)  # read from a static copy, refreshed before each replay
+            elif kind == VALUE or (kind == PARAM and not (grad_path and value.requires_grad)):
+                static_ins.append(value)
+                continue
+            elif kind == PARAM:
+                # A leaf alias (same storage): the capture then builds its own autograd nodes on the
+                # capture stream instead of reusing the parameter's AccumulateGrad node, which was
+                # made on the default stream and would tie that stream to the capture.
+                # Still a Parameter: code that checks (torch.compile'd helpers guard on the type,
+                # and would recompile inside the capture) sees what it saw in the warm-up.
+                static_ins.append(torch.nn.Parameter(value.detach(), requires_grad=True)
+                                  if isinstance(value, torch.nn.Parameter) else value.detach().requires_grad_(True))
+                continue
+            if value.numel() == 0 and not volatile:
+                empty = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+                static_ins.append(empty.requires_grad_(True) if grad_path and value.requires_grad else empty)
+                continue
+            producer = runner.producers[pos]
+            handoff = kind == EAGER or (kind == HANDOFF and producer is not None and producer.disabled is None)
+            if handoff and not volatile and value.data_ptr() in persistent:
+                alias = value.detach()
+                if grad_path and value.requires_grad:
+                    alias.requires_grad_(True)
+                static_ins.append(alias)
+                handoff_pos.append(pos)
+                continue
+            buf = static_buffer_like(value)
+            with torch.no_grad():
+                buf.copy_(value)
+            if grad_path and value.requires_grad:
+                buf.requires_grad_(True)
+            static_ins.append(buf)
+            copy_pos.append(pos)
+        shared.register_persistent([static_ins[p] for p in copy_pos], handoff=False)
+        entry.static_ins = static_ins
+        entry.copy_pos = tuple(copy_pos)
+        entry.handoff_pos = tuple(handoff_pos)
+        entry.copy_back_pos = tuple(p for p in copy_pos if p in runner.mutated)
+        entry.volatile_pos = tuple(volatile_pos)
+        entry.param_addrs = ParamPolicy.record(
+            static_ins, [p for p, k in enumerate(runner.kinds) if k == PARAM and p not in entry.volatile_pos])
+
+    def capture(self, ins: list, grad_path: bool, call: Any, pad: Optional[Pad] = None) -> Optional[Entry]:
+        """A new entry for this call's signature, its graph captured; None if it could not be (the
+        region is then disabled, or ``failure`` holds the error of the attempt)."""
+        runner = self.runner
+        shared = runner.shared
+        device = next((v.device for v, k in zip(ins, runner.kinds) if k != VALUE), runner.device)
+        if device is None or (device.type != "cuda" and not shared.capturer.simulate):
+            runner.disable(EagerReason.NO_CUDA, f"inputs on {device}")
+            return None
+        pool = shared.pools.get(device, call.slot)
+        entry: Entry = TrainEntry() if grad_path else Entry()
+        entry.pool = pool
+        try:
+            self.prepare_static_inputs(ins, grad_path, entry, pad)
+        except torch.OutOfMemoryError as exc:  # the static buffers are part of what capturing costs
+            self.failed_attempt(first_line(exc))
+            return None
+        static_ins = entry.static_ins
+        fn = runner.fn
+        saved_storages: set[int] = set()
+        if grad_path:
+            entry.saved_modified = None
+
+            def run() -> Any:
+                # Hooks that skip autograd's version check (the static buffers are rewritten between
+                # replays on purpose) but remember what it would have checked (inputs.py).
+                saved = SavedTensors()
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    out = fn(*static_ins)
+                modified, storages = saved.finish()
+                if modified is not None:
+                    entry.saved_modified = modified
+                saved_storages.update(storages)
+                return out
+        else:
+            def run() -> Any:
+                return fn(*static_ins)
+        reserved_before = reserved(device)
+        start = time.perf_counter()
+        try:
+            graph, outputs = shared.capturer.capture(
+                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=runner.hooks)
+        except CaptureError as exc:
+            self.failed_attempt(str(exc))
+            return None
+        elapsed = time.perf_counter() - start
+        entry.graph = graph
+        entry.index = pool.new_index()
+        entry.slot = call.slot
+        if isinstance(graph, SimulatedGraph):
+            graph.attach(pool, entry.index)
+        self.count_capture(entry, elapsed, reserved(device) - reserved_before, forward=grad_path)
+        if grad_path:
+            self._finish_train_entry(entry, outputs)
+            # Inputs read from the caller's memory whose static tensor the forward saved: their
+            # versions are checked again at backward (backward.RegionFunction).
+            entry.saved_pos = tuple(
+                p for p in self.caller_memory(entry) if isinstance(static_ins[p], torch.Tensor)
+                and static_ins[p].numel() and static_ins[p].untyped_storage().data_ptr() in saved_storages)
+        else:
+            entry.outputs = outputs
+            self._register_outputs(entry)
+            if pad is None and self._hands_out(entry):
+                entry.handouts = []
+        if pad is not None:
+            entry.views = {}
+            full = shared.padded_full
+            for i in runner.bucket.outputs:
+                t = entry.outputs[i]
+                full[(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)] = t
+        log.debug("cgbackend: captured %s (%s, slot %d) in %.3f s", runner.name,
+                  "forward" if grad_path else "inference", call.slot, elapsed)
+        return entry
+
+    def _finish_train_entry(self, entry: TrainEntry, outputs: Any) -> None:
+        outs = list(outputs)
+        entry.capture_outs = outs
+        entry.tensor_pos = tuple(p for p, k in enumerate(self.runner.kinds) if k != VALUE)
+        entry.diff_in = tuple(p for p in entry.tensor_pos
+                              if isinstance(entry.static_ins[p], torch.Tensor) and entry.static_ins[p].requires_grad)
+        entry.diff_out = tuple(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
+        entry.nondiff_out = tuple(i for i, o in enumerate(outs)
+                                  if isinstance(o, torch.Tensor) and not o.requires_grad)
+        entry.outputs = tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs)
+        entry.bwd_graph = None
+        entry.bwd_index = -1
+        entry.bwd_failed = None
+        entry.static_grad_outs = None
+        entry.static_grad_ins = None
+        entry.handed = []
+        entry.grad_ptrs = frozenset()
+        entry.leaves = []
+        entry.reach = None
+        self._register_outputs(entry, skip=entry.diff_out)
+
+    def caller_memory(self, entry: Entry) -> list[int]:
+        """Positions whose static tensor stands for a caller's memory: copies and parameters."""
+        return list(entry.copy_pos) + [p for p, k in enumerate(self.runner.kinds) if k is PARAM]
+
+    def _register_outputs(self, entry: Entry, skip: tuple = ()) -> None:
+        """Static outputs become hand-off candidates, except views of a static input: those are
+        rebuilt on the caller's tensor after each replay (inputs.InputViews)."""
+        views = InputViews.find(entry.outputs, entry.static_ins, self.caller_memory(entry), skip)
+        entry.input_views = views
+        outs = entry.outputs if views is None else [
+            o for i, o in enumerate(entry.outputs) if i not in views.views]
+        self.runner.shared.register_persistent(outs)
+
+    # ------------------------------------------------------------------ accounting and failures
+
+    def count_capture(self, entry: Entry, elapsed: float, pool_growth: int, forward: bool) -> None:
+        runner = self.runner
+        counters = runner.shared.counters
+        counters.graphs_captured += 1
+        if forward:
+            counters.fwd_graphs += 1
+        self.count_memory(entry, elapsed, pool_growth)
+        runner.n_graphs += 1
+        if elapsed > 1.0:
+            log.info("cgbackend: capturing %s took %.2f s", runner.name, elapsed)
+
+    def count_memory(self, entry: Entry, elapsed: float, pool_growth: int) -> None:
+        """A capture's time and the reserved memory it added, for ``entry``'s graphs."""
+        counters = self.runner.shared.counters
+        counters.capture_time_s += elapsed
+        growth = max(pool_growth, 0)
+        counters.pool_bytes += growth
+        counters.pool_bytes_held += growth
+        entry.nbytes += growth
+        self.runner.capture_time_s += elapsed
+
+    def failed_attempt(self, error: str) -> None:
+        self.failure = error
+        if torch.cuda.is_available() and not self.runner.shared.capturer.simulate:
+            # Hand back what the failed attempt held and cached (its pool's blocks): the eager
+            # calls need it, and after an out-of-memory error they may need all of it.
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def capture_failed(self, error: str) -> None:
+        runner = self.runner
+        runner.shared.counters.capture_failures.append({"region": runner.name, "error": error})
+        if runner.config.strict:
+            raise RuntimeError(f"cgbackend: capturing region {runner.name} failed: {error}")
+        log.warning("cgbackend: capturing region %s failed, it runs eagerly from now on: %s",
+                    runner.name, error)
+        runner.disable(EagerReason.CAPTURE_FAILED, error)
+
+    # ------------------------------------------------------------------ handout graphs
+
+    def handout(self, entry: Entry) -> Optional[HandoutGraph]:
+        """A handout graph of ``entry`` whose earlier outputs nobody holds (captured now if all are
+        held and the option allows one more), or None: the entry's own graph runs, outputs copied."""
+        handouts = entry.handouts
+        for handout in handouts:
+            if handout.free():
+                return handout
+        if len(handouts) >= self.runner.config.handout_graphs or self.handout_failed is not None:
+            return None
+        return self._capture_handout(entry)
+
+    def _capture_handout(self, entry: Entry) -> Optional[HandoutGraph]:
+        """Capture ``entry``'s region again, from its static inputs (staged for this call), in a
+        pool of its own. A failure is recorded once; the region then copies its outputs."""
+        runner = self.runner
+        shared = runner.shared
+        pool = shared.pools.private(entry.pool.device)
+        static_ins = entry.static_ins
+        fn = runner.fn
+        device = torch.device(entry.pool.device)
+        reserved_before = reserved(device)
+        start = time.perf_counter()
+        try:
+            graph, outputs = shared.capturer.capture(
+                lambda: fn(*static_ins), pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)])
+        except CaptureError as exc:
+            self.handout_failed = str(exc)
+            shared.counters.handout_failures.append({"region": runner.name, "error": str(exc)})
+            if runner.config.strict:
+                raise RuntimeError(f"cgbackend: capturing a handout graph of region {runner.name} failed: {exc}")
+            log.warning("cgbackend: capturing a handout graph of %s failed; its outputs are copied: %s",
+                        runner.name, exc)
+            return None
+        elapsed = time.perf_counter() - start
+        if isinstance(graph, SimulatedGraph):
+            graph.attach(pool, pool.new_index())
+        handout = HandoutGraph(graph, outputs, pool)
+        entry.handouts.append(handout)
+        shared.handout_storages |= handout.storages()
+        shared.counters.handout_graphs += 1
+        self.count_memory(entry, elapsed, reserved(device) - reserved_before)
+        log.log(logging.INFO if elapsed > 1.0 else logging.DEBUG, "cgbackend: captured handout graph %d of %s in %.3f s",
+                len(entry.handouts), runner.name, elapsed)
+        return handout
+
+    def _hands_out(self, entry: Entry) -> bool:
+        """May ``entry``'s outputs go to the caller from handout graphs (runtime/handout.py)?"""
+        runner = self.runner
+        return (runner.terminal and runner.config.handout_graphs > 0 and handout_supported()
+                and type(entry) is Entry and runner.hooks is None and entry.input_views is None
+                and not entry.pad_dims and not entry.copy_back_pos and not entry.volatile_pos
+                and any(t.numel() for t in iter_tensors(entry.outputs)))
