@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 import cgbackend
+
+# The shared helpers (fx_helpers.py, cuda_utils.py) live here; the tests live in folders that
+# mirror the package (tests/passes/, tests/runtime/, ...).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config: pytest.Config) -> None:

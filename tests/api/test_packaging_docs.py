@@ -20,7 +20,7 @@ import cgbackend
 from cgbackend import Config
 from cgbackend.config_docs import field_docs, options_table
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -255,7 +255,7 @@ with torch.no_grad():
 
 
 def test_torch_logs_env_shows_debug_lines():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TORCH_LOGS="+cgbackend", PYTHONPATH=root)
     proc = subprocess.run([sys.executable, "-c", _LOG_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300, cwd=root)

@@ -164,7 +164,7 @@ def test_torch_trace_directory_receives_the_report(tmp_path):
             "assert structured.structured_tracing_on()\n"
             "with torch.no_grad():\n"
             "    cgbackend.explain(nn.Linear(4, 4), torch.randn(2, 4))\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, TORCH_TRACE=str(tmp_path),
                PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     env.pop("TORCH_LOGS", None)

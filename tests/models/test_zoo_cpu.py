@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 _spec = importlib.util.spec_from_file_location(
-    "cg_zoo", pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "zoo.py")
+    "cg_zoo", pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "zoo.py")
 zoo = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = zoo  # its dataclasses look their module up
 _spec.loader.exec_module(zoo)
