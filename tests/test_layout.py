@@ -1,0 +1,171 @@
+"""The package's shape: no import cycles (imports inside functions count; ``if TYPE_CHECKING`` blocks
+do not), no private name imported from another package, every module importable on its own, and
+no module or class too large to hold in mind (docs/design.md, "Layout")."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "cgbackend"
+MAX_MODULE_LINES = 700
+MAX_CLASS_LINES = 400
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every import of ``name`` outside
+    ``if TYPE_CHECKING`` blocks, function-level imports included."""
+    path = MODULES[name]
+    is_pkg = path.name == "__init__.py"
+    found: list[tuple[str, list[str], int]] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom):
+                if child.level:
+                    base = name.split(".") if is_pkg else name.split(".")[:-1]
+                    base = base[:len(base) - (child.level - 1)]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module or ""
+                names = [a.name for a in child.names]
+                subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+                if subs and len(subs) == len(names):
+                    found.extend((s, [], child.lineno) for s in subs)  # from pkg import submodule
+                else:
+                    found.append((target, names, child.lineno))
+            elif isinstance(child, ast.Import):
+                found.extend((a.name, [], child.lineno) for a in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return [(t, names, line) for t, names, line in found if t in MODULES and t != name]
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module in the import graph (Tarjan)."""
+    graph = {m: sorted({t for t, _, _ in _imports(m)}) for m in MODULES}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    return cycles
+
+
+def _package_of(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def test_no_import_cycles():
+    assert import_cycles() == []
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path, monkeypatch):
+    pkg = tmp_path / "cgbackend"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import g\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", _modules())
+    assert import_cycles() == [["cgbackend.a", "cgbackend.b"]]
+
+
+def test_no_private_name_imported_from_another_package():
+    wrong = []
+    for name in MODULES:
+        for target, names, line in _imports(name):
+            if _package_of(target) == _package_of(name):
+                continue
+            wrong += [f"{MODULES[name].relative_to(ROOT)}:{line} imports {n} from {target}"
+                      for n in names if n.startswith("_") and not n.startswith("__")]
+    assert wrong == []
+
+
+def test_modules_and_classes_fit_in_mind():
+    big = []
+    for name, path in MODULES.items():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            big.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                big.append(f"{path.relative_to(ROOT)}: class {node.name} {node.end_lineno - node.lineno + 1} lines")
+    assert big == []
+
+
+_IMPORT_EACH = """
+import importlib, sys, traceback
+import torch
+OPTIONAL = {"transformer_engine"}  # the te extra: cgbackend.te is imported only where it is installed
+failed = []
+for name in sys.argv[1:]:
+    for loaded in [m for m in sys.modules if m == "cgbackend" or m.startswith("cgbackend.")]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in OPTIONAL:
+            failed.append(name + ": " + traceback.format_exc().strip().splitlines()[-1])
+    except Exception:
+        failed.append(name + ": " + traceback.format_exc().strip().splitlines()[-1])
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_every_module_imports_on_its_own():
+    """Each module first, with no other cgbackend module loaded (torch stays loaded: the part that
+    takes time), as a fresh interpreter would import it."""
+    names = [n for n in MODULES if not n.endswith("__main__")]
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
