@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import types
 import weakref
 from typing import Any, Callable, Optional
 
@@ -14,10 +16,14 @@ from .passes.dispatch import source as loop_source
 from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
+from .distributed import WholeGraphUnderDDP, fsdp_modules, is_ddp, track_fsdp
+from .regional import LayerStack, Overrides, find_layer_stacks, regional_overrides
 from .tracing import CompileScope, data_dependent_failure, dynamic_ops_config
 from .reporting.report import Report
 
 __all__ = ["backend", "compile", "prepare", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]
+
+log = logging.getLogger(__name__)
 
 
 def backend(**options: Any) -> CGBackend:
@@ -68,26 +74,27 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     and cgbackend.report() accept it.
     """
     instance = CGBackend(**options)
-    if instance.config.opaque_modules and isinstance(model, torch.nn.Module):
+    is_module = isinstance(model, torch.nn.Module)
+    stacks = _layer_stacks(model, instance, fullgraph) if is_module else []
+    if instance.config.opaque_modules and is_module:
         instance.opaque = opaque.install(model)
-    if instance.config.static_dispatch != "off" and isinstance(model, torch.nn.Module):
+    if instance.config.static_dispatch != "off" and is_module:
         instance.loops = loop_source.install(model)
         if instance.config.static_dispatch in ("auto", "grouped"):
             instance.relayouts = stack_expert_params(model)
     elif isinstance(model, torch.nn.Module):
         instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
-    if isinstance(model, torch.nn.Module):
-        from .distributed import track_fsdp
+    if is_module:
         track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)
+    overrides = Overrides(regional_overrides(stacks, instance, dynamic=dynamic, forward_of=_layer_function))
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward
-        from .distributed import WholeGraphUnderDDP, is_ddp
         whole = WholeGraphUnderDDP if is_ddp(model) else contextlib.nullcontext
 
         @functools.wraps(traced_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with whole():
+            with whole(), overrides:
                 return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
 
         compiled.forward = forward
@@ -102,6 +109,29 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
 
     wrapper._cgbackend = instance
     return wrapper
+
+
+def _layer_stacks(model: torch.nn.Module, instance: CGBackend, fullgraph: bool) -> list[LayerStack]:
+    """The model's stacks of identical layers to compile once each (regional.py); none under
+    fullgraph=True (each layer is a graph break), DDP or FSDP2 (their hooks wrap the whole model)."""
+    if fullgraph or is_ddp(model) or fsdp_modules(model):
+        return []
+    stacks = find_layer_stacks(model, instance.config.regional_min_layers)
+    if stacks:
+        instance.regional = stacks
+        instance.shared.layer_copies = max(len(s.layers) for s in stacks)
+        for stack in stacks:
+            log.info("cgbackend: %s", stack.describe())
+    return stacks
+
+
+def _layer_function(layer: torch.nn.Module) -> Callable[..., Any]:
+    """The plain function a layer runs: its own rewritten forward (static dispatch's loop rewrite)
+    or its class's."""
+    own = layer.__dict__.get("forward")
+    if isinstance(own, types.MethodType) and own.__self__ is layer:
+        return own.__func__
+    return type(layer).forward
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

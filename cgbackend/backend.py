@@ -72,6 +72,8 @@ class CGBackend:
         """A weak reference to the model compiled without static dispatch: its loops are surveyed
         (what the loop rewrite would do, source.survey) when a report is built, for the hints."""
         self._loop_survey: Optional[list] = None
+        self.regional: list = []
+        """Stacks of identical layers cgbackend.compile compiles once each (regional.py)."""
         self.relayouts: list = []
         """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
         self.trace_fallback: Optional[str] = None
@@ -211,6 +213,7 @@ class CGBackend:
     def _annotate(self, report: Report) -> None:
         """What happened before Dynamo's graphs: source-level loop rewrites and a trace fallback."""
         report.loop_rewrites = [r.to_dict() for r in self.loops]
+        report.regional = [stack.to_dict() for stack in self.regional]
         for r in self.relayouts:
             report.notes.append(f"{r.module or 'model'}: the {r.experts} experts' {', '.join(r.params)} laid out "
                                 f"as one block each ({r.bytes / 2 ** 20:.1f} MiB), read by the grouped form "

@@ -101,6 +101,14 @@ class Config:
     per-module expert weights as one block. The report lists every rewrite and every loop left
     alone, with why."""
 
+    regional_min_layers: int = 6
+    """cgbackend.compile compiles a stack of at least this many identical layers (an nn.ModuleList or
+    nn.Sequential of one class with equal parameter shapes) one layer at a time: Dynamo traces,
+    cgbackend analyses and Inductor compiles one layer, which every layer of the stack reuses, and
+    each layer captures its own graphs, so compile time stays flat in depth (regional.py). Each
+    layer is then a graph call of its own (tens of microseconds of host time per layer); a shallower
+    stack stays inside one whole-model graph. 0 turns it off."""
+
     opaque_modules: bool = True
     """``cgbackend.compile`` and ``cgbackend.explain`` make each module Dynamo cannot trace but
     cgbackend knows (Transformer Engine's, cgbackend/te.py) one opaque call in the graph, so its
@@ -128,6 +136,7 @@ class Config:
         _check_int(self, "max_graphs_per_region", 1)
         _check_int(self, "max_pending_forwards", 1)
         _check_int(self, "handout_graphs", 0)
+        _check_int(self, "regional_min_layers", 0)
         if self.inner not in _INNER_COMPILERS:
             raise ConfigError(
                 f"cgbackend option inner={self.inner!r} is not one of {', '.join(_INNER_COMPILERS)}"

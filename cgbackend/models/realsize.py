@@ -50,6 +50,12 @@ class RealConfig:
     norm_topk: bool = True
     """Renormalize the top-k router probabilities to sum to 1 (Mixtral) or not (DeepSeek-V2-Lite)."""
     max_pos: int = 4096
+    head_dim: int = 0
+    """Width of one attention head (0: hidden // heads); Qwen3's MoE models use 128 at hidden 2048."""
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES: dict[str, dict[str, RealConfig]] = {
@@ -63,6 +69,20 @@ SHAPES: dict[str, dict[str, RealConfig]] = {
     "moe-mixtral-shape": {
         "full": RealConfig(hidden=4096, heads=32, kv_heads=8, layers=2, ffn=14336, experts=8, top_k=2),
         "tiny": RealConfig(hidden=64, heads=4, kv_heads=2, layers=2, ffn=64, experts=4, top_k=2, max_pos=256),
+    },
+    # Qwen3-30B-A3B's shape: 128 routed experts top-8 (no shared expert), expert ffn 768, 32 query /
+    # 4 key-value heads of width 128; 2 layers here, 48 (the real depth) in moe-128e-deep.
+    "moe-128e": {
+        "full": RealConfig(hidden=2048, heads=32, kv_heads=4, head_dim=128, layers=2, ffn=768, experts=128,
+                           top_k=8),
+        "tiny": RealConfig(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=2, ffn=32, experts=16, top_k=4,
+                           max_pos=256),
+    },
+    "moe-128e-deep": {
+        "full": RealConfig(hidden=2048, heads=32, kv_heads=4, head_dim=128, layers=48, ffn=768, experts=128,
+                           top_k=8),
+        "tiny": RealConfig(hidden=64, heads=4, kv_heads=2, head_dim=32, layers=12, ffn=32, experts=16, top_k=4,
+                           max_pos=256),
     },
     "dense-llama8b-shape": {
         "full": RealConfig(hidden=4096, heads=32, kv_heads=8, layers=2, ffn=14336),
@@ -80,12 +100,12 @@ class Attention(nn.Module):
     """Grouped-query attention (Llama's layout: q/k/v/o projections, rotary embeddings, key and value
     heads repeated to the query heads), causal SDPA."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int = 0) -> None:
         super().__init__()
-        if hidden % heads or heads % kv_heads:
+        if (not head_dim and hidden % heads) or heads % kv_heads:
             raise ValueError(f"hidden={hidden}, heads={heads}, kv_heads={kv_heads}: need hidden % heads == 0 "
-                             "and heads % kv_heads == 0")
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+                             "(or a head_dim) and heads % kv_heads == 0")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim or hidden // heads
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
@@ -187,7 +207,7 @@ class Block(nn.Module):
     def __init__(self, cfg: RealConfig, moe_impl: str) -> None:
         super().__init__()
         self.input_norm = nn.RMSNorm(cfg.hidden)
-        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads)
+        self.attn = Attention(cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_width)
         self.post_attn_norm = nn.RMSNorm(cfg.hidden)
         if not cfg.experts:
             self.mlp: nn.Module = Expert(cfg.hidden, cfg.ffn)
@@ -214,7 +234,7 @@ class RealModel(nn.Module):
         super().__init__()
         self.cfg, self.moe_impl, self.return_routing = cfg, moe_impl, return_routing
         self.layers = nn.ModuleList(Block(cfg, moe_impl) for _ in range(cfg.layers))
-        hd = cfg.hidden // cfg.heads
+        hd = cfg.head_width
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         angles = torch.outer(torch.arange(cfg.max_pos, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)

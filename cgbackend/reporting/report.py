@@ -161,6 +161,10 @@ class Report:
     or "count_skip" when rewritten, "" with the ``reason`` when left as it is."""
     hints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """What to change to graph more (hints.py): ``{"kind", "message", "option", "source"}``."""
+    regional: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Stacks of identical layers compiled once each (cgbackend.compile, regional.py): ``[{"path",
+    "layers", "class", "key"}]``: the layers at ``path`` share one compiled layer (one Dynamo graph,
+    one analysis), each capturing its own graphs."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -468,6 +472,10 @@ def render_text(report: Report) -> str:
     lines.extend(hints_text(report.hints))
     lines.extend(_opaque_modules_text(report.opaque_modules, s))
     lines.extend(_loop_rewrites_text(report.loop_rewrites))
+    for stack in report.regional:
+        where = f"{stack['path']}.0-{stack['layers'] - 1}" if stack["path"] else f"0-{stack['layers'] - 1}"
+        lines.append(f"  regional compilation: {where} ({stack['layers']} x {stack['class']}) share one compiled "
+                     "layer: traced, analysed and compiled once, graphs captured per layer")
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")

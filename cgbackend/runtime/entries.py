@@ -74,6 +74,10 @@ class RuntimeShared:
         self.handout_storages: set[int] = set()
         """Storage base pointers of handout graphs' outputs (runtime/handout.py): outputs lying in
         them are handed to the caller as aliases, not copied."""
+        self.layer_copies = 1
+        """How many layers of a stack share this backend's compiled graphs (regional.py): the bounds
+        that count a region's graphs, warm-up signatures and call slots scale by it, since each
+        layer's parameters are a signature of their own."""
         self.handed: dict[int, tuple[Any, "TrainEntry"]] = {}
         """Training entries whose static gradients were handed to autograd and may still be held
         (as .grad or elsewhere): live data of their backward graph until reclaimed, by id, with the

@@ -140,7 +140,7 @@ class CompiledGraph:
         gm = analysis.gm
         partition = analysis.partition
         self.training_graph = analysis.classification.training
-        self.slots = SlotTable(self.config.max_pending_forwards)
+        self.slots = SlotTable(self.config.max_pending_forwards * shared.layer_copies)
 
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)

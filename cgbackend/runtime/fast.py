@@ -2,6 +2,10 @@
 key, and the next call checks those parts one by one (same shapes, strides, dtypes, numbers,
 parameter addresses and inference mode) instead of building the full key. A call that differs in
 anything, or that the replay-order rule forbids now, takes the full path (``RegionRunner.__call__``).
+
+One entry is remembered per address of the region's first parameter: the layers of a stack that
+share the region (regional.py) call it in turn, each with its own parameters, and each finds its
+own entry with one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ class _Remembered:
     """The entry, the inference mode and key parts of the call that replayed it last, and its static
     input buffers."""
 
-    __slots__ = ("entry", "inference", "tensors", "values", "params", "static")
+    __slots__ = ("entry", "inference", "tensors", "values", "params", "ptrs", "static")
 
     def __init__(self, entry: Entry, inference: bool, tensors: tuple, values: tuple, params: tuple,
-                 static: list) -> None:
+                 ptrs: Optional[list], static: list) -> None:
         self.entry = entry
         self.inference = inference
         self.tensors = tensors
@@ -34,6 +38,8 @@ class _Remembered:
         """(position, frozen value) of each number input."""
         self.params = params
         """The parameters' addresses (GraphCache.param_key)."""
+        self.ptrs = ptrs
+        """The same, aligned with the inputs, for PyTorch's C++ comparison (None without it)."""
         self.static = static
         """The static buffers of the copied inputs, in entry.copy_pos order."""
 
@@ -59,12 +65,17 @@ class FastPath:
         """Inference calls may take the fast path: the region reads only parameters, the caller's
         tensors and numbers, pads nothing, and writes only inputs it reads in place (a static KV
         cache's buffers: nothing to copy back)."""
-        self.last: Optional[_Remembered] = None
-        """The inference entry replayed last and what its key was made of (cleared when an entry is
-        dropped)."""
+        self.remembered: dict[int, _Remembered] = {}
+        """By the first parameter's address: the inference entry replayed last for it and what its
+        key was made of (cleared when an entry is dropped)."""
+        self._first = runner.cache.param_pos[0] if runner.cache.param_pos else None
 
     def clear(self) -> None:
-        self.last = None
+        self.remembered = {}
+
+    def _slot(self, ins: list) -> int:
+        first = self._first
+        return 0 if first is None else ins[first].data_ptr()
 
     def note(self, entry: Entry, ins: list) -> None:
         """Remember an inference entry this call replays (or captured), with the parts of its key
@@ -72,22 +83,23 @@ class FastPath:
         runner = self.runner
         if not self.ok or type(entry) is not Entry or entry.input_views is not None \
                 or entry.pad_dims or runner.shared.params.volatile is not None:
-            self.last = None
+            self.remembered.pop(self._slot(ins), None)
             return
         kinds = runner.kinds
-        other_pos = runner.cache.other_pos
-        tensors = tuple((p, ins[p].shape, ins[p].stride(), ins[p].dtype) for p in other_pos
+        cache = runner.cache
+        tensors = tuple((p, ins[p].shape, ins[p].stride(), ins[p].dtype) for p in cache.other_pos
                         if kinds[p] is not VALUE)
-        values = tuple((p, freeze(ins[p])) for p in other_pos if kinds[p] is VALUE)
-        self.last = _Remembered(entry, torch.is_inference_mode_enabled(), tensors, values,
-                                runner.cache.param_key, [entry.static_ins[p] for p in entry.copy_pos])
+        values = tuple((p, freeze(ins[p])) for p in cache.other_pos if kinds[p] is VALUE)
+        self.remembered[self._slot(ins)] = _Remembered(
+            entry, torch.is_inference_mode_enabled(), tensors, values, cache.param_key, cache.aligned_ptrs(),
+            [entry.static_ins[p] for p in entry.copy_pos])
 
     def replay(self, ins: list, call: Any) -> Any:
         """Replay the remembered entry if this call's key is its key; None otherwise. Its inputs are
         copied with one ``_foreach_copy_``; the parameter addresses take one C++ comparison on CUDA
         builds."""
-        fast = self.last
-        if torch.is_inference_mode_enabled() is not fast.inference:
+        fast = self.remembered.get(self._slot(ins))
+        if fast is None or torch.is_inference_mode_enabled() is not fast.inference:
             return None
         for pos, shape, stride, dtype in fast.tensors:
             value = ins[pos]
@@ -98,10 +110,8 @@ class FastPath:
                 return None
         runner = self.runner
         cache = runner.cache
-        if cache.param_pos:
-            params = cache.param_addresses(ins)
-            if params is not fast.params and params != fast.params:
-                return None
+        if cache.param_pos and not cache.same_params(ins, fast.params, fast.ptrs):
+            return None
         if runner.written and _shares_written(ins, runner.written, runner.overlap_pos):
             return None  # the full path tells a real overlap (run eagerly) from a shared storage
         entry = fast.entry

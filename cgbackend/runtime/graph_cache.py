@@ -113,6 +113,18 @@ class GraphCache:
         self.param_key = tuple(ptrs)
         return self.param_key
 
+    def aligned_ptrs(self) -> Optional[list]:
+        """The latest call's parameter addresses aligned with its inputs, for the C++ comparison
+        (None where PyTorch lacks it)."""
+        return self._param_ptrs
+
+    def same_params(self, ins: list, params: tuple, ptrs: Optional[list]) -> bool:
+        """Are ``ins``' parameters at the addresses ``params`` (``ptrs``: the same, aligned)?"""
+        if ptrs is not None and isinstance(ins, list) and len(ptrs) == len(ins):
+            return _ptrs_equal(ins, ptrs, self._param_idx)
+        found = self.param_addresses(ins)
+        return found is params or found == params
+
     def tensor_key(self, pos: int, value: torch.Tensor, grad_path: bool, shape_parts: list,
                    addr_parts: list) -> bool:
         """Key parts of one tensor input read as it is; True if it should have been handed over by
@@ -215,14 +227,19 @@ class GraphCache:
     def note_warm(self, shape_key: tuple, count: int) -> None:
         warm = self.warm
         warm[shape_key] = count
-        if len(warm) > 4 * self.runner.config.max_graphs_per_region:
+        if len(warm) > 4 * self.bound():
             del warm[next(iter(warm))]  # oldest signature seen: forget its warm-up count
+
+    def bound(self) -> int:
+        """max_graphs_per_region for each layer sharing the region (regional.py)."""
+        runner = self.runner
+        return runner.config.max_graphs_per_region * runner.shared.layer_copies
 
     def make_room(self) -> bool:
         """Room for one more graph: below the bound, or after evicting the least recently used
         graph that no call still needs (graph_cache="lru")."""
         config = self.runner.config
-        bound = config.max_graphs_per_region
+        bound = self.bound()
         if len(self.entries) < bound:
             return True
         if config.graph_cache != "lru":
@@ -249,7 +266,7 @@ class GraphCache:
         runner = self.runner
         runner.shared.counters.graphs_evicted += 1
         log.info("cgbackend: %s evicted its least recently used graph (%d held, bound %d)", runner.name,
-                 len(self.entries), runner.config.max_graphs_per_region)
+                 len(self.entries), self.bound())
 
     def replace(self, key: tuple, old: Entry, fresh: Entry) -> None:
         """``fresh``, captured again after newer graphs, takes ``old``'s place (counted)."""

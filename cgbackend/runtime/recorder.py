@@ -311,7 +311,10 @@ class Recorder:
     def _hands_out(self, entry: Entry) -> bool:
         """May ``entry``'s outputs go to the caller from handout graphs (runtime/handout.py)?"""
         runner = self.runner
-        return (runner.terminal and runner.config.handout_graphs > 0 and handout_supported()
+        # Not for layers of a stack (regional.py): each would hold its own handout graphs and their
+        # memory, to save one copy of a layer's output that the next layer reads anyway.
+        return (runner.terminal and runner.config.handout_graphs > 0 and runner.shared.layer_copies == 1
+                and handout_supported()
                 and type(entry) is Entry and runner.hooks is None and entry.input_views is None
                 and not entry.pad_dims and not entry.copy_back_pos and not entry.volatile_pos
                 and any(t.numel() for t in iter_tensors(entry.outputs)))

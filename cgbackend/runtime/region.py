@@ -144,7 +144,7 @@ class RegionRunner:
     def __call__(self, ins: list, call: Any) -> Any:
         if self.rebased_ptrs:
             self.rebased_ptrs = set()
-        if self.fast.last is not None and not call.training and self.shared.params.volatile is None:
+        if self.fast.remembered and not call.training and self.shared.params.volatile is None:
             out = self.fast.replay(ins, call)
             if out is not None:
                 return out
@@ -215,7 +215,7 @@ class RegionRunner:
         now (the old graph is in use, the bound is reached, or the capture failed)."""
         if isinstance(old, TrainEntry) or old.in_use():
             return None
-        if self.cache.recaptured >= THRASH_EVICTIONS * self.config.max_graphs_per_region:
+        if self.cache.recaptured >= THRASH_EVICTIONS * self.cache.bound():
             return None
         fresh = self.recorder.capture(ins, False, call, pad)
         if fresh is None:
