@@ -1,4 +1,4 @@
-"""Launch coverage of a demo model on a GPU, three ways (issue 20's closing note).
+"""Launch coverage of a demo model on a GPU, three ways.
 
 1. ``cgbackend.explain`` on CUDA tensors: the dispatched aten ops of coverage.py, each weighed by
    the launches the profiler saw it make (``launches.weights``: "profiled"; what the report says).
