@@ -7,7 +7,7 @@
 3. The profiler: CUDA launch API calls (kernel launches, memcpy, memset) of one eager call versus
    those of one compiled call made outside graph replays (``cudaGraphLaunch`` counted apart):
    1 - compiled / eager is the fraction of the eager call's launches that the graphs absorbed
-   (``cgbackend.reporting.launch_profile.count_launch_calls``, as tests/test_launch_profile.py counts them).
+   (``cgbackend.reporting.launch_profile.count_launch_calls``, as tests/reporting/test_launch_profile.py counts them).
 
     python benchmarks/launch_coverage.py --demo moe
 """

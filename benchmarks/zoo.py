@@ -192,7 +192,7 @@ class _Case:
     dtype: torch.dtype
     args: argparse.Namespace
     refs64: list = dataclasses.field(default_factory=list)
-    """The float64 run's results, one per batch (bench_accuracy.store)."""
+    """The float64 run's results, one per batch (cgbackend.bench.accuracy.store)."""
     eager64: dict = dataclasses.field(default_factory=dict)
     """Eager's own error against the float64 run, worst per group over the batches."""
 
@@ -204,7 +204,7 @@ class _Case:
                 probe: Optional[_RoutingProbe] = None) -> dict:
         """One batch through ``fn`` (``model``'s forward, compiled or not): the output (inference) or
         the loss and every parameter's gradient (training; None where autograd left none), and the
-        routing; copied to the CPU (bench_accuracy.store)."""
+        routing; copied to the CPU (cgbackend.bench.accuracy.store)."""
         if self.train:
             model.zero_grad(set_to_none=True)
             loss = _loss(self.kind, _forward(self.kind, fn, x), x)

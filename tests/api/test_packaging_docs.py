@@ -1,6 +1,8 @@
 """Packaging and discoverability: the wheel's metadata (license, URLs, classifiers, the one version),
 ``--version``, help() texts that show every option, the README's options table generated from the
-same docstrings, and module/function names that help() can tell apart."""
+same docstrings, module/function names that help() can tell apart, and docs that stay true: the
+README's demo excerpt, its results table and the generated benchmark tables checked against what
+produced them."""
 
 from __future__ import annotations
 
