@@ -1,4 +1,4 @@
-"""Launch coverage of a demo model on a GPU, three ways (issue 20's closing note).
+"""Launch coverage of a demo model on a GPU, three ways.
 
 1. ``cgbackend.explain`` on CUDA tensors: the dispatched aten ops of coverage.py, each weighed by
    the launches the profiler saw it make (``launches.weights``: "profiled"; what the report says).
@@ -7,7 +7,7 @@
 3. The profiler: CUDA launch API calls (kernel launches, memcpy, memset) of one eager call versus
    those of one compiled call made outside graph replays (``cudaGraphLaunch`` counted apart):
    1 - compiled / eager is the fraction of the eager call's launches that the graphs absorbed
-   (``cgbackend.reporting.launch_profile.count_launch_calls``, as tests/test_launch_profile.py counts them).
+   (``cgbackend.reporting.launch_profile.count_launch_calls``, as tests/reporting/test_launch_profile.py counts them).
 
     python benchmarks/launch_coverage.py --demo moe
 """

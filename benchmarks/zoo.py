@@ -7,7 +7,7 @@ same weights.
 
 Per model and mode: the partition (static op fraction, static/dynamic regions), graphs captured,
 static-region calls that ran eagerly after warm-up (by reason), and accuracy by the rule of
-``cgbackend.bench_accuracy`` (issue 17): a float64 copy of the same weights runs the same inputs
+``cgbackend.bench.accuracy``: a float64 copy of the same weights runs the same inputs
 (floating inputs upcast, token ids as they are); eager in the run dtype and cgbackend are each
 compared with it per group (outputs in inference; the loss and every gradient in training), and
 cgbackend matches when, in every group, its error is at most ``LIMIT`` (2) times eager's own (floor:
@@ -192,7 +192,7 @@ class _Case:
     dtype: torch.dtype
     args: argparse.Namespace
     refs64: list = dataclasses.field(default_factory=list)
-    """The float64 run's results, one per batch (bench_accuracy.store)."""
+    """The float64 run's results, one per batch (cgbackend.bench.accuracy.store)."""
     eager64: dict = dataclasses.field(default_factory=dict)
     """Eager's own error against the float64 run, worst per group over the batches."""
 
@@ -204,7 +204,7 @@ class _Case:
                 probe: Optional[_RoutingProbe] = None) -> dict:
         """One batch through ``fn`` (``model``'s forward, compiled or not): the output (inference) or
         the loss and every parameter's gradient (training; None where autograd left none), and the
-        routing; copied to the CPU (bench_accuracy.store)."""
+        routing; copied to the CPU (cgbackend.bench.accuracy.store)."""
         if self.train:
             model.zero_grad(set_to_none=True)
             loss = _loss(self.kind, _forward(self.kind, fn, x), x)
@@ -402,7 +402,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, command: str) -
         f"- command: `{command}`",
         f"- models: small configs, random weights, {dtype}, SDPA attention; cgbackend options: {_options_text(args)};"
         " inference under no_grad, training = forward + loss (float32) + backward",
-        "- accuracy (`cgbackend/bench_accuracy.py`): a float64 copy of the same weights runs the same inputs"
+        "- accuracy (`cgbackend/bench/accuracy.py`): a float64 copy of the same weights runs the same inputs"
         " (floating inputs upcast, token ids as they are); err = max|diff| / max|float64| per tensor, worst per"
         " group (outputs in inference; loss, and every gradient in training) over the batches."
         f" ratio = max over groups of cgbackend's err vs fp64 over eager's own ({dtype}; floor: the unit roundoff"

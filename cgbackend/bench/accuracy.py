@@ -1,4 +1,4 @@
-"""Accuracy of benchmark contenders against a float64 reference (issue 17, item 2).
+"""Accuracy of benchmark contenders against a float64 reference.
 
 The harness runs each model once in float64 (same weights and inputs, upcast) and eager once in the
 run's dtype. Errors are ``max|got - ref| / max|ref|`` per tensor, grouped as ``output``, ``loss``

@@ -10,7 +10,7 @@ and contender, in one process:
    figure, and its ratio to eager's time over the same draws.
 
 Counters after both loops: graphs captured, graphs per static region, eager calls by reason,
-evictions, and the bound the issue sets: (capture sizes hit) x (static regions).
+evictions, and the bound on graphs: (capture sizes hit) x (static regions).
 """
 
 from __future__ import annotations

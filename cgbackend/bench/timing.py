@@ -126,7 +126,7 @@ def prepare_contender(case: Case, contender: Contender, settings: Settings,
             cleanup(device)
         elif cuda:
             # Garbage of the contenders before (autograd cycles holding activations) would count in
-            # this one's baseline and be freed during its calls: a peak of 1 MiB in run 38.
+            # this one's baseline and be freed during its calls (1 MiB of peak memory seen that way).
             gc.collect()
             torch.cuda.synchronize(device)
         if cuda:
@@ -397,7 +397,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             if best is not None and r["accuracy_ok"] is not False and best["median_ms"] > 0:
                 r["ratio_to_best_stock"] = r["median_ms"] / best["median_ms"]
                 r["beats_best_stock"] = bool(r["ratio_to_best_stock"] < 1.0 and r["contender"] != best["contender"])
-        # The yardsticks of issues 16 and 17: the hand-written grouped form and reduce-overhead.
+        # The yardsticks: the hand-written grouped form and reduce-overhead.
         for key, names in (("ratio_to_grouped", GROUPED_CONTENDERS), ("ratio_to_reduce_overhead", ("reduce-overhead",))):
             other = next((o for o in ok if o["contender"] in names and o["median_ms"] > 0), None)
             for r in group:

@@ -1,4 +1,4 @@
-"""Decoder stacks at the shapes of real models, for the benchmarks of issues 16 and 17.
+"""Decoder stacks at the shapes of real models, for the real-size benchmarks (`bench --models moe-mixtral-shape`, ...).
 
 Each model is a stack of pre-norm decoder layers (RMSNorm, grouped-query attention with rotary
 embeddings, then a SwiGLU MLP or a dropless top-k MoE) that takes hidden states ``[batch, seq,

@@ -7,7 +7,7 @@ Dynamo turns ``torch.distributed`` calls into functional collectives
 * their split sizes are often host values read from the device (an expert-parallel all-to-all's
   ``.tolist()``), so the shapes change every call;
 * a CUDA graph that captured NCCL work holds the communicator, whose destruction then waits for
-  the graph (the hang at exit of issue 18);
+  the graph (a hang at exit);
 * every rank must launch collectives in the same order; an eager fallback of a region on one rank
   (warm-up, capture failure, a replay-order hazard) but not on another would reorder them;
 * the engines that issue them (FSDP2, DDP) run them on their own streams with buffers they

@@ -1,4 +1,4 @@
-"""Device launches of dispatched ops, measured with ``torch.profiler`` (issue 20).
+"""Device launches of dispatched ops, measured with ``torch.profiler``.
 
 coverage.py counts the aten ops a call dispatches; on CUDA an op is not one launch: ``nonzero``,
 a boolean-mask ``index``, ``index_put_`` with ``accumulate``, ``topk``, ``sort`` or ``cumsum``

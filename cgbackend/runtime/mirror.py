@@ -9,7 +9,7 @@ there, summed over all backend instances: the numbers of ``cgbackend.stats()`` (
 Brought in when read. ``counters["cgbackend"]`` is a :class:`LiveCounter`: a ``collections.Counter``
 that, before any read, adds what every registered instance counted since it last looked. So a
 replayed call pays one identity check (:meth:`CounterMirror.begin`: is our counter still the one in
-Dynamo's counters?) instead of a comparison of every counter (4 to 9 us on the H100 host, diag5.py).
+Dynamo's counters?) instead of a comparison of every counter (4 to 9 us a call on an H100 host).
 ``counters.clear()`` drops the live counter; the next call or compile of an instance notices,
 forgets what was counted before (as a clear means) and installs a new one. A graphed backward's
 counts are there at the next read; one that runs between a clear and the instance's next call is

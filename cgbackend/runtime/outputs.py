@@ -1,4 +1,4 @@
-"""Outputs that alias something: returned as eager returns them (issue 22).
+"""Outputs that alias something: returned as eager returns them.
 
 A region's outputs live in graph memory, which the next replay overwrites, so the executor hands the
 caller copies of them. An output that eager returns as a *view* must not become a copy: writes
@@ -421,10 +421,10 @@ launch, the outputs allocated in C++), ``"copy"`` (one ``empty_like`` each, then
 def copy_out(tensors: list) -> list:
     """New tensors equal to ``tensors`` (same dtype, shape, strides, device), each in its own
     storage, made with one foreach call per device and dtype: per output, a Python ``empty_like``
-    cost about 3 us of host time on the H100 host (diag5.py), the zoo's calls return 5. A foreach
+    cost about 3 us of host time on an H100 host, and the zoo's calls return 5. A foreach
     op given several dtypes at once takes its per-tensor path (a launch and an allocation each):
     Mistral's two int64 scalars beside its five float outputs made its copies 120 us a call against
-    llama's 48 (diag5.py, H100 run 36)."""
+    llama's 48 (H100)."""
     first = tensors[0]
     kind = (first.device, first.dtype)
     for t in tensors:

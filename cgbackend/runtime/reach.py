@@ -1,4 +1,4 @@
-"""Which inputs of a training region each of its outputs reaches in the backward (issue 22).
+"""Which inputs of a training region each of its outputs reaches in the backward.
 
 A region's backward graph computes gradients for every input that requires grad; an output the
 loss does not use gets a zero gradient there, so its inputs would come back as zeros where eager

@@ -1,4 +1,4 @@
-"""Every option is type-checked (issue 22): booleans take only bools, dynamic_ops names must name an
+"""Every option is type-checked: booleans take only bools, dynamic_ops names must name an
 operator, an empty CGBACKEND_CAPTURE_SIZES is an error ("off" turns bucketing off)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def test_boolean_options_take_only_bools(name, value):
 
 
 def test_string_false_does_not_simulate_or_skip_capture():
-    # What the issue saw: simulate_graphs="no" kept the (truthy) string and simulated replays.
+    # A string is not a bool: simulate_graphs="no" must not be kept as a (truthy) string that simulates replays.
     with pytest.raises(ConfigError, match="simulate_graphs"):
         cgbackend.compile(torch.nn.Linear(2, 2), simulate_graphs="no")
     with pytest.raises(ConfigError, match="capture"):

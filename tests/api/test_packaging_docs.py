@@ -1,11 +1,15 @@
 """Packaging and discoverability: the wheel's metadata (license, URLs, classifiers, the one version),
 ``--version``, help() texts that show every option, the README's options table generated from the
-same docstrings, and module/function names that help() can tell apart."""
+same docstrings, module/function names that help() can tell apart, and docs that stay true: the
+README's demo excerpt, its results table and the generated benchmark tables checked against what
+produced them."""
 
 from __future__ import annotations
 
 import dataclasses
 import email
+import json
+import os
 import pathlib
 import pydoc
 import re
@@ -109,3 +113,84 @@ def test_help_of_report_shows_the_schema_pointer():
     assert "report.schema.json" in module.__doc__
     assert module.SCHEMA == "cgbackend.report/1"
     assert "training" in cgbackend.explain.__doc__ and "import cgbackend.explain" in cgbackend.explain.__doc__
+
+
+# ----------------------------------------------------------------------------- README and results tables
+
+def _normalized(line: str) -> str:
+    return " ".join(line.split())
+
+
+def readme_demo_excerpt() -> tuple[list[str], list[str]]:
+    """The README's demo excerpt: the command named by the ``<!-- demo-excerpt: COMMAND -->`` comment,
+    and the lines of the code block after it (``...`` lines mark what the excerpt leaves out)."""
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(r"<!-- demo-excerpt: python -m cgbackend (.+?) -->\s*```[^\n]*\n(.*?)\n```", readme, re.S)
+    assert found, "README.md lost its <!-- demo-excerpt: python -m cgbackend ... --> comment before the code block"
+    lines = [line for line in found.group(2).splitlines() if line.strip() and line.strip() != "..."]
+    return found.group(1).split(), lines
+
+
+def test_readme_demo_excerpt_is_what_the_demo_prints(monkeypatch, capsys):
+    """Every line of the README's excerpt is a line the demo prints (whitespace aside). When the demo's
+    output changes, paste the new lines into README.md; this test reads them from there."""
+    from cgbackend.cli import main
+
+    argv, excerpt = readme_demo_excerpt()
+    assert 3 <= len(excerpt) <= 12, excerpt
+    for key in [k for k in os.environ if k.startswith("CGBACKEND_")]:
+        monkeypatch.delenv(key)
+    assert main(argv) == 0
+    printed = {_normalized(line) for line in capsys.readouterr().out.splitlines()}
+    missing = [line for line in excerpt if _normalized(line) not in printed]
+    assert not missing, f"README's demo excerpt lines not printed by `python -m cgbackend {' '.join(argv)}`: {missing}"
+
+
+def _shown_equal(text: str, value: float) -> bool:
+    """``text`` is ``value`` as rounded for display (to the decimals it shows)."""
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return abs(float(text) - value) <= 0.5 * 10 ** -decimals + 1e-12
+
+
+def test_readme_results_table_quotes_latest_json():
+    """Each row of the README's results table is a row of benchmarks/results/latest.json, with its
+    median and ratios as rounded there, and the table names that file's device and command."""
+    readme = (ROOT / "README.md").read_text()
+    results = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    section = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    assert results["meta"]["device"] in section and results["meta"]["command"] in section
+    rows = {(r["model"], r["mode"], r["contender"]): r for r in results["rows"]}
+    quoted = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| model ")]
+    assert quoted
+    for line in quoted:
+        model, mode, contender, median, x_eager, x_ro = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        row = rows.get((model, mode, contender))
+        assert row is not None, f"README quotes a row latest.json does not hold: {line}"
+        for text, key in ((median, "median_ms"), (x_eager, "ratio_to_eager"), (x_ro, "ratio_to_reduce_overhead")):
+            assert _shown_equal(text, row[key]), (line, key, row[key])
+
+
+def test_results_md_is_rendered_from_latest_json():
+    from cgbackend.bench.render import render_markdown
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    assert render_markdown(results) in (ROOT / "benchmarks" / "RESULTS.md").read_text(), (
+        "benchmarks/RESULTS.md differs from render_markdown(latest.json); render it again (see its header)")
+
+
+def test_serving_md_is_rendered_from_serving_json():
+    from cgbackend.bench.serving import render_markdown
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "serving.json").read_text())
+    rendered = render_markdown(results)
+    text = (ROOT / "benchmarks" / "SERVING.md").read_text()
+    body = rendered.split("\n", 1)[1].strip()  # the title line is followed by the page's own text
+    assert rendered.split("\n", 1)[0] in text and body in text
+
+
+def test_docs_have_no_issue_or_run_numbers():
+    """History lives in git: no issue numbers, run numbers or device runs in the README and the docs."""
+    pattern = re.compile(r"[Ii]ssues? [0-9]+|\brun [0-9]+|device runs? [0-9]+|(?<![\w&])#[0-9]{1,3}\b")
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "benchmarks").glob("*.md")]
+    hits = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in pages for m in pattern.finditer(p.read_text())]
+    assert not hits, hits

@@ -144,7 +144,7 @@ def test_relative_error_never_hides_a_nan_or_a_shape_mismatch():
     assert rel_err(torch.tensor([0.5, 0.0]), torch.zeros(2)) == 0.5  # absolute when ref is zero
 
 
-# ------------------------------------------------------------------ issues 16/17: new models, modes, rules
+# ------------------------------------------------------------------ real-size and decode models, the float64 rule
 
 
 def _run(tmp_path, *args):

@@ -1,5 +1,5 @@
-"""Transformer Engine modules under cgbackend, on the GPU (issue: TE kernels inside the graphs, FP8
-state right). Skips without CUDA or without transformer_engine.
+"""Transformer Engine modules under cgbackend, on the GPU: TE kernels inside the graphs, FP8
+state right. Skips without CUDA or without transformer_engine.
 
 Each test trains (or runs) two copies of one model side by side, eager TE and cgbackend.compile,
 on varied inputs, and compares losses, gradients and, for FP8 with delayed scaling, every TE

@@ -1,4 +1,4 @@
-"""DDP, FSDP2 and expert parallelism under cgbackend (issue 18).
+"""DDP, FSDP2 and expert parallelism under cgbackend.
 
 Two ranks are spawned with torch.multiprocessing. On CPU (gloo, simulated graphs) everything runs in
 CI: one spawn runs every scenario for a few steps on one-layer models. The ``multigpu`` tests run

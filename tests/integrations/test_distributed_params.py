@@ -1,5 +1,5 @@
 """Parameter storage that an engine frees and re-allocates (FSDP2), collectives and teardown,
-without a second process (issue 18). The FSDP2 pattern is reproduced by hand: between calls, or
+without a second process. The FSDP2 pattern is reproduced by hand: between calls, or
 between a forward and its backward, a parameter's storage is resized to 0 and allocated again
 elsewhere, with the same values."""
 

@@ -328,7 +328,7 @@ def test_dynamic_ops_option_names_must_match_exactly():
     # Tensor.sigmoid exists but is not what the graph calls (torch.sigmoid).
     result, _ = verdicts_by_op(gm, Config(dynamic_ops=("Tensor.sigmoid",)))
     assert all(x.static for x in result.verdicts.values())
-    # Names that resolve to no operator are rejected (issue 22), not silently ignored.
+    # Names that resolve to no operator are rejected, not silently ignored.
     for typo in ("torch.sigmoi", "sigmoid"):
         with pytest.raises(ConfigError, match=typo):
             Config(dynamic_ops=(typo,))

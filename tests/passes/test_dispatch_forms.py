@@ -1,4 +1,4 @@
-"""Dispatch loops as real code writes them (issue: real MoE code at real sizes).
+"""Dispatch loops as real code writes them.
 
 Each form is unchanged user-style code: iterating the experts that received tokens (a nonzero()
 result, as transformers 5's eager experts do), skipping experts by counts read with .tolist(), and

@@ -2,8 +2,8 @@
 wherever the routing is eager's, and a batch whose gradients are far off is one where Inductor's
 rounding flipped a token's top-k choice.
 
-This was recorded as a defect ("wrong gradients of layer 0's experts under Inductor", a strict xfail,
-2026-11-24). It is a routing flip: with 32 tokens one flipped choice moves an expert's gradient by
+This was recorded as a defect ("wrong gradients of layer 0's experts under Inductor", a strict xfail).
+It is a routing flip: with 32 tokens one flipped choice moves an expert's gradient by
 tens of percent, 30-50x eager-bf16's own error against float64, while the same step without the
 flip matches. Flips are counted and reported (the bench's routing_flip_frac, the zoo's flips), not
 corrected: eager-bf16 flips other tokens of its own.

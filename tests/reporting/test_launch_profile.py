@@ -1,5 +1,5 @@
 """Launch coverage weighted by measured launches (launch_profile.py, coverage.py) and the runtime
-figure over the calls after warm-up (issue 20)."""
+figure over the calls after warm-up."""
 
 from __future__ import annotations
 

@@ -367,7 +367,7 @@ def test_output_outlives_later_calls_and_shapes():
 
 
 def test_moe_graph_count_constant_over_200_rotating_calls():
-    """Issue size (d_model 512, 4 layers, 8 experts top-2, 4 x 128 tokens, bf16), routing changing
+    """Bench size (d_model 512, 4 layers, 8 experts top-2, 4 x 128 tokens, bf16), routing changing
     every call: after warm-up, no new graphs while replays grow."""
     model = build_model("moe", size="bench", device="cuda", dtype=torch.bfloat16).eval()
     inputs = make_inputs("moe", model, batch=4, seq=128, n=64, device="cuda", seed=21)
@@ -443,10 +443,10 @@ def _peak_memory(pooled: bool) -> dict:
 
 
 def test_moe_inference_peak_memory_within_15_percent_of_eager():
-    """Issue 5's memory target on its MoE reference model (bench size, bf16, 4 x 128 tokens,
+    """The memory target on the MoE reference model (bench size, bf16, 4 x 128 tokens,
     routing changing every call), in a fresh process. Each graph's cuBLAS workspace is a
-    temporary in the graph pool; before, the capture stream kept one of its own (32 MiB on
-    Hopper) next to the eager stream's, which the same measurement shows."""
+    temporary in the graph pool, not a second workspace kept for the capture stream (32 MiB on
+    Hopper) next to the eager stream's."""
     new = _peak_memory(pooled=True)
     assert new["graphs"] == new["regions"] >= 2 and new["replays"] > 0, new
     assert new["err"] <= 2 * new["eager_err"], new

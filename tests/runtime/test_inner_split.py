@@ -1,7 +1,7 @@
-"""Issue 17 runtime: the inner compiler by default (lazy, per region, counted fallbacks), device
+"""The runtime's inner compiler by default (lazy, per region, counted fallbacks), device
 constants from Python scalars hoisted out of regions, and a region split at the op that
 synchronizes in warm-up. CPU with simulated graphs; an OpSyncDetector stands in for CUDA's sync
-debug mode. GPU versions: tests/test_cuda_inference.py."""
+debug mode. GPU versions: tests/runtime/test_cuda_inference.py."""
 
 from __future__ import annotations
 

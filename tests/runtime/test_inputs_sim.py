@@ -1,5 +1,5 @@
-"""Inputs keep eager semantics when regions read them through static copies (runtime/inputs.py,
-issue 23): overlapping inputs, views of inputs across eager writes, autograd's saved-tensor and
+"""Inputs keep eager semantics when regions read them through static copies (runtime/inputs.py):
+overlapping inputs, views of inputs across eager writes, autograd's saved-tensor and
 inference-tensor checks, in-place buffer updates, padding values, and errors during a capture.
 
 Every case runs through both entry points (``cgbackend.compile`` and

@@ -1,4 +1,4 @@
-"""Outputs that eager returns as views stay views (issue 22): of an input, a parameter, a buffer,
+"""Outputs that eager returns as views stay views: of an input, a parameter, a buffer,
 another output, or of one tensor the model does not return. Checked over 5 calls, after capture,
 in no_grad, inference_mode and grad mode, against the model run eagerly; writes through the
 returned views must reach what eager's reach. CPU with simulated graphs; the same check with real

@@ -80,7 +80,7 @@ def test_outputs_copied_out_of_graph_memory_with_one_foreach_call(mode, monkeypa
     """Inference outputs leave graph memory with one foreach call per dtype (one launch instead of
     one per output), each into its own storage with the layout ``clone()`` gives: ``_foreach_clone`` where
     torch has it, or one ``empty_like`` each and one ``_foreach_copy_`` (``_foreach_mul`` by True is
-    the CUDA form on torch without ``_foreach_clone``: tests/test_cuda_inference.py); without the
+    the CUDA form on torch without ``_foreach_clone``: tests/runtime/test_cuda_inference.py); without the
     private APIs (``none``) each is cloned. Either way a later replay overwrites none of them."""
     from cgbackend.runtime import outputs
     if mode == "clone" and outputs._foreach_clone is None:

@@ -1,5 +1,5 @@
 """Parameters a backward does not reach keep ``.grad`` None, as eagerly, on every call from the
-first (issue 22): warm-up calls ran eagerly (None) and replays used to hand out zeros, which an
+first: warm-up calls run eagerly (None), and replays must not hand out zeros, which an
 optimizer with momentum or weight decay treats differently from None."""
 
 from __future__ import annotations
