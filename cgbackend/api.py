@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import opaque
-from .passes.dispatch import source as loop_source
+from .passes.dispatch.forwards import LoopForwards
 from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import (backend_of_wrapper, by_name_backends, default_backend, dynamo_entry, is_compile_wrapper,
@@ -176,6 +176,17 @@ def _call_tracing_dynamic_ops(instance: CGBackend, fn: Callable[..., Any], args:
     return fn(*args, **kwargs)
 
 
+class _NoLoops:
+    """A model without rewritten loops: calls go straight through."""
+
+    @staticmethod
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+
+_NO_LOOPS = _NoLoops()
+
+
 def prepare(model: torch.nn.Module) -> opaque.InstallResult:
     """Make the modules of ``model`` that Dynamo cannot trace but cgbackend knows (Transformer
     Engine's) one opaque graph call each, for ``torch.compile(model, backend="cgbackend")``;
@@ -197,8 +208,10 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     instance = CGBackend(**options)
     if instance.config.opaque_modules and isinstance(model, torch.nn.Module):
         instance.opaque = opaque.install(model)
+    loops: Any = _NO_LOOPS
     if instance.config.static_dispatch != "off" and isinstance(model, torch.nn.Module):
-        instance.loops = loop_source.install(model)
+        loops = LoopForwards(model)  # installed only around each compiled call (forwards.py)
+        instance.loops = loops.records
         if instance.config.static_dispatch in ("auto", "grouped"):
             instance.relayouts = stack_expert_params(model)
     elif isinstance(model, torch.nn.Module):
@@ -215,7 +228,7 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         @functools.wraps(traced_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
             with whole():
-                return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
+                return loops.call(_call_tracing_dynamic_ops, instance, traced_forward, args, kwargs)
 
         compiled.forward = forward
         # On the wrapper itself: torch's OptimizedModule forwards other attribute writes to the

@@ -69,7 +69,7 @@ class CGBackend:
         """Loops cgbackend.compile / explain rewrote in the model's source (passes/dispatch/source.py)."""
         self.survey_target: Optional[Callable[[], Any]] = None
         """A weak reference to the model compiled without static dispatch: its loops are surveyed
-        (what the loop rewrite would do, source.survey) when a report is built, for the hints."""
+        (what the loop rewrite would do, forwards.survey) when a report is built, for the hints."""
         self._loop_survey: Optional[list] = None
         self.relayouts: list = []
         """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
@@ -205,7 +205,7 @@ class CGBackend:
             model = self.survey_target() if self.survey_target is not None else None
             if model is None:
                 return []
-            from .passes.dispatch.source import survey
+            from .passes.dispatch.forwards import survey
             self._loop_survey = survey(model)
         return self._loop_survey
 
