@@ -116,7 +116,7 @@ class CGBackend:
             self.note_trace_scope_missed()
         with self._lock:
             index = len(self._graphs)
-            analysis = analyze(gm, self.config)
+            analysis = analyze(gm, self.config, loops=self.loops)
             break_info = graph_break_info(gm)
             if self._keep_analyses:
                 self._analyses.append((analysis, break_info))
@@ -211,7 +211,18 @@ class CGBackend:
 
     def _annotate(self, report: Report) -> None:
         """What happened before Dynamo's graphs: source-level loop rewrites and a trace fallback."""
-        report.loop_rewrites = [r.to_dict() for r in self.loops]
+        kept: dict[str, int] = {}
+        for g in report.graphs:
+            for s in g.dispatch.get("skipped", ()):
+                if s.get("loop"):
+                    kept[s["loop"]] = kept.get(s["loop"], 0) + 1
+        report.loop_rewrites = [dict(r.to_dict(), kept_skips=kept.get(r.source, 0)) if r.form else r.to_dict()
+                                for r in self.loops]
+        if any(r.form for r in self.loops) and report.summary.get("dispatch_rewrites"):
+            report.summary["unrouted_expert_grads"] = "zero"
+            report.notes.append("experts that receive no token get a zero gradient where eager leaves .grad None: "
+                                "static dispatch runs the experts of a rewritten dispatch loop also on no rows "
+                                "(as grouped-GEMM MoE layers do); warned once at the first backward")
         for r in self.relayouts:
             report.notes.append(f"{r.module or 'model'}: the {r.experts} experts' {', '.join(r.params)} laid out "
                                 f"as one block each ({r.bytes / 2 ** 20:.1f} MiB), read by the grouped form "
