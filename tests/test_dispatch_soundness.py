@@ -376,3 +376,56 @@ def test_experts_without_tokens_get_zero_gradients_with_one_warning():
     assert len(zero) == 1, [str(w.message) for w in seen]
     assert result["report"].summary["unrouted_expert_grads"] == "zero"
     assert "zero gradient" in result["report"].to_text()
+
+
+# ----------------------------------------------------------------------------- the proof, case by case
+
+_HEAD = """def forward(self, x):
+    h = x.reshape(-1, 8)
+    w, ind = self.route(h)
+    out = torch.zeros_like(h)
+    counts = torch.bincount(ind.flatten(), minlength=4).tolist()
+"""
+_LOOP = """    for e in range(4):
+        if counts[e] == 0:
+            continue
+        tok, slot = torch.where(ind == e)
+"""
+
+PROOF_CASES = {
+    # name: (code before the loop, loop body after the selection, code after the loop, rewritten?)
+    "accumulate": ("", "out.index_add_(0, tok, self.experts[e](h[tok]) * w[tok, slot, None])", "", True),
+    "temporaries": ("", "y = self.experts[e](h[tok])\n        y = y * w[tok, slot, None]\n"
+                    "        out[tok] += y", "", True),
+    "fresh list": ("", "parts = []\n        parts.append(h[tok])\n        out.index_add_(0, tok, parts[0])", "", True),
+    "two loops, own temporaries": ("", "y = h[tok]\n        out.index_add_(0, tok, y)",
+                                   "for e in range(2):\n        y = out[e]\n        out[e] = y * 2", True),
+    "selection rebound": ("", "tok = torch.arange(h.shape[0])\n        out.index_add_(0, tok, h[tok])", "", False),
+    "write not indexed": ("", "out.add_(h[tok].sum())", "", False),
+    "attribute": ("", "self.last = e", "", False),
+    "print": ("", "print(e)", "", False),
+    "break": ("", "out.index_add_(0, tok, h[tok])\n        break", "", False),
+    "global": ("", "global G\n        G = e", "", False),
+    "loop variable after": ("", "out.index_add_(0, tok, h[tok])", "out = out * e", False),
+    "temporary after": ("", "y = h[tok]\n        out.index_add_(0, tok, y)", "out = out + y.sum()", False),
+    "conditional binding": ("", "if e > 1:\n            y = h[tok]\n        out.index_add_(0, tok, y)", "", False),
+    "ids written": ("", "ind.index_fill_(0, tok, 0)", "", False),
+    "ids mutated before": ("    ind.add_(0)\n", "out.index_add_(0, tok, h[tok])", "", False),
+    "counts in a branch": (None, "out.index_add_(0, tok, h[tok])", "", False),
+}
+
+
+@pytest.mark.parametrize("name", list(PROOF_CASES))
+def test_proof_of_the_loop_body(name):
+    import linecache
+    from cgbackend.passes.dispatch.source import rewrite_function
+    before, body, after, sound = PROOF_CASES[name]
+    head = _HEAD if before is not None else _HEAD.replace("    counts = ", "    if x.numel():\n        counts = ")
+    text = head + (before or "") + _LOOP + f"        {body}\n" + (f"    {after}\n" if after else "") + "    return out\n"
+    filename = f"<cgbackend-proof-{name}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"torch": torch}
+    exec(compile(text, filename, "exec"), namespace)
+    new, records = rewrite_function(namespace["forward"])
+    assert len(records) == 1 and bool(records[0].form) == sound, (records, text)
+    assert records[0].form or records[0].reason

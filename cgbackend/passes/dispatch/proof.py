@@ -304,6 +304,10 @@ def body_reason(fn: ast.FunctionDef, loop: ast.For, body: list[ast.stmt], var: s
     local = bound_names(body) | {var}
     for name in sorted(local & routing):
         return f"the loop body rebinds {name}, the routing its selections read"
+    for name in sorted(selected):
+        if sum(1 for n in _walk(body) if isinstance(n, ast.Name) and n.id == name
+               and isinstance(n.ctx, ast.Store)) > 1:
+            return f"the loop body rebinds {name}, an index its selection made"
     try:
         _flow(body, local, {var})
     except _Carried as exc:
