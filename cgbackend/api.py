@@ -203,7 +203,8 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     while Dynamo compiles a frame of a call of the returned model (never globally; see
     ``_CompileScope``), so a dropless MoE arrives as one graph
     and cgbackend decides what runs eagerly. Returns what torch.compile returns; cgbackend.stats()
-    and cgbackend.report() accept it.
+    and cgbackend.report() accept it. With static dispatch, the dispatch loops it rewrites live on
+    the returned wrapper: ``model`` and its modules keep their own methods (forwards.py).
     """
     instance = CGBackend(**options)
     if instance.config.opaque_modules and isinstance(model, torch.nn.Module):

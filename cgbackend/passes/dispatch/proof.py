@@ -101,19 +101,13 @@ def _comprehension_targets(stmts: Iterable[ast.AST]) -> set[int]:
     return out
 
 
-def bound_names(stmts: list[ast.stmt]) -> set[str]:
+def _bound_names(stmts: list[ast.stmt]) -> set[str]:
     """Every name the statements bind in the function's scope."""
     inner = _comprehension_targets(stmts)
     names = {n.id for n in _walk(stmts) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
              and id(n) not in inner}
     names |= {n.name for n in _walk(stmts) if isinstance(n, ast.ExceptHandler) and n.name}
     return names
-
-
-def _loads(node: ast.AST, names: set[str]) -> Iterator[ast.Name]:
-    for n in ast.walk(node):
-        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in names:
-            yield n
 
 
 def _stores(node: ast.AST) -> set[str]:
@@ -129,6 +123,7 @@ class _Carried(Exception):
 
 
 def _check_reads(node: Optional[ast.AST], local: set[str], bound: set[str]) -> None:
+    """Raise _Carried at a read in ``node`` of a name of ``local`` not in ``bound``."""
     if node is None:
         return
     inner = _comprehension_targets([node])
@@ -301,7 +296,7 @@ def body_reason(fn: ast.FunctionDef, loop: ast.For, body: list[ast.stmt], var: s
         why = _write_reason(node, body, selected, routing)
         if why:
             return "the loop body " + why
-    local = bound_names(body) | {var}
+    local = _bound_names(body) | {var}
     for name in sorted(local & routing):
         return f"the loop body rebinds {name}, the routing its selections read"
     for name in sorted(selected):
