@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import types
 import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
 from . import opaque
-from .passes.dispatch import source as loop_source
+from .passes.dispatch.forwards import LoopForwards
 from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
@@ -55,6 +54,21 @@ def _call_tracing_dynamic_ops(instance: CGBackend, fn: Callable[..., Any], args:
     return fn(*args, **kwargs)
 
 
+class _NoLoops:
+    """A model without rewritten loops: calls go straight through."""
+
+    @staticmethod
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+    @staticmethod
+    def function_of(module: torch.nn.Module) -> None:
+        return None
+
+
+_NO_LOOPS = _NoLoops()
+
+
 def prepare(model: torch.nn.Module) -> opaque.InstallResult:
     """Make the modules of ``model`` that Dynamo cannot trace but cgbackend knows (Transformer
     Engine's) one opaque graph call each, for ``torch.compile(model, backend="cgbackend")``;
@@ -71,22 +85,26 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     while Dynamo compiles a frame of a call of the returned model (never globally; see
     ``CompileScope``), so a dropless MoE arrives as one graph
     and cgbackend decides what runs eagerly. Returns what torch.compile returns; cgbackend.stats()
-    and cgbackend.report() accept it.
+    and cgbackend.report() accept it. With static dispatch, the dispatch loops it rewrites live on
+    the returned wrapper: ``model`` and its modules keep their own methods (forwards.py).
     """
     instance = CGBackend(**options)
     is_module = isinstance(model, torch.nn.Module)
     stacks = _layer_stacks(model, instance, fullgraph) if is_module else []
     if instance.config.opaque_modules and is_module:
         instance.opaque = opaque.install(model)
+    loops: Any = _NO_LOOPS
     if instance.config.static_dispatch != "off" and is_module:
-        instance.loops = loop_source.install(model)
+        loops = LoopForwards(model)  # installed only around each compiled call (forwards.py)
+        instance.loops = loops.records
         if instance.config.static_dispatch in ("auto", "grouped"):
             instance.relayouts = stack_expert_params(model)
     elif isinstance(model, torch.nn.Module):
         instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
     if is_module:
         track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)
-    overrides = Overrides(regional_overrides(stacks, instance, dynamic=dynamic, forward_of=_layer_function))
+    overrides = Overrides(regional_overrides(stacks, instance, dynamic=dynamic,
+                                             forward_of=lambda layer: loops.function_of(layer) or type(layer).forward))
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward
@@ -95,7 +113,7 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         @functools.wraps(traced_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
             with whole(), overrides:
-                return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
+                return loops.call(_call_tracing_dynamic_ops, instance, traced_forward, args, kwargs)
 
         compiled.forward = forward
         # On the wrapper itself: torch's OptimizedModule forwards other attribute writes to the
@@ -123,15 +141,6 @@ def _layer_stacks(model: torch.nn.Module, instance: CGBackend, fullgraph: bool) 
         for stack in stacks:
             log.info("cgbackend: %s", stack.describe())
     return stacks
-
-
-def _layer_function(layer: torch.nn.Module) -> Callable[..., Any]:
-    """The plain function a layer runs: its own rewritten forward (static dispatch's loop rewrite)
-    or its class's."""
-    own = layer.__dict__.get("forward")
-    if isinstance(own, types.MethodType) and own.__self__ is layer:
-        return own.__func__
-    return type(layer).forward
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

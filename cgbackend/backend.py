@@ -70,7 +70,7 @@ class CGBackend:
         """Loops cgbackend.compile / explain rewrote in the model's source (passes/dispatch/source.py)."""
         self.survey_target: Optional[Callable[[], Any]] = None
         """A weak reference to the model compiled without static dispatch: its loops are surveyed
-        (what the loop rewrite would do, source.survey) when a report is built, for the hints."""
+        (what the loop rewrite would do, forwards.survey) when a report is built, for the hints."""
         self._loop_survey: Optional[list] = None
         self.regional: list = []
         """Stacks of identical layers cgbackend.compile compiles once each (regional.py)."""
@@ -118,7 +118,7 @@ class CGBackend:
             self.note_trace_scope_missed()
         with self._lock:
             index = len(self._graphs)
-            analysis = analyze(gm, self.config)
+            analysis = analyze(gm, self.config, loops=self.loops)
             break_info = graph_break_info(gm)
             if self._keep_analyses:
                 self._analyses.append((analysis, break_info))
@@ -206,13 +206,24 @@ class CGBackend:
             model = self.survey_target() if self.survey_target is not None else None
             if model is None:
                 return []
-            from .passes.dispatch.source import survey
+            from .passes.dispatch.forwards import survey
             self._loop_survey = survey(model)
         return self._loop_survey
 
     def _annotate(self, report: Report) -> None:
         """What happened before Dynamo's graphs: source-level loop rewrites and a trace fallback."""
-        report.loop_rewrites = [r.to_dict() for r in self.loops]
+        kept: dict[str, int] = {}
+        for g in report.graphs:
+            for s in g.dispatch.get("skipped", ()):
+                if s.get("loop"):
+                    kept[s["loop"]] = kept.get(s["loop"], 0) + 1
+        report.loop_rewrites = [dict(r.to_dict(), kept_skips=kept.get(r.source, 0)) if r.form else r.to_dict()
+                                for r in self.loops]
+        if any(r.form for r in self.loops) and report.summary.get("dispatch_rewrites"):
+            report.summary["unrouted_expert_grads"] = "zero"
+            report.notes.append("experts that receive no token get a zero gradient where eager leaves .grad None: "
+                                "static dispatch runs the experts of a rewritten dispatch loop also on no rows "
+                                "(as grouped-GEMM MoE layers do); warned once at the first backward")
         report.regional = [stack.to_dict() for stack in self.regional]
         for r in self.relayouts:
             report.notes.append(f"{r.module or 'model'}: the {r.experts} experts' {', '.join(r.params)} laid out "

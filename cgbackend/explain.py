@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from . import opaque
-from .passes.dispatch import source as loop_source
+from .passes.dispatch.forwards import LoopForwards, survey
 from .tracing import data_dependent_failure, dynamic_ops_config
 from .backend import CGBackend
 from .reporting.breaks import break_text, frame_skipped, skipped_frame_source
@@ -118,10 +118,10 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     instance._keep_analyses = True
     if config.opaque_modules and isinstance(model, torch.nn.Module):
         instance.opaque = opaque.install(model)
-    rewrote_loops = False
+    forwards: Optional[LoopForwards] = None
     if config.static_dispatch != "off" and isinstance(model, torch.nn.Module):
-        instance.loops = loop_source.install(model)
-        rewrote_loops = any(r.form for r in instance.loops)
+        forwards = LoopForwards(model)  # the rewritten forwards, on the modules only while traced
+        instance.loops = forwards.records
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
     before = dict(counters["graph_break"])
@@ -139,17 +139,21 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
 
     def eager() -> Any:
         """The model as the user wrote it (without cgbackend's loop rewrites), for the launch count."""
-        if rewrote_loops:
-            loop_source.uninstall(model)
-        try:
-            return model(*args, **kwargs)
-        finally:
-            if rewrote_loops:
-                loop_source.install(model)
+        return model(*args, **kwargs)
+
+    def traced(fn: Any) -> Any:
+        """``fn`` called with the rewritten forwards in place."""
+        if not forwards:
+            return fn
+
+        def call(*a: Any, **k: Any) -> Any:
+            with forwards:
+                return fn(*a, **k)
+        return call
 
     try:
         with grad, torch.random.fork_rng(devices=devices):
-            compiled = torch.compile(model, backend=instance)
+            compiled = traced(torch.compile(model, backend=instance))
             try:
                 with scope:
                     compiled(*args, **kwargs)
@@ -162,7 +166,7 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
                 instance._analyses.clear()
                 torch._dynamo.reset()
                 scope = contextlib.nullcontext()
-                compiled = torch.compile(model, backend=instance)
+                compiled = traced(torch.compile(model, backend=instance))
                 compiled(*args, **kwargs)
             analyses = list(instance._analyses)
             calls = {i: g.calls for i, g in enumerate(instance.compiled_graphs())}
@@ -182,8 +186,6 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
             after_unsupported = dict(counters["unimplemented"])
         torch._dynamo.reset()
         _restore(buffers)
-        if rewrote_loops:
-            loop_source.uninstall(model)
 
     breaks = [b for b in (br for _, br in analyses) if b]
     seen = {(b["reason"], b["source"]) for b in breaks}
@@ -217,7 +219,7 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     report.traced_as = _mode_reason(training, {a.classification.training for a, _ in analyses})
     if launches is not None:
         report.summary.update(launches.to_summary())
-    loops = (loop_source.survey(model) if config.static_dispatch == "off" and isinstance(model, torch.nn.Module)
+    loops = (survey(model) if config.static_dispatch == "off" and isinstance(model, torch.nn.Module)
              else instance.loops)
     report.hints = build_hints(report, [a for a, _ in analyses], config, loops)
     emit_report(report, "cgbackend_explain_report")

@@ -1,4 +1,4 @@
-"""Shared test setup: the ``cuda`` marker, a Dynamo/cgbackend reset around every test."""
+"""Shared test setup: the ``cuda`` and ``slow`` markers, a Dynamo/cgbackend reset around every test."""
 
 from __future__ import annotations
 
@@ -18,9 +18,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "multigpu: needs 2 CUDA GPUs (skipped without them)")
+    config.addinivalue_line("markers", "slow: long CPU runs, deselected unless -m selects them (-m slow)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if "slow" not in (config.getoption("markexpr", "") or ""):  # slow tests run only when -m names them
+        slow = [item for item in items if "slow" in item.keywords]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if "slow" not in item.keywords]
     if torch.cuda.device_count() < 2:
         two = pytest.mark.skip(reason="needs 2 CUDA GPUs")
         for item in items:

@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx
 
-from ..fx_utils import arg_of, callee_name, compute_nodes, fake_value, iter_tensors, storage_ids
+from ..fx_utils import META_KEY, arg_of, callee_name, compute_nodes, fake_value, iter_tensors, storage_ids
 
 __all__ = ["Effects", "analyze_effects", "mutated_args", "is_global_state_node", "is_random_node"]
 
@@ -89,6 +89,8 @@ def is_random_node(node: torch.fx.Node) -> bool:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return torch.Tag.nondeterministic_seeded in target.tags
+    if node.meta.get(META_KEY, {}).get("random"):
+        return True
     name = callee_name(node)
     if name in _RANDOM_NAMES:
         if "dropout" in name:
@@ -100,11 +102,13 @@ def is_random_node(node: torch.fx.Node) -> bool:
 
 
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Argument nodes whose data ``node`` writes in place (empty for pure nodes)."""
+    """Argument nodes whose data ``node`` writes in place (empty for pure nodes). A call that runs a
+    piece of graph (passes/dispatch/restore.py) names the arguments it writes in
+    ``meta["cgbackend"]["writes"]`` (positions)."""
     if node.op not in ("call_function", "call_method"):
         return []
     target = node.target
-    written: list = []
+    written: list = [node.args[i] for i in node.meta.get(META_KEY, {}).get("writes", ())]
     if node.op == "call_method":
         name = str(target)
         if name.endswith("_") and not name.endswith("__") and name not in _NOT_DATA_WRITES:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.fx
 
@@ -37,8 +37,8 @@ class Analysis:
 
 
 def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool] = None,
-            compute_device: Optional[str] = None) -> Analysis:
-    dispatch = rewrite_static_dispatch(gm, config.static_dispatch)
+            compute_device: Optional[str] = None, loops: Sequence = ()) -> Analysis:
+    dispatch = rewrite_static_dispatch(gm, config.static_dispatch, loops)
     effects = analyze_effects(gm)
     classification = classify(gm, config, training=training, compute_device=compute_device)
     constants = find_constants(gm, effects)

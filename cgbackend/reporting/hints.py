@@ -117,7 +117,7 @@ def _break_site(gm: torch.fx.GraphModule) -> Optional[tuple[str, str, str]]:
 
 
 def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]]:
-    """``loops``: source.survey's records (what static dispatch's loop rewrite would do)."""
+    """``loops``: forwards.survey's records (what static dispatch's loop rewrite would do)."""
     by_source = {r.source: r for r in loops}
     hints, seen = [], set()
     launches = report.summary.get("launches") or {}
@@ -169,7 +169,7 @@ def _inner_hint(report: Any, config: Config) -> Optional[dict[str, Any]]:
 
 def build_hints(report: Any, analyses: list, config: Config, loops: Optional[list] = None) -> list[dict[str, Any]]:
     """Hints for a report built from ``analyses`` (in graph order) under ``config``; ``loops``:
-    what static dispatch's loop rewrite would do to the model's loops (source.survey)."""
+    what static dispatch's loop rewrite would do to the model's loops (forwards.survey)."""
     hints = []
     dispatch = _static_dispatch_hint(report, analyses, config)
     if dispatch is not None:

@@ -425,8 +425,10 @@ def _loop_rewrites_text(loops: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in loops:
         if r["form"]:
+            kept = r.get("kept_skips", 0)
             lines.append(f"  dispatch loop rewritten before tracing: {r['form']} at {r['source']} "
-                         "(now a fixed-length loop over every expert)")
+                         "(now a fixed-length loop over every expert)"
+                         + (f"; {kept} unit(s) left dynamic keep its skip" if kept else ""))
         else:
             lines.append(f"  dispatch loop left as written at {r['source']}: {r['reason']}")
     return lines

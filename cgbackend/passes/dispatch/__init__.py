@@ -39,6 +39,8 @@ stays as it is, dynamic, with the reason in the report.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.fx
 
@@ -48,9 +50,10 @@ from .grouped import build_grouped, find_layers, layer_is_native
 from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
 from .graph import _Builder
 from .records import DispatchResult, DispatchRewrite, DispatchSkipped, _Skip
+from .restore import KeptSkip, SkipNotKept, keep_skips
 
 __all__ = ["DispatchResult", "DispatchRewrite", "DispatchSkipped", "rewrite_static_dispatch",
-           "FORMS", "MODES"]
+           "FORMS", "MODES", "SkipNotKept"]
 
 
 def _erase(gm: torch.fx.GraphModule, dead: set[torch.fx.Node]) -> None:
@@ -117,9 +120,26 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
     return changed, decided
 
 
-def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResult:
-    """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc."""
+def _note_kept(kept: list[KeptSkip], skipped_at: dict, result: DispatchResult) -> None:
+    """Each kept skip on the record of its unit (a record of its own where no pattern matched)."""
+    for k in kept:
+        record = next((skipped_at[n] for n in k.nodes if n in skipped_at), None)
+        if record is None:
+            source, code = source_location(k.selection)
+            record = DispatchSkipped("selection", source, code, module_path(k.selection),
+                                     reason="no dispatch pattern matches what the loop body does with this selection")
+            result.skipped.append(record)
+        record.loop = k.loop.source
+        record.reason += (f"; it runs only for an expert that receives tokens, as the loop at {k.loop.source} "
+                          "was written")
+
+
+def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence = ()) -> DispatchResult:
+    """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc.
+    ``loops``: the loops the source rewrite changed (source.LoopRewrite); a unit of theirs left
+    dynamic keeps the loop's skip (restore.py)."""
     result = DispatchResult(mode=mode)
+    skipped_at: dict = {}
     if mode == "off":
         return result
     if mode not in MODES:
@@ -149,8 +169,9 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResu
                     raise _Skip(f"the static form does not trace ({type(exc).__name__}: {exc})") from exc
             except _Skip as exc:
                 source, code = source_location(node)
-                result.skipped.append(DispatchSkipped(_PATTERN_OF[matcher], source, code,
-                                                      module_path(node), reason=str(exc)))
+                skipped_at[node] = DispatchSkipped(_PATTERN_OF[matcher], source, code, module_path(node),
+                                                   reason=str(exc))
+                result.skipped.append(skipped_at[node])
                 break
             source, code = source_location(node)
             result.rewrites.append(DispatchRewrite(
@@ -161,7 +182,9 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str) -> DispatchResu
             order = {n: i for i, n in enumerate(gm.graph.nodes)}
             changed = True
             break
-    if changed:
+    kept = keep_skips(gm, loops)
+    _note_kept(kept, skipped_at, result)
+    if changed or kept:
         gm.graph.lint()
         gm.recompile()
     return result

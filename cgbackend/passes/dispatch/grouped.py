@@ -36,7 +36,7 @@ from ...fx_utils import fake_value, plain_name, sizes_equal
 from .graph import _Builder, _is, _is_getitem, _shape, _strip_type
 from .layout import consecutive, stacked_view
 from .masked_dense import _dense_weight
-from .match import _Plan, WhereUnit, _removable
+from .match import _Plan, WhereUnit, _removable, read_while_written
 from .records import _Skip
 
 __all__ = ["Layer", "find_layers", "build_grouped", "grouped_mm_supported", "layer_is_native"]
@@ -180,6 +180,22 @@ def _acc_chain(plans: list[_Plan], order: dict, closure: set) -> None:
                 raise _Skip(f"{user.name} reads the accumulator between two experts")
 
 
+def _inputs_before_outputs(plans: list[_Plan], order: dict) -> None:
+    """Each expert's input is independent of the other experts' outputs: nothing the experts read
+    (the gathered tensor, weights, the router weights) is written in place between the first
+    expert's gather and the last expert's accumulation (the accumulation into the tensor the experts
+    read, ``h.index_add_(0, tok, expert(h[tok]))``, is such a write). The grouped form computes every
+    expert from the values at the last expert; the loop's expert e saw the earlier experts' writes."""
+    units = [p.unit for p in plans]
+    reads = [n for u in units for n in u.rows.inputs() + ([u.weight.table] if u.weight is not None else [])]
+    start = min((g for u in units for g in u.sources), key=order.__getitem__)
+    clash = read_while_written(list(dict.fromkeys(reads)), start, units[-1].sink)
+    if clash is not None:
+        read, writer = clash
+        raise _Skip(f"the experts read the tensor they accumulate into ({read.name}, written by {writer.name} "
+                    "between the experts): expert e's input depends on the earlier experts' outputs")
+
+
 def find_layers(plans: list[_Plan], order: dict) -> tuple[list[Layer], list[tuple[list[_Plan], str]]]:
     """Group where-loop plans into layers that can take the grouped form. Returns the layers and,
     for groups that cannot, (their plans, why)."""
@@ -215,6 +231,7 @@ def find_layers(plans: list[_Plan], order: dict) -> tuple[list[Layer], list[tupl
             for p in ps:
                 closure |= _removable(p)
             _acc_chain(ps, order, closure)
+            _inputs_before_outputs(ps, order)
             linears = _correspond([p.unit for p in ps])
             k = 1 if len(u0.grid) == 1 else u0.grid[1 - u0.tok_axis]
             if not isinstance(k, int):

@@ -1,6 +1,8 @@
 """The masked-dense form: each expert computes on every row; a token adds ``where(routed, row, 0)``
 times its combine weight. No host sync and shapes fixed by the token count and the number of
-experts, at E/k times the expert FLOPs of the dropless loop (see the package docstring)."""
+experts, at E/k times the expert FLOPs of the dropless loop (see the package docstring). A token
+the expert does not receive computes on a copy of a row it does receive (``routed_rows``), so the
+backward is masked too."""
 
 from __future__ import annotations
 
@@ -83,6 +85,21 @@ def _combine(b: _Builder, rows: torch.fx.Node, c: Optional[torch.fx.Node], route
     for cast in casts:
         val = b.copy(cast, {cast.args[0]: val})
     return b.method("add_", acc, val) if in_place else b.fn(operator.add, acc, val)
+
+
+def routed_rows(b: _Builder, routed: torch.fx.Node) -> torch.fx.Node:
+    """Per expert e and token t (``routed`` is boolean [E, T]): t where t is routed to e, else the
+    first token routed to e (token 0 when none is). Each expert computes on these rows: a token it
+    does not receive gets the copy of a row it does, one the loop computed too, so a row on which
+    the expert is not finite (``sqrt(x)`` of a token routed elsewhere) never enters its backward,
+    where ``0 * inf`` would make the gradients NaN. The routed rows are the loop's rows, bit for bit.
+    The gather copies the rows, so no in-place write of the gathered tensor (an expert accumulating
+    into the tensor it reads) reaches what autograd saved."""
+    T = _shape(routed)[1]
+    n = T if isinstance(T, int) else b.fn(torch.ops.aten.sym_size.int, routed, 1)
+    first = b.method("argmax", b.method("to", routed, torch.uint8), 1, keepdim=True)
+    tokens = b.fn(torch.arange, n, device=fake_value(routed).device)
+    return b.fn(torch.where, routed, tokens, first)
 
 
 def _bool_mask(b: _Builder, mask: torch.fx.Node) -> torch.fx.Node:

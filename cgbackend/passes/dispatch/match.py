@@ -14,11 +14,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ...fx_utils import arg_of, fake_value, plain_name, sizes_equal, source_location
+from ...fx_utils import arg_of, fake_value, plain_name, sizes_equal, source_location, storage_ids
 from ..effects import mutated_args
 from ..rowdep import NotRowwise, propagate_rows
 from .graph import _Builder, _ancestors, _descendants, _is, _is_getitem, _shape, _strip_casts, _strip_type, _CASTS
-from .masked_dense import _Weight, _bool_mask, _combine, _combine_weights, _dense_weight
+from .masked_dense import _Weight, _bool_mask, _combine, _combine_weights, _dense_weight, routed_rows
 from .records import _Skip
 
 def _selection(node: Any) -> Optional[torch.fx.Node]:
@@ -38,21 +38,53 @@ def _selection(node: Any) -> Optional[torch.fx.Node]:
 
 @dataclasses.dataclass
 class _Rows:
-    """A row computation: ``out`` computed from ``gathers`` (node -> dense source builder)."""
+    """A row computation: ``out`` computed from ``gathers`` (gather node -> (gathered tensor, the
+    number of leading dimensions before its rows: 1 for ``x[None, idx]``))."""
     out: torch.fx.Node
-    gathers: dict[torch.fx.Node, Callable[[_Builder], torch.fx.Node]]
+    gathers: dict[torch.fx.Node, tuple[torch.fx.Node, int]]
     body: list[torch.fx.Node]
 
-    def build(self, b: _Builder) -> torch.fx.Node:
-        env = {g: make(b) for g, make in self.gathers.items()}
+    def build(self, b: _Builder, rows: torch.fx.Node) -> torch.fx.Node:
+        """The computation on every token's row, each token reading the row ``rows[token]`` of the
+        gathered tensors (masked_dense.routed_rows: its own row where the expert receives it)."""
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for g, (src, lead) in self.gathers.items():
+            dense = b.fn(torch.index_select, src, 0, rows)
+            env[g] = b.fn(operator.getitem, dense, (None,) * lead) if lead else dense
         for node in self.body:
             b.copy(node, env)
         return env[self.out]
 
+    def inputs(self) -> list[torch.fx.Node]:
+        """The nodes the rows are computed from: the gathered tensors and the body's other inputs."""
+        inside = set(self.body) | set(self.gathers)
+        out = [src for src, _ in self.gathers.values()]
+        out += [a for n in self.body for a in n.all_input_nodes if a not in inside]
+        return list(dict.fromkeys(out))
+
+
+def read_while_written(reads: list[torch.fx.Node], start: torch.fx.Node,
+                       stop: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(read, writer): a node of ``reads`` whose storage a node from ``start`` up to (not
+    including) ``stop`` writes in place; None when there is none. A form that computes the rows
+    elsewhere than where the loop gathered them reads other values there."""
+    storages = {}
+    for r in reads:
+        for s in storage_ids(fake_value(r)):
+            storages.setdefault(s, r)
+    node = start
+    while node is not stop and node.op != "output":
+        for written in mutated_args(node):
+            for s in storage_ids(fake_value(written)):
+                if s in storages:
+                    return storages[s], node
+        node = node.next
+    return None
+
 
 def _row_computation(out: torch.fx.Node, gathers: dict, order: dict[torch.fx.Node, int],
                      forbidden: set[torch.fx.Node], what: str) -> _Rows:
-    """Nodes between ``gathers`` (node -> (row dim, dense builder)) and ``out``, proven row-wise."""
+    """Nodes between ``gathers`` (node -> (gathered tensor, row dim)) and ``out``, proven row-wise."""
     anc = _ancestors(out) | {out}
     reach = _descendants(list(gathers)) & anc
     body = sorted((n for n in reach if n not in gathers), key=order.__getitem__)
@@ -61,29 +93,27 @@ def _row_computation(out: torch.fx.Node, gathers: dict, order: dict[torch.fx.Nod
             if a in forbidden and a not in reach:
                 raise _Skip(f"{what} uses {a.name}, which depends on the routing other than through the gather")
     try:
-        dims = propagate_rows(body, {g: d for g, (d, _) in gathers.items()})
+        dims = propagate_rows(body, {g: d for g, (_, d) in gathers.items()})
     except NotRowwise as exc:
         src, _ = source_location(exc.node)
         raise _Skip(f"{what} is not proven row-independent: {exc}" + (f" at {src}" if src else ""))
     if dims.get(out) != 0:
         raise _Skip(f"{what} does not keep rows in dimension 0")
-    return _Rows(out=out, gathers={g: m for g, (_, m) in gathers.items()}, body=body)
+    return _Rows(out=out, gathers=dict(gathers), body=body)
 
 
-def _gather_of(node: torch.fx.Node, index: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int, Callable]]:
-    """(source, row dim, dense builder) if ``node`` gathers rows of a tensor by ``index``."""
+def _gather_of(node: torch.fx.Node, index: torch.fx.Node) -> Optional[tuple[torch.fx.Node, int]]:
+    """(source, row dim) if ``node`` gathers rows of a tensor by ``index`` (``x[idx]``,
+    ``x[None, idx]``, ``index_select(x, 0, idx)``)."""
     if _is_getitem(node) and node.args[1] is index:
-        src = node.args[0]
-        return src, 0, lambda b: src
+        return node.args[0], 0
     if _is_getitem(node) and isinstance(node.args[1], tuple):
         key = node.args[1]
         if key.count(index) == 1 and all(k is None for k in key if k is not index) \
                 and key.index(index) == len(key) - 1:
-            src, lead = node.args[0], len(key) - 1
-            return src, lead, lambda b: b.fn(operator.getitem, src, (None,) * lead)
+            return node.args[0], len(key) - 1
     if _is(node, "index_select") and len(node.args) >= 3 and node.args[1] == 0 and node.args[2] is index:
-        src = node.args[0]
-        return src, 0, lambda b: src
+        return node.args[0], 0
     return None
 
 
@@ -200,16 +230,21 @@ def _match_where(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
     for n in _descendants([index]) & (_ancestors(rows_node) | {rows_node}):
         g = _gather_of(n, index)
         if g is not None:
-            src, d, make = g
+            src, d = g
             sources[n] = (src, d)
             if src in forbidden:
                 raise _Skip("the gathered tensor depends on the routing")
             if not sizes_equal(_shape(src)[0], T):
                 raise _Skip(f"the gathered tensor {src.name} has other rows than the mask's tokens")
-            gathers[n] = (d, make)
+            gathers[n] = (src, d)
     if not gathers:
         raise _Skip("no gather of rows by the selected token index feeds the accumulated value")
     rows = _row_computation(rows_node, gathers, order, forbidden, "the expert computation")
+    reads = rows.inputs() + ([weight.table] if weight is not None else [])
+    clash = read_while_written(reads, min(gathers, key=order.__getitem__), node)
+    if clash is not None:
+        raise _Skip(f"{clash[1].name} writes {clash[0].name} in place after the expert gathered its rows "
+                    "and before it accumulates them")
 
     # Sibling units (mask = base[e] for the experts e of one layer) share one computation of the
     # combine weights of all experts: a few kernels per layer instead of a few per expert.
@@ -228,12 +263,14 @@ def _match_where(node: torch.fx.Node, order: dict) -> Optional[_Plan]:
             if len(grid) == 2 and tok_axis == 1:
                 masks = b.method("transpose", masks, 1, 2)
             dense_w = _dense_weight(b, weight, len(grid), tok_axis) if weight is not None else None
-            cache[key] = _combine_weights(b, masks, dense_w, len(grid), fake_value(rows_node).dtype)
-        c_all, routed_all = cache[key]
+            c_all, routed_all = _combine_weights(b, masks, dense_w, len(grid), fake_value(rows_node).dtype)
+            cache[key] = c_all, routed_all, routed_rows(b, routed_all)
+        c_all, routed_all, rows_all = cache[key]
         e = 0 if expert is None else expert
         c = b.fn(operator.getitem, c_all, e) if c_all is not None else None
         routed = b.fn(operator.getitem, routed_all, e)
-        return _combine(b, rows.build(b), c, routed, rows_first, casts, acc, in_place)
+        dense = rows.build(b, b.fn(operator.getitem, rows_all, e))
+        return _combine(b, dense, c, routed, rows_first, casts, acc, in_place)
 
     unit = WhereUnit(node, acc, in_place, index, mask, tuple(grid), tok_axis, rows, sources, weight, rows_first, casts,
                      fake_value(rows_node).dtype)
@@ -352,8 +389,7 @@ def _match_sorted(node: torch.fx.Node, order_of: dict) -> Optional[_Plan]:
     per_expert = []
     for i, out in enumerate(outs):
         piece = pieces_by_out[i]
-        per_expert.append(_row_computation(out, {piece: (0, lambda b, h=h: h)}, order_of, forbidden,
-                                           f"expert {i}"))
+        per_expert.append(_row_computation(out, {piece: (h, 0)}, order_of, forbidden, f"expert {i}"))
     wpost = _Weight(table2d, [0, 1], 0, w.post)
 
     def build(b: _Builder, cache: dict) -> torch.fx.Node:
@@ -361,10 +397,12 @@ def _match_sorted(node: torch.fx.Node, order_of: dict) -> Optional[_Plan]:
         experts = b.fn(torch.arange, E, device=fake_value(ids).device)
         masks = b.fn(operator.eq, b.method("unsqueeze", ids, 0), b.method("view", experts, E, 1, 1))
         c_all, routed_all = _combine_weights(b, masks, dense_w, 2, fake_value(outs[0]).dtype)
+        rows_all = routed_rows(b, routed_all)
         result = acc
         for e, rows in enumerate(per_expert):
             c, routed = b.fn(operator.getitem, c_all, e), b.fn(operator.getitem, routed_all, e)
-            result = _combine(b, rows.build(b), c, routed, rows_first, casts, result, in_place or e > 0)
+            dense = rows.build(b, b.fn(operator.getitem, rows_all, e))
+            result = _combine(b, dense, c, routed, rows_first, casts, result, in_place or e > 0)
         return result
 
     return _Plan("sorted_split", node, [order, counts], E, T, build)

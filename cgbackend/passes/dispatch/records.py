@@ -34,6 +34,8 @@ class DispatchRewrite(_UnitRecord):
 @dataclasses.dataclass
 class DispatchSkipped(_UnitRecord):
     reason: str = ""
+    loop: str = ""
+    """The rewritten loop (its LoopRewrite source) whose skip this unit keeps (restore.py), if any."""
 
 
 @dataclasses.dataclass

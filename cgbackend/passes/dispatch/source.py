@@ -25,9 +25,14 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
     __cgb_cond = COND
     if __cgb_cond.dim() == 1:       # nonzero() rows are expert ids only for a 1-D condition
         for e in range(__cgb_cond.shape[0]):
+            if not __cgb_compiling() and not __cgb_cond[e]:
+                continue
             ...                     # the body without its first statement
     else:
         (the original loop)
+
+  When the body's first statement is ``e = e[0]`` (a tensor), the body may use ``e`` only where an
+  int means the same: as an index or in a comparison (``e.item()`` leaves the loop as written).
 
 ``count_skip``::
 
@@ -37,14 +42,25 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
             continue
         ... torch.where(IDS == e) ...   # every selection in the body compares IDS with e
 
-  ``counts`` used nowhere else: the skip is removed and so is the ``.tolist()``.
+  ``counts`` used nowhere else, ``IDS`` a local name that nothing rebinds or writes between the
+  count and the loop (so the loop selects from the very ids that were counted). Rewritten to::
 
-In both forms the body's writes must be the dispatch's accumulation: every in-place method call
-(a name ending in ``_``) and every subscript assignment or augmented assignment indexes with names
-bound from the body's selections; nothing else is written (attribute assignment, ``global``,
-``nonlocal``, ``del``, ``yield``). Experts with side effects of their own on empty input (a call
-counter) are outside what the syntax sees; the FX-level matcher still proves each unit's rewrite.
-Anything else is left as it was, with the reason recorded.
+    if not __cgb_compiling():
+        counts = torch.bincount(IDS..., minlength=E).tolist()
+    for e in range(...):
+        if not __cgb_compiling() and counts[e] == 0:
+            continue
+        ...
+
+``__cgb_compiling`` is ``torch.compiler.is_compiling``: traced by Dynamo the skip and the host read
+are gone and every expert runs; run eagerly (a frame Dynamo gives up on) the loop skips as written.
+
+Either form is rewritten only when its body passes the checks of proof.py: running it for an
+expert without tokens leaves nothing behind (no name outlives the iteration, every write outside
+the body is indexed by the selected tokens, the routing is not rebound). Experts with side effects
+of their own on empty input (a call counter) are outside what the syntax sees; the FX-level pass
+proves each dispatch unit, and keeps the skip for a unit it leaves dynamic (restore.py). Anything
+else is left as written, with the reason recorded.
 """
 
 from __future__ import annotations
@@ -52,18 +68,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import logging
 import textwrap
-import types
 from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["LoopRewrite", "rewrite_function", "install", "uninstall", "installed", "survey"]
+from .proof import body_reason, tensor_uses, unchanged_between
 
-log = logging.getLogger(__name__)
+__all__ = ["LoopRewrite", "rewrite_function"]
 
-_ATTR = "__cgbackend_loops__"
 
 
 @dataclasses.dataclass
@@ -73,9 +86,16 @@ class LoopRewrite:
     source: str
     form: str = ""
     reason: str = ""
+    filename: str = dataclasses.field(default="", repr=False)
+    lines: tuple[int, int] = dataclasses.field(default=(0, 0), repr=False)
+    """The loop's file and first and last line: where the graph's nodes of its body come from."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"function": self.function, "source": self.source, "form": self.form, "reason": self.reason}
+
+    def holds(self, filename: str, line: int) -> bool:
+        """Whether ``filename:line`` lies in the loop."""
+        return filename == self.filename and self.lines[0] <= line <= self.lines[1]
 
 
 # ----------------------------------------------------------------------------- syntax helpers
@@ -235,26 +255,6 @@ def _selections(body: list[ast.stmt]) -> list[tuple[ast.expr, set[str]]]:
     return out
 
 
-def _writes_only_selected(body: list[ast.stmt], selected: set[str]) -> Optional[str]:
-    """None when every write in the body indexes with selected names; else why not."""
-    mod = ast.Module(body=body, type_ignores=[])
-    for node in ast.walk(mod):
-        if isinstance(node, (ast.Global, ast.Nonlocal, ast.Delete, ast.Yield, ast.YieldFrom, ast.Return)):
-            return f"the loop body has a {type(node).__name__.lower()} statement"
-        if isinstance(node, (ast.Assign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                if isinstance(t, ast.Attribute):
-                    return "the loop body assigns an attribute"
-                if isinstance(t, ast.Subscript) and not (_names_in(t.slice) & selected):
-                    return "the loop body writes a subscript not indexed by the selected tokens"
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr.endswith("_") and not node.func.attr.startswith("_"):
-            if not any(_names_in(a) & selected for a in node.args):
-                return f"the loop body calls {node.func.attr} without the selected tokens"
-    return None
-
-
 def _strip_flatten(node: ast.AST) -> ast.AST:
     while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
             node.func.attr == "flatten" and not node.args
@@ -271,14 +271,30 @@ def _same(a: ast.AST, b: ast.AST) -> bool:
 # ----------------------------------------------------------------------------- the two forms
 
 _COND = "__cgb_hit_cond_{}"
+_COMPILING = "__cgb_compiling"
+"""The rewritten function's own ``torch.compiler.is_compiling`` (a closure variable): Dynamo reads
+it as True and traces the loop over every expert; run eagerly (a frame Dynamo skips, a graph
+break), the rewritten loop keeps the skip it was written with."""
+
+
+def _call(name: str, *args: ast.expr) -> ast.Call:
+    return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=list(args), keywords=[])
+
+
+def _eager_only(test: ast.expr) -> ast.expr:
+    """``not __cgb_compiling() and test``."""
+    return ast.BoolOp(op=ast.And(), values=[ast.UnaryOp(op=ast.Not(), operand=_call(_COMPILING)), test])
 
 
 class _Rewriter:
     def __init__(self, fn: ast.FunctionDef, where: Callable[[ast.AST], str]) -> None:
         self.fn = fn
         self.where = where
-        self.records: list[tuple[str, str, str]] = []  # (source, form, reason)
+        self.records: list[tuple[str, ast.stmt, str, str]] = []  # (source, loop, form, reason)
         self.counter = 0
+
+    def note(self, at: ast.AST, loop: ast.stmt, form: str, reason: str = "") -> None:
+        self.records.append((self.where(at), loop, form, reason))
 
     # -- hit_loop
     def hit_loop(self, parent: list[ast.stmt], i: int) -> bool:
@@ -292,38 +308,43 @@ class _Rewriter:
             values = _assignments(self.fn, loop.iter.id)
             if len(values) == 1 and values[0] is not None and _nonzero_arg(values[0]) is not None:
                 if _loads(self.fn, loop.iter.id) != 1:
-                    self.records.append((self.where(loop), "", f"{loop.iter.id} (the nonzero() result) is also "
-                                         "used outside the loop"))
+                    self.note(loop, loop, "", f"{loop.iter.id} (the nonzero() result) is also used outside the loop")
                     return False
                 cond = _nonzero_arg(values[0])
                 assign = next(a for a in ast.walk(self.fn) if isinstance(a, ast.Assign) and a.value is values[0])
         if cond is None:
             return False
-        src = self.where(loop)
         hit = _hit_source(cond)
         if hit is None:
-            self.records.append((src, "", "the loop iterates nonzero() of a condition that is not "
-                                 "'M.sum(...) > 0' or 'M.any(...)'"))
+            self.note(loop, loop, "", "the loop iterates nonzero() of a condition that is not 'M.sum(...) > 0' "
+                      "or 'M.any(...)'")
             return False
         m, needs_nonneg = hit
         if needs_nonneg and not _nonnegative(self.fn, m):
-            self.records.append((src, "", f"{m} is not proven non-negative (a one-hot or boolean mask), so a "
-                                 "zero sum does not prove an empty selection"))
+            self.note(loop, loop, "", f"{m} is not proven non-negative (a one-hot or boolean mask), so a zero sum "
+                      "does not prove an empty selection")
             return False
         if not _unpack_first(loop.body, var):
-            self.records.append((src, "", f"the loop body does not start with '{var} = {var}[0]' (or .item() / "
-                                 "int()): it uses the nonzero() row as a tensor"))
+            self.note(loop, loop, "", f"the loop body does not start with '{var} = {var}[0]' (or .item() / int()): "
+                      "it uses the nonzero() row as a tensor")
             return False
         body = loop.body[1:]
         sels = _selections(body)
         expected = ast.Subscript(value=ast.Name(id=m, ctx=ast.Load()), slice=ast.Name(id=var, ctx=ast.Load()),
                                  ctx=ast.Load())
         if not sels or any(not _same(arg, expected) for arg, _ in sels):
-            self.records.append((src, "", f"the loop body's selections do not all read {m}[{var}]"))
+            self.note(loop, loop, "", f"the loop body's selections do not all read {m}[{var}]")
             return False
-        why = _writes_only_selected(body, set().union(*(names for _, names in sels)))
+        uses = tensor_uses(body, var) if isinstance(loop.body[0].value, ast.Subscript) else []
+        if uses:
+            self.note(loop, loop, "", f"the loop body uses {var} as a tensor ({uses[0]}), which the rewrite "
+                      "would make a Python int")
+            return False
+        why = body_reason(self.fn, loop, body, var, set().union(*(names for _, names in sels)), {m})
+        if why is None and assign is not None:
+            why = unchanged_between(self.fn, assign, loop, {m}, "the hit test")
         if why:
-            self.records.append((src, "", why))
+            self.note(loop, loop, "", why)
             return False
         if assign is not None:
             # the name now holds the condition, wherever it was assigned (a ``with no_grad()`` block)
@@ -334,12 +355,15 @@ class _Rewriter:
             name = _COND.format(self.counter)
             self.counter += 1
             keep = [ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=cond)]
+        skip = ast.If(test=_eager_only(ast.UnaryOp(op=ast.Not(), operand=ast.Subscript(
+            value=ast.Name(id=name, ctx=ast.Load()), slice=ast.Name(id=var, ctx=ast.Load()), ctx=ast.Load()))),
+            body=[ast.Continue()], orelse=[])
         new_loop = ast.For(
             target=ast.Name(id=var, ctx=ast.Store()),
-            iter=ast.Call(func=ast.Name(id="range", ctx=ast.Load()), args=[ast.Subscript(
+            iter=_call("range", ast.Subscript(
                 value=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="shape", ctx=ast.Load()),
-                slice=ast.Constant(0), ctx=ast.Load())], keywords=[]),
-            body=body, orelse=[])
+                slice=ast.Constant(0), ctx=ast.Load())),
+            body=[skip] + body, orelse=[])
         old_iter = ast.Call(func=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="nonzero",
                                                ctx=ast.Load()), args=[], keywords=[])
         old_loop = ast.For(target=loop.target, iter=old_iter, body=loop.body, orelse=[])
@@ -347,10 +371,10 @@ class _Rewriter:
                                                             ctx=ast.Load()), args=[], keywords=[]),
                            ops=[ast.Eq()], comparators=[ast.Constant(1)])
         branch = ast.If(test=test, body=[new_loop], orelse=[old_loop])
-        for node in keep + [new_loop, old_loop, branch]:
+        for node in keep + [new_loop, skip, old_loop, branch]:
             ast.copy_location(node, loop)
         parent[i:i + 1] = keep + [branch]
-        self.records.append((src, "hit_loop", ""))
+        self.note(loop, loop, "hit_loop")
         return True
 
     # -- count_skip
@@ -372,21 +396,24 @@ class _Rewriter:
                 and isinstance(counts_sub.slice, ast.Name) and counts_sub.slice.id == var):
             return
         counts = counts_sub.value.id
-        src = self.where(first)
         values = _assignments(self.fn, counts)
         if len(values) != 1 or values[0] is None or not _is_attr_call(values[0], "tolist"):
-            self.records.append((src, "", f"{counts} is not assigned once from .tolist()"))
+            self.note(first, loop, "", f"{counts} is not assigned once from .tolist()")
             return
         bc = values[0].func.value
         if not (isinstance(bc, ast.Call) and _call_name(bc) == "bincount" and bc.args):
-            self.records.append((src, "", f"{counts} is not bincount(ids, ...).tolist()"))
+            self.note(first, loop, "", f"{counts} is not bincount(ids, ...).tolist()")
             return
         if _loads(self.fn, counts) != 1:
-            self.records.append((src, "", f"{counts} is also used outside the skip"))
+            self.note(first, loop, "", f"{counts} is also used outside the skip")
             return
         ids = bc.args[0] if isinstance(bc.func, ast.Attribute) and isinstance(bc.func.value, ast.Name) \
             and bc.func.value.id == "torch" or isinstance(bc.func, ast.Name) else bc.func.value
         ids = _strip_flatten(ids)
+        if not isinstance(ids, ast.Name):
+            self.note(first, loop, "", f"the counted ids ({ast.unparse(ids)}) are not a local name, so the loop is "
+                      "not proven to select from the ids that were counted")
+            return
         body = loop.body[1:]
         sels = _selections(body)
         ok = bool(sels)
@@ -396,21 +423,24 @@ class _Rewriter:
                     and arg.comparators[0].id == var):
                 ok = False
         if not ok:
-            self.records.append((src, "", f"the loop body's selections do not all compare the counted ids "
-                                 f"with {var}"))
+            self.note(first, loop, "", f"the loop body's selections do not all compare the counted ids with {var}")
             return
-        why = _writes_only_selected(body, set().union(*(names for _, names in sels)))
+        count = next(a for a in ast.walk(self.fn) if isinstance(a, ast.Assign) and a.value is values[0])
+        why = (body_reason(self.fn, loop, body, var, set().union(*(names for _, names in sels)), {ids.id})
+               or unchanged_between(self.fn, count, loop, {ids.id}, "the count"))
         if why:
-            self.records.append((src, "", why))
+            self.note(first, loop, "", why)
             return
-        loop.body = body
-        # drop the now unused host read
+        # Traced, the skip and the host read are gone; run eagerly, both stay.
+        first.test = _eager_only(first.test)
         for node in ast.walk(self.fn):
             for field in ("body", "orelse"):
                 stmts = getattr(node, field, None)
-                if isinstance(stmts, list):
-                    stmts[:] = [s for s in stmts if not (isinstance(s, ast.Assign) and s.value is values[0])]
-        self.records.append((src, "count_skip", ""))
+                if isinstance(stmts, list) and count in stmts:
+                    guarded = ast.If(test=ast.UnaryOp(op=ast.Not(), operand=_call(_COMPILING)), body=[count],
+                                     orelse=[])
+                    stmts[stmts.index(count)] = ast.copy_location(guarded, count)
+        self.note(first, loop, "count_skip")
 
     def run(self) -> None:
         def visit(stmts: list[ast.stmt]) -> None:
@@ -435,12 +465,38 @@ class _Rewriter:
 
 # ----------------------------------------------------------------------------- functions
 
-def rewrite_function(fn: Callable) -> tuple[Optional[Callable], list[LoopRewrite]]:
+def _private_name(fdef: ast.FunctionDef) -> Optional[str]:
+    """A ``__name`` the function uses: Python mangles it only inside its class, and the rewritten
+    function is compiled outside it."""
+    for node in ast.walk(fdef):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+        if name.startswith("__") and not name.endswith("__"):
+            return name
+    return None
+
+
+def _closed_over(fdef: ast.FunctionDef) -> ast.Module:
+    """``def __cgb_make(__cgb_compiling): <fdef>; return <name>``, at the function's own lines."""
+    maker = ast.FunctionDef(
+        name="__cgb_make", args=ast.arguments(posonlyargs=[], args=[ast.arg(arg=_COMPILING)], vararg=None,
+                                              kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
+        body=[fdef, ast.Return(value=ast.Name(id=fdef.name, ctx=ast.Load()))], decorator_list=[], returns=None,
+        type_comment=None)
+    if "type_params" in ast.FunctionDef._fields:
+        maker.type_params = []
+    ast.copy_location(maker, fdef)
+    return ast.Module(body=[maker], type_ignores=[])
+
+
+def rewrite_function(fn: Callable, is_compiling: Callable[[], bool] = torch.compiler.is_compiling
+                     ) -> tuple[Optional[Callable], list[LoopRewrite]]:
     """The rewritten function (None when nothing was rewritten) and a record per loop looked at.
 
     Only plain functions without closures are rewritten (a ``super()`` call or a nested function's
     free variables keep the original); the new function shares the original's globals, defaults
-    and source lines, so tracebacks and the report point at the user's file."""
+    and source lines, so tracebacks and the report point at the user's file. It drops a loop's
+    skip only where ``is_compiling()`` is true (while Dynamo traces it); called eagerly it skips
+    as written. Tests pass ``lambda: True`` to run the traced meaning eagerly."""
     code = getattr(fn, "__code__", None)
     name = getattr(fn, "__qualname__", repr(fn))
     if code is None:
@@ -462,101 +518,28 @@ def rewrite_function(fn: Callable) -> tuple[Optional[Callable], list[LoopRewrite
     ast.increment_lineno(tree, start - 1)
     filename = code.co_filename
     short = filename.replace("\\", "/").rsplit("/", 1)[-1]
+    private = _private_name(fdef)
     rw = _Rewriter(fdef, lambda node: f"{short}:{getattr(node, 'lineno', '?')} in {fdef.name}")
     rw.run()
-    records = [LoopRewrite(name, s, form=f, reason=r) for s, f, r in rw.records]
+    records = [LoopRewrite(name, s, form=f, reason=r, filename=filename, lines=(loop.lineno, loop.end_lineno))
+               for s, loop, f, r in rw.records]
     if not any(r.form for r in records):
         return None, records
-    if fn.__closure__:
+    refusal = ("the function has a closure (super() or free variables)" if fn.__closure__ else
+               f"the function uses {private}, a name Python mangles only inside its class" if private else "")
+    if refusal:
         for r in records:
             if r.form:
-                r.reason, r.form = "the function has a closure (super() or free variables); left as it is", ""
+                r.reason, r.form = refusal + "; left as it is", ""
         return None, records
     fdef.decorator_list = []
-    ast.fix_missing_locations(tree)
+    module = _closed_over(fdef)
+    ast.fix_missing_locations(module)
     namespace: dict[str, Any] = {}
-    exec(compile(tree, filename, "exec"), fn.__globals__, namespace)
-    new = namespace[fdef.name]
+    exec(compile(module, filename, "exec"), fn.__globals__, namespace)
+    new = namespace["__cgb_make"](is_compiling)
     new.__defaults__ = fn.__defaults__
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
     new.__doc__ = fn.__doc__
     return new, records
-
-
-def _eager_experts_forward(cls: type) -> Optional[Callable]:
-    """transformers' experts classes (``use_experts_implementation``) keep their own eager forward
-    behind a dispatching wrapper; that eager forward is what runs for ``"eager"``."""
-    forward = cls.__dict__.get("forward")
-    inner = getattr(forward, "__wrapped__", None)
-    if inner is None or "experts_interface" not in getattr(forward, "__code__", types.CodeType).co_freevars:
-        return None
-    return inner
-
-
-def _experts_dispatch(rewritten: Callable, original: Callable) -> Callable:
-    def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if getattr(getattr(self, "config", None), "_experts_implementation", "eager") in ("eager", None):
-            return rewritten(self, *args, **kwargs)
-        return original(self, *args, **kwargs)
-    return forward
-
-
-def _forwards(model: torch.nn.Module):
-    """(module, class, the forward to rewrite, whether it is transformers' eager experts forward)."""
-    for module in model.modules():
-        cls = type(module)
-        eager = _eager_experts_forward(cls)
-        fn = eager if eager is not None else getattr(cls, "forward", None)
-        if fn is None or fn in (torch.nn.Module.forward,):
-            continue
-        yield module, cls, fn, eager is not None
-
-
-def survey(model: torch.nn.Module) -> list[LoopRewrite]:
-    """What :func:`install` would find, without installing anything: a record per loop looked at
-    (``form`` set where static dispatch would rewrite it). For the report's hints."""
-    records: list[LoopRewrite] = []
-    seen: set = set()
-    for module, _cls, fn, _eager in _forwards(model):
-        if "forward" in module.__dict__ or fn in seen:
-            continue
-        seen.add(fn)
-        records.extend(rewrite_function(fn)[1])
-    return records
-
-
-def install(model: torch.nn.Module) -> list[LoopRewrite]:
-    """Give each module of ``model`` whose forward holds a rewritable loop the rewritten forward
-    (an instance attribute; ``uninstall`` removes it). Returns every loop looked at."""
-    records: list[LoopRewrite] = []
-    cache: dict[Any, tuple[Optional[Callable], list[LoopRewrite]]] = {}
-    for module, cls, fn, eager in _forwards(model):
-        if _ATTR in module.__dict__ or "forward" in module.__dict__:
-            continue  # already rewritten, or a forward the user (or another wrapper) set on the instance
-        if fn not in cache:
-            new, recs = rewrite_function(fn)
-            if new is not None and eager:
-                new = _experts_dispatch(new, cls.forward)
-            cache[fn] = (new, recs)
-            records.extend(recs)
-        new, _ = cache[fn]
-        if new is not None:
-            module.__dict__["forward"] = types.MethodType(new, module)
-            module.__dict__[_ATTR] = True
-    for r in records:
-        if r.form:
-            log.info("cgbackend: %s loop at %s rewritten to a fixed-length loop", r.form, r.source)
-        else:
-            log.debug("cgbackend: loop at %s left as it is: %s", r.source, r.reason)
-    return records
-
-
-def installed(module: torch.nn.Module) -> bool:
-    return module.__dict__.get(_ATTR, False)
-
-
-def uninstall(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if module.__dict__.pop(_ATTR, False):
-            module.__dict__.pop("forward", None)
