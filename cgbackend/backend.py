@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from typing import Any, Callable, Optional
 
@@ -21,6 +22,7 @@ import torch.fx
 
 from .passes.pipeline import Analysis, analyze
 from .reporting.breaks import break_text, source_of_stack
+from . import progress
 from .config import Config
 from .tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
@@ -116,9 +118,12 @@ class CGBackend:
         self.shared.mirror.begin(self.shared.counters)  # before this compile counts anything
         if trace_scope_missed():
             self.note_trace_scope_missed()
+        traced_s = progress.seconds_since_compile_start()
         with self._lock:
             index = len(self._graphs)
+            started = time.perf_counter()
             analysis = analyze(gm, self.config, loops=self.loops)
+            analysed_s = time.perf_counter() - started
             break_info = graph_break_info(gm)
             if self._keep_analyses:
                 self._analyses.append((analysis, break_info))
@@ -134,6 +139,10 @@ class CGBackend:
                  index, ops, len(part.static_regions()), 100.0 * static_ops / max(ops, 1),
                  len(part.dynamic_regions()),
                  f" [{compiled.blocked}]" if compiled.blocked else "")
+        progress.log.log(progress.level(analysed_s + (traced_s or 0.0)),
+                         "cgbackend: graph %d: %sanalysed by cgbackend in %.1f s; its static regions compile and "
+                         "capture at their first calls", index,
+                         "" if traced_s is None else f"traced by Dynamo in {traced_s:.1f} s, ", analysed_s)
         if structured.structured_tracing_on():
             gr = graph_report(analysis, index, break_info)
             structured.emit_report(Report(graphs=[gr], graph_breaks=[break_info] if break_info else [],

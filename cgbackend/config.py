@@ -93,13 +93,15 @@ class Config:
     dynamic_modules: tuple[str, ...] = ()
     """fnmatch patterns of module paths ("layers.*.moe.experts*") always kept out of graphs."""
 
-    static_dispatch: str = "off"
+    static_dispatch: str = "auto"
     """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is
-    captured (passes/dispatch/): "off", "auto" (a measured cost model picks per layer, may leave a
-    loop dynamic) or a form ("grouped", "masked_dense"). With it on, cgbackend.compile also rewrites
-    skip-loops in the model's source (over nonzero() results or .tolist() counts) and lays out
-    per-module expert weights as one block. The report lists every rewrite and every loop left
-    alone, with why."""
+    captured (passes/dispatch/): "auto" (the default: a measured cost model picks the form per layer,
+    and leaves a loop dynamic where no static form pays), a form ("grouped", "masked_dense"), or
+    "off". A rewrite is applied only where it is proven to compute what the loop computes; with it
+    on, cgbackend.compile also rewrites skip-loops in the model's source (over nonzero() results or
+    .tolist() counts) where the loop body is proven to leave nothing behind for a skipped expert,
+    and lays out per-module expert weights as one block. The report lists every rewrite and every
+    loop left alone, with why."""
 
     regional_min_layers: int = 6
     """cgbackend.compile compiles a stack of at least this many identical layers (an nn.ModuleList or

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from .progress import compile_started
+
 __all__ = ["TraceDynamicOps", "CompileScope", "dynamic_ops_config", "trace_scope_missed",
            "data_dependent_failure"]
 
@@ -86,6 +88,7 @@ class CompileScope:
         here = cls.local
         if getattr(here, "depth", 0) <= 0 or getattr(here, "applied", None):
             return
+        compile_started()
         cfg = torch._dynamo.config
         keys = [k for k in TraceDynamicOps._KEYS if not getattr(cfg, k)]
         for key in keys:

@@ -40,6 +40,8 @@ class Case:
     ref64_error: Optional[str] = None
     mem_baseline: Optional[int] = None
     """Device memory allocated when the case's first contender started (alternating timing)."""
+    shared: Optional[nn.Module] = None
+    """The one device copy every contender runs on (--share-weights, inference)."""
 
     @property
     def key(self) -> str:
@@ -47,6 +49,17 @@ class Case:
 
 
 def new_model(case: Case, settings: Settings, contender: Optional[Contender] = None) -> nn.Module:
+    if settings.share_weights and case.mode == "infer":
+        if case.shared is None:
+            spec = case.spec
+            case.shared = (spec.to_device(case.base, settings) if spec is not None and spec.to_device is not None
+                           else copy.deepcopy(case.base).to(settings.device)).eval()
+        if contender is None or contender.convert is None:
+            return case.shared
+        if contender.share is None:
+            raise RuntimeError(f"{contender.name} rebuilds the model and has no form on shared weights "
+                               "(--share-weights)")
+        return contender.share(case.shared)
     if contender is not None and contender.convert is not None:
         model = contender.convert(case.base, settings.device)
     else:
@@ -161,6 +174,11 @@ def _reference64(case: Case, settings: Settings) -> None:
     batches upcast; fills ``case.ref64``, eager's own errors against it and eager's routing flips."""
     from .accuracy import flip_fraction, group_errors, merge, store, upcast_inputs
     t0 = time.perf_counter()
+    spec = case.spec
+    if case.mode == "infer" and spec is not None and spec.reference_forward is not None and settings.share_weights:
+        _streamed_reference64(case, settings)
+        case.ref64_s = time.perf_counter() - t0
+        return
     model = copy.deepcopy(case.base).to(device=settings.device, dtype=torch.float64)
     model.train(case.mode == "train")
     runner = Runner(CONTENDERS["eager"], case, model, model, settings)
@@ -177,6 +195,23 @@ def _reference64(case: Case, settings: Settings) -> None:
         cleanup(settings.device)
     case.eager_flips = max(flips) if flips and None not in flips else None
     case.ref64_s = time.perf_counter() - t0
+
+
+def _streamed_reference64(case: Case, settings: Settings) -> None:
+    """The float64 reference of an inference case computed layer by layer (the model's float64
+    copy would not fit the device: BenchModel.reference_forward)."""
+    from .accuracy import flip_fraction, group_errors, merge, store, upcast_inputs
+    spec = case.spec
+    flips = []
+    for j, i in enumerate(case.acc_indices):
+        out = spec.reference_forward(case.base, upcast_inputs(case.inputs[i]), settings)
+        got = {"output": spec.output(out).detach(), "routing": spec.routing(out)}
+        merge(case.eager64, group_errors(case.ref[j], got))
+        flips.append(flip_fraction(case.ref[j].get("routing"), got.get("routing")))
+        case.ref64.append(store(got, settings.dtype))
+        del got, out
+    cleanup(settings.device)
+    case.eager_flips = max(flips) if flips and None not in flips else None
 
 
 def prepare_case(spec: Any, mode: str, settings: Settings, tokens: Optional[int] = None) -> Case:

@@ -59,6 +59,9 @@ class Contender:
     """restore(model, base): copy the seed weights back into a converted module."""
     named_grads: Optional[Callable[[nn.Module], Any]] = None
     """(name, grad) pairs under the base model's parameter names, for a converted module."""
+    share: Optional[Callable[[nn.Module], nn.Module]] = None
+    """share(model): the contender's own module viewing the weights of ``model``, the one device copy
+    every contender runs on under --share-weights (inference)."""
     modes: tuple[str, ...] = ("infer", "train", "decode")
 
 
@@ -178,6 +181,11 @@ def _grouped_unsupported(device: torch.device, dtype: torch.dtype) -> Optional[s
     return grouped_mm_unsupported(device, dtype)
 
 
+def _grouped_share(model: nn.Module) -> nn.Module:
+    from ..models.realsize import grouped_view
+    return grouped_view(model)
+
+
 def _needs_grouped_form(spec: Any) -> Optional[str]:
     if getattr(spec, "grouped", False):
         return None
@@ -199,7 +207,7 @@ def _needs_hf_moe(spec: Any) -> Optional[str]:
 register_contender(Contender(
     "grouped-reduce-overhead", _reduce_overhead_on_cuda, stock=False, mark_step=True,
     convert=_grouped_convert, applies_to=_needs_grouped_form, unsupported=_grouped_unsupported,
-    restore=_grouped_restore, named_grads=_grouped_grads, modes=("infer", "train"),
+    restore=_grouped_restore, named_grads=_grouped_grads, share=_grouped_share, modes=("infer", "train"),
     description='the MoE layers rewritten by hand in the grouped-GEMM form (torch._grouped_mm, device-side '
                 'offsets; cgbackend/models/realsize.py GroupedMoE), same weights, under '
                 'torch.compile(mode="reduce-overhead") (CPU: backend="eager")'))

@@ -53,6 +53,12 @@ class BenchModel:
     moe: bool = False
     grouped: bool = False
     description: str = ""
+    to_device: Optional[Callable[[nn.Module, Any], nn.Module]] = None
+    """to_device(base, settings) -> the model on settings.device without a second host copy (used for
+    the one copy contenders share under --share-weights); None: a deep copy."""
+    reference_forward: Optional[Callable[[nn.Module, torch.Tensor, Any], Any]] = None
+    """reference_forward(base, x, settings) -> the float64 output of an inference call computed
+    layer by layer (a model whose float64 copy does not fit the device); None: a float64 copy."""
 
 
 MODELS: dict[str, BenchModel] = {}
@@ -98,11 +104,13 @@ SHAPE_MAX_SEQ = 4096
 
 _MOE_SHAPE_CONTENDERS = ("eager", "cgbackend", "cgbackend-static-dispatch", "grouped-reduce-overhead")
 _DENSE_SHAPE_CONTENDERS = ("eager", "reduce-overhead", "cgbackend", "cgbackend-eager-kernels")
+_MOE_128E_CONTENDERS = ("eager", "cgbackend", "grouped-reduce-overhead")
 _SHAPE_DEFAULTS = dict(batches=4, warmup=6, iters=40, acc_batches=1, time_budget=3.0, tokens=(4096,),
                        tiny_tokens=(64,))
 
 
-def _shape(name: str, contenders: tuple[str, ...], description: str) -> BenchModel:
+def _shape(name: str, contenders: tuple[str, ...], description: str, modes: tuple[str, ...] = ("infer", "train"),
+           defaults: Optional[dict] = None) -> BenchModel:
     from ..models import realsize
 
     def cfg(s: Any) -> "realsize.RealConfig":
@@ -121,11 +129,13 @@ def _shape(name: str, contenders: tuple[str, ...], description: str) -> BenchMod
 
     moe = bool(realsize.SHAPES[name]["full"].experts)
     return BenchModel(
-        name=name, family="shape", modes=("infer", "train"), build=build, inputs=inputs,
+        name=name, family="shape", modes=modes, build=build, inputs=inputs,
         loss=lambda out, x: upcast_float(out[0] if isinstance(out, tuple) else out).pow(2).mean(),
         output=lambda out: out[0] if isinstance(out, tuple) else out,
         routing=lambda out: out[1] if isinstance(out, tuple) else None,
-        contenders=contenders, defaults=_SHAPE_DEFAULTS, moe=moe, grouped=moe, description=description)
+        contenders=contenders, defaults=dict(_SHAPE_DEFAULTS, **(defaults or {})), moe=moe, grouped=moe,
+        description=description, to_device=lambda base, s: realsize.device_copy(base, s.device),
+        reference_forward=lambda base, x, s: realsize.streamed_forward(base, x, s.device))
 
 
 register_model(_shape("moe-dsv2lite-shape", _MOE_SHAPE_CONTENDERS,
@@ -134,6 +144,15 @@ register_model(_shape("moe-dsv2lite-shape", _MOE_SHAPE_CONTENDERS,
 register_model(_shape("moe-mixtral-shape", _MOE_SHAPE_CONTENDERS,
                       "hidden 4096, 8 experts top-2, expert ffn 14336, 32 heads / 8 KV heads, 2 layers, "
                       "per-expert ModuleList loop"))
+register_model(_shape("moe-128e", _MOE_128E_CONTENDERS,
+                      "hidden 2048, 128 routed experts top-8, expert ffn 768, 32 heads / 4 KV heads of width 128 "
+                      "(Qwen3-30B-A3B's layer), 2 layers, per-expert ModuleList loop",
+                      defaults=dict(tokens=(64, 512, 2048, 8192))))
+register_model(_shape("moe-128e-deep", _MOE_128E_CONTENDERS,
+                      "moe-128e at 48 layers (the real depth): one copy of the weights shared by every contender "
+                      "(--share-weights; inference), float64 reference computed layer by layer",
+                      modes=("infer",), defaults=dict(tokens=(2048,), share_weights=True, batches=3, warmup=3,
+                                                      acc_batches=1, floor_steps=0)))
 register_model(_shape("dense-llama8b-shape", _DENSE_SHAPE_CONTENDERS,
                       "hidden 4096, 32 heads / 8 KV heads, SwiGLU ffn 14336, 2 layers"))
 

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 
+from .. import progress
 from .cases import Case, prepare_case
 from .contenders import CONTENDERS
 from .measure import cleanup, log, sanitize
 from .render import acc, device_name, fmt, mib, build_meta, render_markdown, render_table, write_json
 from .settings import Settings, UsageError, dtype_name, build_parser, resolve_settings
 from .timing import add_ratios, run_contenders
+
+
+def show_compile_progress() -> None:
+    """Long compiles say what they are doing on stderr (cgbackend.progress at INFO), as the bench's
+    own lines do: this is the command line, not the library, so it may set up logging."""
+    logger = logging.getLogger(progress.log.name)
+    if not any(getattr(h, "_cgbackend_bench", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[bench] %(message)s"))
+        handler._cgbackend_bench = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _contenders_for(spec: Any, mode: str, settings: Settings) -> list[str]:
@@ -100,8 +114,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m cgbackend 
         print(f"cgbackend bench: error: {exc}", file=sys.stderr)
         return 2
     if settings.verbose:
-        import logging
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    else:
+        show_compile_progress()
     log(f"device {settings.device} ({device_name(settings.device)}), dtype {dtype_name(settings.dtype)}, "
          f"models {','.join(settings.models)}, modes {','.join(settings.modes)}, "
          f"contenders {','.join(settings.contenders)}")

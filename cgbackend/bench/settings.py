@@ -86,6 +86,9 @@ class Settings:
     time_budget: Optional[float] = None
     timing: str = "alternate"
     """alternate: contenders timed in alternating blocks; sequential: each timed alone (run_contenders)."""
+    share_weights: bool = False
+    """Inference: every contender runs on one device copy of the weights (contenders that rebuild the
+    model view it), for models too large for one copy per contender."""
     explicit: frozenset = frozenset()
     """Settings given on the command line: a model's own defaults (bench_models) never override them."""
 
@@ -99,6 +102,7 @@ class Settings:
             "threads": self.threads if self.threads is not None else torch.get_num_threads(),
             "scale": self.scale, "tokens": list(self.tokens) if self.tokens else None,
             "reference": self.reference, "time_budget_s": self.time_budget, "timing": self.timing,
+            "share_weights": self.share_weights,
         }
 
     def for_model(self, spec: Any) -> "Settings":
@@ -151,6 +155,9 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
                         "after the other and kept, then timed in 5 alternating blocks; sequential: each is "
                         "timed alone right after its warm-up and dropped (less memory held; decode rows "
                         "are always sequential)")
+    p.add_argument("--share-weights", action="store_true", default=None,
+                   help="inference: all contenders share one device copy of the weights (default for models "
+                        "that set it, such as moe-128e-deep)")
     p.add_argument("--d-model", type=int, help="override d_model")
     p.add_argument("--layers", type=int, help="override n_layers")
     p.add_argument("--heads", type=int, help="override n_heads")
@@ -251,7 +258,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     if args.time_budget is not None and args.time_budget <= 0:
         raise UsageError(f"--time-budget must be > 0, got {args.time_budget}")
     explicit = frozenset(name for name in ("batches", "warmup", "iters", "acc_batches", "time_budget", "tokens",
-                                           "contenders")
+                                           "contenders", "share_weights", "floor_steps")
                          if getattr(args, name) is not None or (args.smoke and name in SMOKE_DEFAULTS))
     threads = pick("threads")
     if threads is not None and threads < 1:
@@ -276,4 +283,5 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
                     out=out, markdown=markdown, smoke=args.smoke, verbose=args.verbose, threads=threads,
                     scale=args.scale or ("tiny" if args.smoke else "full"), tokens=tokens,
                     reference=args.reference or "fp64", time_budget=args.time_budget,
-                    timing=args.timing or "alternate", explicit=explicit)
+                    timing=args.timing or "alternate", share_weights=bool(args.share_weights),
+                    explicit=explicit)

@@ -21,8 +21,9 @@ float64 reference. ``return_routing=False`` returns the hidden states alone.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -30,8 +31,9 @@ import torch.nn.functional as F
 
 from .layers import Expert
 
-__all__ = ["RealConfig", "SHAPES", "RealModel", "LoopMoE", "GroupedMoE", "grouped_from", "named_grads",
-           "load_weights", "grouped_mm_unsupported", "make_hidden_inputs"]
+__all__ = ["RealConfig", "SHAPES", "RealModel", "LoopMoE", "GroupedMoE", "grouped_from", "grouped_view",
+           "device_copy", "streamed_forward", "named_grads", "load_weights", "grouped_mm_unsupported",
+           "make_hidden_inputs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,6 +292,75 @@ def grouped_from(base: RealModel, device: torch.device | str | None = None) -> R
     load_weights(model, base)
     model.train(base.training)
     return model
+
+
+def device_copy(base: RealModel, device: torch.device | str) -> RealModel:
+    """``base`` on ``device`` without a second copy on the host: built on the meta device, then
+    each parameter and buffer copied over (a 48-layer MoE is 60 GB in bf16)."""
+    ref = next(base.parameters())
+    with torch.device("meta"):
+        model = RealModel(base.cfg, moe_impl=base.moe_impl, return_routing=base.return_routing).to(ref.dtype)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for (_, p), (_, b) in zip(model.named_parameters(), base.named_parameters()):
+            p.copy_(b)
+        for (_, p), (_, b) in zip(model.named_buffers(), base.named_buffers()):
+            p.copy_(b)
+    model.train(base.training)
+    return model
+
+
+def grouped_view(loop: RealModel) -> RealModel:
+    """The grouped-GEMM form of the loop model ``loop`` on the same memory, for inference: its
+    experts' weights laid out as one block per weight (cgbackend's own relayout, in place: the same
+    Parameter objects and values), the grouped layers' stacked weights views of those blocks, and
+    every other parameter and buffer the loop model's own object. Contenders that only run
+    inference can then share one copy of a model too large for three."""
+    from ..passes.dispatch.layout import consecutive, stack_expert_params
+    stack_expert_params(loop)
+    with torch.device("meta"):
+        model = RealModel(loop.cfg, moe_impl="grouped", return_routing=loop.return_routing)
+    loop_modules = dict(loop.named_modules())
+    for name, module in model.named_modules():
+        source = loop_modules[name]
+        if isinstance(module, GroupedMoE):
+            for w in ("w1", "w2", "w3"):
+                ws = [getattr(e, w).weight.detach() for e in source.experts]
+                if not consecutive(ws):
+                    raise RuntimeError(f"{name}: the experts' {w} weights are not one block")
+                w0 = ws[0]
+                block = w0.as_strided((len(ws),) + tuple(w0.shape), (w0.numel(),) + tuple(w0.stride()),
+                                      w0.storage_offset())
+                module._parameters[w] = nn.Parameter(block, requires_grad=False)
+        for key in list(module._parameters):
+            if not (isinstance(module, GroupedMoE) and key in ("w1", "w2", "w3")):
+                module._parameters[key] = source._parameters[key]
+        for key in list(module._buffers):
+            module._buffers[key] = source._buffers[key]
+    model.train(False)
+    return model
+
+
+def streamed_forward(base: RealModel, x: torch.Tensor, device: torch.device | str,
+                     dtype: torch.dtype = torch.float64) -> Any:
+    """``base(x)`` computed one layer at a time, each layer copied to ``device`` in ``dtype`` and
+    dropped after: the float64 reference of a model whose float64 copy does not fit (inference).
+    Returns what ``base`` returns: the hidden states and, for MoE models, the routing."""
+    t = x.shape[1]
+    cos = base.rope_cos[:t].to(device, dtype)
+    sin = base.rope_sin[:t].to(device, dtype)
+    h = x.to(device, dtype)
+    routing = []
+    with torch.no_grad():
+        for layer in base.layers:
+            on_device = copy.deepcopy(layer).to(device=device, dtype=dtype)
+            h, selected = on_device(h, cos, sin)
+            if selected is not None:
+                routing.append(selected)
+            del on_device
+    if routing and base.return_routing:
+        return h, torch.stack(routing)
+    return h
 
 
 def named_grads(model: nn.Module) -> Iterator[tuple[str, Optional[torch.Tensor]]]:

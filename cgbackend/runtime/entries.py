@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import Config
+from ..progress import CaptureProgress
 from ..fx_utils import iter_tensors
 from .capture import Capturer, non_overlapping
 from .handout import HandoutGraph
@@ -74,6 +75,8 @@ class RuntimeShared:
         self.handout_storages: set[int] = set()
         """Storage base pointers of handout graphs' outputs (runtime/handout.py): outputs lying in
         them are handed to the caller as aliases, not copied."""
+        self.progress = CaptureProgress()
+        """Counts captures and logs the progress of a long burst of them (progress.py)."""
         self.layer_copies = 1
         """How many layers of a stack share this backend's compiled graphs (regional.py): the bounds
         that count a region's graphs, warm-up signatures and call slots scale by it, since each

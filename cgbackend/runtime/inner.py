@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
+from .. import progress
 from ..config import Config
 from ..fx_utils import fake_value
 from .capture import first_line
@@ -259,7 +260,8 @@ class LazyInner:
             self.counters.inner_compile_s += self.seconds
         self.state = "compiled"
         self.counters.inner_compiled += 1
-        log.debug("cgbackend: %s compiled by Inductor in %.2f s", self.name, self.seconds)
+        progress.log.log(progress.level(self.seconds), "cgbackend: %s compiled by Inductor in %.1f s",
+                         self.name, self.seconds)
         return fn
 
     def first_call(self, fn: Callable[..., Any], ins: list) -> tuple[Callable[..., Any], Any]:

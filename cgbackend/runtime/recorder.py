@@ -231,6 +231,7 @@ class Recorder:
             counters.fwd_graphs += 1
         self.count_memory(entry, elapsed, pool_growth)
         runner.n_graphs += 1
+        runner.shared.progress.captured(runner.name, elapsed)
         if elapsed > 1.0:
             log.info("cgbackend: capturing %s took %.2f s", runner.name, elapsed)
 

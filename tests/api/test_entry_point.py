@@ -106,12 +106,19 @@ def test_reference_models_equal_eager_on_cpu(name, how):
     compiled = _compile(model, how)
     batches = make_inputs(name, model, n=3)
     assert not all(torch.equal(batches[0], b) for b in batches[1:])
+    # cgbackend.compile rewrites the MoE dispatch into static code by default (masked dense on the
+    # CPU): each expert multiplies every token's row, so the sums round as a larger product does,
+    # within float32 rounding of the loop; everything else runs eager's own ops, bitwise.
+    rewritten = how == "cgbackend_compile" and name in ("moe", "moe_sort")
     with torch.no_grad():
         for x in batches:
             expected = model(x)
             got = compiled(x)
             assert got.shape == expected.shape and got.dtype == expected.dtype
-            assert torch.equal(got, expected)
+            if rewritten:
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(got, expected)
     stats = cgbackend.stats(compiled)
     assert stats["nothing_captured_reason"] == "no_cuda"
     assert stats["compiled_graphs"] >= 1
@@ -123,15 +130,20 @@ def test_reference_models_equal_eager_on_cpu(name, how):
         assert stats["compiled_graphs"] == 1
 
 
-def test_cgbackend_compile_splits_moe_like_explain():
+@pytest.mark.parametrize("options, regions", [({}, (1, 1, 0)), ({"static_dispatch": "off"}, (1, 3, 2))],
+                         ids=["default", "dispatch_as_written"])
+def test_cgbackend_compile_splits_moe_like_explain(options, regions):
     model = build_model("moe", size="tiny").eval()
-    compiled = cgbackend.compile(model)
+    compiled = cgbackend.compile(model, **options)
     with torch.no_grad():
+        x = make_inputs("moe", model, n=1)[0]
+        report = cgbackend.explain(model, x, options=options)
         for x in make_inputs("moe", model, n=3):
             compiled(x)
     stats = cgbackend.stats(compiled)
-    assert (stats["compiled_graphs"], stats["static_regions"], stats["dynamic_regions"]) == (1, 3, 2)
-    assert stats["eager_calls"] == {"no_cuda": 3 * 3}
+    assert (stats["compiled_graphs"], stats["static_regions"], stats["dynamic_regions"]) == regions
+    assert (report.summary["static_regions"], report.summary["dynamic_regions"]) == regions[1:]
+    assert stats["eager_calls"] == {"no_cuda": 3 * regions[1]}
 
 
 def test_cgbackend_compile_leaves_dynamo_settings_alone():
@@ -149,7 +161,7 @@ def test_new_input_shapes_equal_eager():
     with torch.no_grad():
         for batch, seq in ((2, 16), (3, 8), (1, 5)):
             (x,) = make_inputs("moe", model, batch=batch, seq=seq, n=1)
-            assert torch.equal(compiled(x), model(x))
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)  # masked dense rounding
     assert set(cgbackend.stats(compiled)["eager_calls"]) == {"no_cuda"}
 
 

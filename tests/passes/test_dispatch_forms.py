@@ -193,7 +193,7 @@ def test_auto_rewrites_on_cpu_and_counts_form_runs_without_static_dispatch():
     # capture_scalar_outputs on; cgbackend.compile traces as plain torch.compile does (a graph
     # break there), counted and in the report, instead of failing.
     torch._dynamo.reset()
-    result = _assert_same(CountSkipMoE().double(), _batches(4, seed=4))
+    result = _assert_same(CountSkipMoE().double(), _batches(4, seed=4), static_dispatch="off")
     assert result["stats"]["trace_fallbacks"] == 1
     assert any("data-dependent" in n and ".tolist()" in n for n in result["report"].notes)
     assert result["report"].loop_rewrites == []
@@ -224,7 +224,9 @@ def test_loop_rewrite_is_undone_by_explain_and_kept_off_without_static_dispatch(
     assert [r["form"] for r in report.loop_rewrites] == ["hit_loop"]
     assert report.summary["dynamic_regions"] == 0 and report.summary["graph_breaks"] == 0
     assert "forward" not in model.__dict__  # explain leaves the user's module as it was
-    plain = cgbackend.explain(model, torch.randn(2, 3, D, dtype=torch.float64))
+    default = cgbackend.explain(model, torch.randn(2, 3, D, dtype=torch.float64))
+    assert default.loop_rewrites == report.loop_rewrites  # static dispatch is on by default
+    plain = cgbackend.explain(model, torch.randn(2, 3, D, dtype=torch.float64), options={"static_dispatch": "off"})
     assert plain.loop_rewrites == [] and plain.summary["graph_breaks"] >= 1
 
 
@@ -300,7 +302,7 @@ def test_transformers_without_static_dispatch_keeps_its_graph_break():
     """static_dispatch off: the model is left as written (Dynamo breaks the graph at the loop)."""
     model = _hf("mixtral")
     ids = torch.randint(0, 64, (2, 7))
-    result = _hf_same(model, [ids])
+    result = _hf_same(model, [ids], static_dispatch="off")
     assert result["report"].loop_rewrites == [] and result["report"].graph_breaks
 
 
@@ -310,12 +312,12 @@ def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites():
     gets the range(E) hint with the rewrite's reason."""
     model = _hf("mixtral")
     with torch.no_grad():
-        report = cgbackend.explain(model, torch.randint(0, 64, (2, 7)))
+        report = cgbackend.explain(model, torch.randint(0, 64, (2, 7)), options={"static_dispatch": "off"})
     loop = [h for h in report.hints if h["kind"] == "data_dependent_loop"]
     assert len(loop) == 1 and loop[0]["option"] == 'static_dispatch="auto"', report.hints
     assert "hit_loop" in loop[0]["message"] and not list(model.modules())[0].__dict__.get("forward")
     # The same hint in the report of a model compiled without static dispatch, after it ran.
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="off")
     with torch.no_grad():
         for _ in range(2):
             compiled(torch.randint(0, 64, (2, 7)))
@@ -323,7 +325,8 @@ def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites():
     assert [h["option"] for h in after] == ['static_dispatch="auto"'] and cgbackend.report(compiled).loop_rewrites == []
     torch.manual_seed(0)
     with torch.no_grad():
-        report = cgbackend.explain(HitLoopTensorUse().double(), _batches(1, seed=2)[0])
+        report = cgbackend.explain(HitLoopTensorUse().double(), _batches(1, seed=2)[0],
+                                   options={"static_dispatch": "off"})
     loop = [h for h in report.hints if h["kind"] == "data_dependent_loop"]
     assert len(loop) == 1 and loop[0]["option"] is None and "range(E)" in loop[0]["message"]
     assert "leaves it as written" in loop[0]["message"], loop[0]["message"]

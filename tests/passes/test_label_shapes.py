@@ -19,7 +19,8 @@ from fx_helpers import trace
 def analyze_model(name: str, config: Config | None = None, **compile_kwargs):
     model = build_model(name, size="tiny").eval()
     (x,) = make_inputs(name, model, n=1)
-    return analyze(trace(model, x, **compile_kwargs), config or Config())
+    # The dispatch as written (static_dispatch off): these tests look at its dynamic regions.
+    return analyze(trace(model, x, **compile_kwargs), config or Config(static_dispatch="off"))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ S, D = "static", "dynamic"
 
 def run(fn, *args, config=None, **compile_kwargs):
     gm = trace(fn, *args, **compile_kwargs)
-    analysis = analyze(gm, config or Config(min_region_ops=1))
+    analysis = analyze(gm, config or Config(min_region_ops=1, static_dispatch="off"))
     check_invariants(analysis)
     return analysis
 
@@ -138,7 +138,7 @@ def test_region_sequence(fn, expected):
 def test_reference_model_sequences(name, expected):
     model = build_model(name, size="tiny").eval()
     (x,) = make_inputs(name, model, n=1)
-    analysis = run(model, x, config=Config())
+    analysis = run(model, x, config=Config(static_dispatch="off"))
     assert kinds(analysis) == expected
 
 

@@ -202,16 +202,21 @@ def test_routing_used_elsewhere_stays_dynamic():
     assert len(skipped) == 1 and "output of the graph" in skipped[0]["reason"]
 
 
-def test_off_by_default_and_bad_mode_rejected():
-    assert cgbackend.Config().static_dispatch == "off"
+@pytest.mark.parametrize("options, rewritten", [({}, True), ({"static_dispatch": "off"}, False)],
+                         ids=["default", "off"])
+def test_on_by_default_off_on_request_and_bad_mode_rejected(options, rewritten):
+    assert cgbackend.Config().static_dispatch == "auto"
     with pytest.raises(ConfigError, match="static_dispatch"):
         cgbackend.backend(static_dispatch="sometimes")
     torch.manual_seed(0)
     layer = MixtralStyleMoE(D, FF, E, 2)
-    compiled = cgbackend.compile(layer)
-    compiled(torch.randn(2, 6, D))
+    compiled = cgbackend.compile(layer, **options)
+    x = torch.randn(2, 6, D)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), layer(x))
     report = cgbackend.report(compiled)
-    assert report.graphs[0].dispatch["rewrites"] == [] and report.summary["dynamic_regions"] >= 1
+    assert bool(report.graphs[0].dispatch["rewrites"]) == rewritten
+    assert (report.summary["dynamic_regions"] == 0) == rewritten
 
 
 def test_report_names_the_rewrite_with_source_line():

@@ -146,7 +146,7 @@ def test_dense_demo_is_fully_covered():
 def test_moe_demo_coverage_and_static_dispatch_hint():
     model, x = demo_model("moe")
     with torch.no_grad():
-        report = cgbackend.explain(model, x)
+        report = cgbackend.explain(model, x, options={"static_dispatch": "off"})
     s = report.summary
     launches = s["launches"]
     # Everything Dynamo traced: no uncompiled launches; the dispatch regions hold the rest.
@@ -164,9 +164,9 @@ def test_moe_demo_coverage_and_static_dispatch_hint():
     assert js["summary"]["launch_coverage"] == s["launch_coverage"]
     assert [h["kind"] for h in js["hints"]] == _kinds(report)
     assert all(set(h) == {"kind", "message", "option", "source"} for h in js["hints"])
-    # Under static_dispatch="auto" the dispatch is graphed: no hint, whole call covered.
+    # Under static_dispatch="auto" (the default) the dispatch is graphed: no hint, whole call covered.
     with torch.no_grad():
-        auto = cgbackend.explain(model, x, options={"static_dispatch": "auto"})
+        auto = cgbackend.explain(model, x)
     assert "static_dispatch" not in _kinds(auto)
     assert auto.summary["launch_coverage"] == 1.0
 
@@ -198,7 +198,8 @@ def test_inner_compiler_hint_follows_the_config_in_effect():
 def test_runtime_coverage_and_profile_timing():
     model = build_model("moe").eval()
     xs = make_inputs("moe", model, n=4)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, profile=True)
+    # The dispatch as written: static and dynamic regions, both timed.
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, profile=True, static_dispatch="off")
     with torch.no_grad():
         for x in xs:
             torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
@@ -350,12 +351,12 @@ def test_html_report_structure(tmp_path):
     model, x = demo_model("moe")
     from cgbackend.cli import main
     out = tmp_path / "report.html"
-    assert main(["explain", "--demo", "moe", "--html", str(out)]) == 0
+    assert main(["explain", "--demo", "moe", "--html", str(out), "--option", "static_dispatch=off"]) == 0
     page = out.read_text()
     parser = _parse(page)
     _self_contained(parser, page)
     with torch.no_grad():
-        report = cgbackend.explain(model, x)
+        report = cgbackend.explain(model, x, options={"static_dispatch": "off"})
     assert parser.find("section", id="summary") and parser.find("section", id="hints")
     assert parser.find("section", id="timeline") and parser.find("table", id="regions")
     boxes = [a for a in parser.find("div", **{"class": "region"}) if "data-id" in a]

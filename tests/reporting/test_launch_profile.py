@@ -145,10 +145,11 @@ def test_explain_weighs_ops_by_profiled_launches(monkeypatch):
     eager call's figure is what the profiler alone counts for a plain eager call, each counted op
     weighs its own leaves, and the figures add up."""
     model, x = demo_model("moe")
+    off = {"static_dispatch": "off"}  # the dispatch as written: dynamic regions to weigh
     with torch.no_grad():
-        plain = cgbackend.explain(model, x)
+        plain = cgbackend.explain(model, x, options=off)
         _cpu_profiler(monkeypatch)
-        weighted = cgbackend.explain(model, x)
+        weighted = cgbackend.explain(model, x, options=off)
         alone = _leaves_of(lambda: model(x))
     p, w = plain.summary["launches"], weighted.summary["launches"]
     assert p["weights"] == "one per op" and w["weights"] == "profiled"
@@ -166,7 +167,7 @@ def test_explain_weighs_ops_by_profiled_launches(monkeypatch):
 
 @needs_counting
 def test_explain_weighs_uncompiled_code_by_source(monkeypatch):
-    from tests.test_coverage_hints import _hit_model, _line_of
+    from test_coverage_hints import _hit_model, _line_of
     model, x = _hit_model()
     _cpu_profiler(monkeypatch)
     with torch.no_grad():
@@ -187,7 +188,7 @@ def test_profiler_failure_falls_back_to_one_per_op(monkeypatch):
     _cpu_profiler(monkeypatch)
     model, x = demo_model("moe")
     with torch.no_grad():
-        report = cgbackend.explain(model, x)
+        report = cgbackend.explain(model, x, options={"static_dispatch": "off"})
     launches = report.summary["launches"]
     assert launches["weights"] == "one per op"
     assert launches["eager_call"] == launches["dispatched_ops"]["eager_call"]
@@ -227,7 +228,7 @@ def test_runtime_coverage_after_warmup_static_dispatch(warmup):
 
 def test_runtime_coverage_counts_dynamic_regions_after_warmup():
     model, x = demo_model("moe")
-    compiled = cgbackend.compile(model, simulate_graphs=True)  # warmup=3
+    compiled = cgbackend.compile(model, simulate_graphs=True, static_dispatch="off")  # warmup=3
     with torch.no_grad():
         for _ in range(6):
             compiled(x)

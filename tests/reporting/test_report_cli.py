@@ -22,9 +22,11 @@ SOURCE_RE = re.compile(r"^[\w.]+\.py:\d+ in \w+$")
 
 @pytest.fixture(scope="module")
 def moe_report() -> Report:
+    """The demo MoE with its dispatch as written (static_dispatch off): the report of its dynamic
+    regions is what these tests read; the default rewrite is tested below and in tests/passes."""
     model, x = demo_model("moe")
     with torch.no_grad():
-        return cgbackend.explain(model, x)
+        return cgbackend.explain(model, x, options={"static_dispatch": "off"})
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def test_report_json_top_level(moe_json):
     assert len(moe_json["graphs"]) == 1
     g = moe_json["graphs"][0]
     assert (g["compute_device"], g["training"], g["runtime"], g["break_reason"]) == ("cpu", False, None, None)
-    assert moe_json["config"] == cgbackend.Config.from_options({}).to_dict()
+    assert moe_json["config"] == cgbackend.Config.from_options({"static_dispatch": "off"}).to_dict()
 
 
 def test_report_summary(moe_json):
@@ -217,16 +219,18 @@ def test_explain_of_a_failing_model_raises_explain_error():
 
 def test_report_of_compiled_model_has_runtime():
     model = build_model("moe", size="tiny").eval()
-    compiled = cgbackend.compile(model)
-    with torch.no_grad():
-        for x in make_inputs("moe", model, n=2):
-            compiled(x)
-    report = cgbackend.report(compiled)
-    assert len(report.graphs) == 1
-    runtime = report.graphs[0].runtime
-    assert runtime is not None and runtime["blocked"] == "no_cuda"
-    assert [r.kind for r in report.regions()] == ["static", "dynamic", "static", "dynamic", "static"]
-    json.loads(report.to_json())
+    for options, kinds in (({"static_dispatch": "off"}, ["static", "dynamic", "static", "dynamic", "static"]),
+                           ({}, ["static"])):
+        compiled = cgbackend.compile(model, **options)
+        with torch.no_grad():
+            for x in make_inputs("moe", model, n=2):
+                compiled(x)
+        report = cgbackend.report(compiled)
+        assert len(report.graphs) == 1
+        runtime = report.graphs[0].runtime
+        assert runtime is not None and runtime["blocked"] == "no_cuda"
+        assert [r.kind for r in report.regions()] == kinds
+        json.loads(report.to_json())
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -308,7 +312,7 @@ def assert_one_line_error(proc):
 
 
 def test_cli_demo_moe_json():
-    proc = cli("explain", "--demo", "moe", "--json")
+    proc = cli("explain", "--demo", "moe", "--json", "--option", "static_dispatch=off")
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(proc.stdout)
     assert d["schema"] == "cgbackend.report/1"
@@ -316,6 +320,13 @@ def test_cli_demo_moe_json():
     assert 0 < d["summary"]["static_op_fraction"] < 1
     dispatch = [r for r in regions_of(d) if r["kind"] == "dynamic"]
     assert all(r["role"] == "moe_dispatch" and r["reasons"][0]["op"] == "where" for r in dispatch)
+    # By default the dispatch is rewritten into static code: one static region, nothing dynamic.
+    proc = cli("explain", "--demo", "moe", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(proc.stdout)
+    assert (d["summary"]["static_regions"], d["summary"]["dynamic_regions"]) == (1, 0)
+    assert d["summary"]["static_op_fraction"] == 1.0
+    assert {r["pattern"] for g in d["graphs"] for r in g["dispatch"]["rewrites"]} == {"where_loop"}
 
 
 def test_cli_demo_dense_text():

@@ -25,7 +25,7 @@ def demo_json() -> dict:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["explain", "--demo", "moe", "--json"]) == 0
+        assert main(["explain", "--demo", "moe", "--json", "--option", "static_dispatch=off"]) == 0
     return json.loads(out.getvalue())
 
 

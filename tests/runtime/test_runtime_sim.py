@@ -15,7 +15,10 @@ import cgbackend
 from cgbackend.models import MODEL_NAMES, build_model, is_language_model, make_inputs
 from cgbackend.runtime.capture import CaptureError, Capturer
 
-SIM = dict(simulate_graphs=True, warmup=1)
+SIM = dict(simulate_graphs=True, warmup=1, static_dispatch="off")
+"""Simulated graphs, and the reference models' dispatch as written: these tests follow the runtime
+through static regions with dynamic ones between them, bitwise against eager (static dispatch's own
+runtime tests: tests/passes/test_static_dispatch.py)."""
 
 
 def _loss(name, out, x):
