@@ -1,6 +1,6 @@
 """cgbackend: a torch.compile backend that brings CUDA graphs to models that are not fully static.
 
-    torch.compile(model, backend="cgbackend", options={"warmup": 3})  # by name (entry point)
+    torch.compile(model, backend="cgbackend", options={"warmup": 3})  # by name (after import, or entry point)
     cgbackend.compile(model, warmup=3)               # traces data-dependent ops into the graph
     cgbackend.explain(model, *inputs)                # ahead-of-time partition report
     cgbackend.stats(compiled_model)                  # counters
@@ -10,6 +10,7 @@
 from ._version import __version__
 from .api import backend, compile, find_backend, prepare, report, reset, stats
 from .backend import CGBackend
+from .by_name import register as _register_backend
 from .config import Config, ConfigError
 from .explain import ExplainError, explain
 from .logs import register as _register_logs
@@ -19,6 +20,7 @@ from .reporting.report import Report
 
 
 _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)
+_register_backend()  # torch.compile(backend="cgbackend") without installed metadata (by_name.py)
 
 __all__ = ["CGBackend", "Config", "ConfigError", "ExplainError", "Reason", "Report", "Rule", "backend",
            "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "__version__"]

@@ -184,8 +184,8 @@ class CGBackend:
         """The partition report of every graph this instance compiled, with runtime counters."""
         graphs = []
         compiled = self.compiled_graphs()
-        for i, g in enumerate(compiled):
-            gr = graph_report(g.analysis, i, graph_break_info(g.analysis.gm))
+        for g in compiled:  # region ids as in the logs and profiler ranges: g<index>.<region>
+            gr = graph_report(g.analysis, g.index, graph_break_info(g.analysis.gm))
             gr.runtime = g.runtime_summary()
             if self.timer is not None:
                 gr.runtime["timing"] = self.timer.graph_timing(g.index)

@@ -16,7 +16,7 @@ from .backend import CGBackend
 from .config import ConfigError
 
 __all__ = ["backend_of_wrapper", "by_name_backends", "default_backend", "dynamo_entry",
-           "is_compile_wrapper", "reset_default_backend"]
+           "is_compile_wrapper", "register", "reset_default_backend"]
 
 
 class _ByName:
@@ -154,6 +154,26 @@ def _reset_by_name() -> None:
 # torch._dynamo.reset() calls reset() on each backend it cached; by name that is torch's compile
 # wrapper, which forwards to its compiler function's reset.
 dynamo_entry.reset = _reset_by_name
+
+
+def register() -> None:
+    """Register ``dynamo_entry`` under the name "cgbackend" with Dynamo where the package's
+    ``torch_dynamo_backends`` entry point is not installed (a source tree, a vendored copy), so
+    ``import cgbackend`` is enough for ``torch.compile(model, backend="cgbackend")``. Where the entry
+    point is installed, Dynamo loads this same function through it on first use (registering it
+    here too would make that load fail as a duplicate name). Another backend already holding the
+    name is an error."""
+    import importlib.metadata
+    from torch._dynamo import lookup_backend, register_backend
+    if any(ep.name == "cgbackend" and ep.value == f"{__name__}:dynamo_entry"
+           for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")):
+        return
+    try:
+        register_backend(compiler_fn=dynamo_entry, name="cgbackend")
+    except AssertionError:  # Dynamo's "duplicate name"
+        found = lookup_backend("cgbackend")
+        if found is not dynamo_entry:
+            raise RuntimeError(f"another backend is registered with Dynamo as 'cgbackend': {found!r}") from None
 
 
 def find_backend(obj: Any = None) -> CGBackend:

@@ -64,17 +64,38 @@ def _split_inputs(made: Any) -> tuple[Any, tuple, dict]:
     return model, (inputs,), {}
 
 
+def _option_value(key: str, raw: str, default: Any) -> Any:
+    """One --option value: the text the environment takes (``static_dispatch=auto``,
+    ``capture_sizes=1,2,4``), or a Python literal as a hint prints it and a user pastes it
+    (``static_dispatch="auto"``, ``dynamic_ops=("torch.nonzero",)``, ``strict=True``)."""
+    import ast
+    from .config import parse_value
+    text = raw.strip()
+    if text[:1] in ("'", '"', "(", "["):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise CLIError(f"--option {key}={raw}: not a valid Python literal (quotes unbalanced?); "
+                           f"write {key}=VALUE without quotes") from None
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        text = str(value)
+    return parse_value(f"--option {key}", text, default)
+
+
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:
-    from .config import Config, parse_value
+    from .config import Config
+    from .suggest import did_you_mean
     fields = {f: Config.__dataclass_fields__[f].default for f in Config.field_names()}
     options: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep:
             raise CLIError(f"--option takes KEY=VALUE, got {item!r}")
         if key not in fields:
-            raise CLIError(f"unknown option {key!r}; valid: {', '.join(fields)}")
-        options[key] = parse_value(f"--option {key}", raw, fields[key])
+            raise CLIError(f"unknown option {key!r}{did_you_mean(key, fields)}; valid: {', '.join(fields)}")
+        options[key] = _option_value(key, raw, fields[key])
     return options
 
 

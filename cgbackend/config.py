@@ -11,6 +11,8 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+from .suggest import did_you_mean
+
 __all__ = ["Config", "ConfigError", "ENV_PREFIX", "parse_value"]
 
 ENV_PREFIX = "CGBACKEND_"
@@ -140,18 +142,19 @@ class Config:
         if self.inner not in _INNER_COMPILERS:
             raise ConfigError(
                 f"cgbackend option inner={self.inner!r} is not one of {', '.join(_INNER_COMPILERS)}"
+                + did_you_mean(self.inner, _INNER_COMPILERS)
             )
         if self.inner == "inductor" and self.warmup < 1 and self.capture:
             raise ConfigError("cgbackend option inner='inductor' needs warmup >= 1: Inductor compiles "
                               "its backward at the first backward, which must not happen during a capture")
         if self.graph_cache not in _GRAPH_CACHES:
             raise ConfigError(f"cgbackend option graph_cache={self.graph_cache!r} is not one of "
-                              f"{', '.join(_GRAPH_CACHES)}")
+                              f"{', '.join(_GRAPH_CACHES)}{did_you_mean(self.graph_cache, _GRAPH_CACHES)}")
         object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
         from .passes.dispatch import MODES
         if self.static_dispatch not in MODES:
             raise ConfigError(f"cgbackend option static_dispatch={self.static_dispatch!r} is not one of "
-                              f"{', '.join(MODES)}")
+                              f"{', '.join(MODES)}{did_you_mean(self.static_dispatch, MODES)}")
         for name in ("dynamic_ops", "dynamic_modules"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -178,7 +181,8 @@ class Config:
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ConfigError(
-                f"unknown cgbackend option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}"
+                f"unknown cgbackend option(s) {', '.join(u + did_you_mean(u, valid) for u in unknown)}; "
+                f"valid options: {', '.join(valid)}"
             )
         values: dict[str, Any] = {}
         env = os.environ if environ is None else environ
@@ -189,7 +193,8 @@ class Config:
             name = key[len(ENV_PREFIX):].lower()
             if name not in fields:
                 raise ConfigError(
-                    f"environment variable {key} names no cgbackend option; valid: "
+                    f"environment variable {key} names no cgbackend option"
+                    f"{did_you_mean(key, [ENV_PREFIX + v.upper() for v in valid])}; valid: "
                     + ", ".join(ENV_PREFIX + v.upper() for v in valid)
                 )
             values[name] = parse_value(key, raw, fields[name].default)

@@ -61,20 +61,30 @@ _OWN_FRAMES = ("cgbackend/opaque.py",)
 """Frames of cgbackend's own code Dynamo traces (an opaque call's wrapper): the user's line is above."""
 
 
-def source_location(node: torch.fx.Node) -> tuple[str, str]:
-    """("file.py:LINE in func", "the code line") of the innermost user frame, or ("", "")."""
+def source_frame(node: torch.fx.Node) -> dict[str, Any] | None:
+    """The innermost user frame of ``node``: ``{"path", "line", "function", "code"}`` (the full
+    path as Dynamo recorded it), or None."""
     trace = node.meta.get("stack_trace") or ""
     lines = trace.rstrip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME_RE.search(lines[i])
         path = m.group("file").replace("\\", "/") if m else ""
         if m and not path.endswith(_OWN_FRAMES):
-            file = path.rsplit("/", 1)[-1]
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             if code and set(code) <= set("^~ "):
                 code = ""
-            return f"{file}:{m.group('line')} in {m.group('func')}", code
-    return "", ""
+            return {"path": m.group("file"), "line": int(m.group("line")), "function": m.group("func"),
+                    "code": code}
+    return None
+
+
+def source_location(node: torch.fx.Node) -> tuple[str, str]:
+    """("file.py:LINE in func", "the code line") of the innermost user frame, or ("", "")."""
+    frame = source_frame(node)
+    if frame is None:
+        return "", ""
+    file = frame["path"].replace("\\", "/").rsplit("/", 1)[-1]
+    return f"{file}:{frame['line']} in {frame['function']}", frame["code"]
 
 
 _PATH_ROOT_RE = re.compile(r"^L\['[^']*'\]\.?")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from .hints import hint_option, option_cli, option_python, source_text
+
 __all__ = ["render_html"]
 
 _CSS = """
@@ -124,8 +126,10 @@ def render_html(report: Any, title: str = "cgbackend partition report") -> str:
     if report.hints:
         out.append("<ul>")
         for h in report.hints:
-            extra = (f" (option <code>{_e(h['option'])}</code>)" if h.get("option")
-                     else f" (at <code>{_e(h['source'])}</code>)" if h.get("source") else "")
+            option = hint_option(h)
+            extra = (f" (set <code>{_e(option_cli(*option))}</code> or <code>{_e(option_python(*option))}</code>)"
+                     if option is not None else "")
+            extra += f" (at <code>{_e(source_text(h['source']))}</code>)" if h.get("source") else ""
             out.append(f'<li class="hint" data-kind="{_e(h["kind"])}"><span class="kind">{_e(h["kind"])}</span>: '
                        f"{_e(h['message'])}{extra}</li>")
         out.append("</ul>")

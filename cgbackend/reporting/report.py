@@ -50,8 +50,9 @@ estimated kernels per region; ``eager_call`` and ``uncompiled`` are null, ``uppe
 when Dynamo broke a graph; ``launch_coverage`` is null until a call after warm-up ran.
 
 ``hints[]`` (top level, hints.py): ``{"kind": "static_dispatch" | "data_dependent_loop" |
-"inner_compiler", "message", "option", "source"}``; ``option`` names the option to set,
-``source`` the line to change (the other is null).
+"inner_compiler", "message", "option", "source"}``; ``option`` is the option to set (``{"option":
+name, "value": value}``), ``source`` the user's line (``{"path", "line", "function", "code"}``);
+either may be null.
 
 ``runtime`` is null in an ahead-of-time report; for a compiled model it holds, per static
 region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``recaptured``
@@ -160,7 +161,8 @@ class Report:
     with static_dispatch on): ``[{"function", "source", "form", "reason"}]``; ``form`` is "hit_loop"
     or "count_skip" when rewritten, "" with the ``reason`` when left as it is."""
     hints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """What to change to graph more (hints.py): ``{"kind", "message", "option", "source"}``."""
+    """What to change to graph more (hints.py): ``{"kind", "message", "option": {"option", "value"},
+    "source": {"path", "line", "function", "code"}}``."""
     regional: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Stacks of identical layers compiled once each (cgbackend.compile, regional.py): ``[{"path",
     "layers", "class", "key"}]``: the layers at ``path`` share one compiled layer (one Dynamo graph,
@@ -383,7 +385,7 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
         mib = f", pool {r['pool_bytes'] / 2**20:.1f} MiB" if r.get("pool_bytes") else ""
         handout = (f" + {r['handout_graphs']} handout graph(s) (outputs to the caller without a copy)"
                    if r.get("handout_graphs") else "")
-        lines.append(f"{'':<4}{name.split('.')[-1]}: {r['graphs']} graph(s){handout}{held}{pad}{mib}, "
+        lines.append(f"{'':<4}{name.split('.', 1)[-1]}: {r['graphs']} graph(s){handout}{held}{pad}{mib}, "
                      f"{r['replays']} replays, eager calls: {eager}")
         if r.get("disabled"):
             lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")

@@ -253,7 +253,7 @@ class CompiledGraph:
         kinds, producers = self._input_kinds(region)
         hooks = region_hooks(region.nodes)
         opaque_calls = any(opaque_info(n) is not None for n in region.nodes)
-        name = f"graph{self.index}.{region.name}"
+        name = f"g{self.index}.{region.name}"  # the report's region id
         fn = module
         lazy = None
         if self._inner is not None:
