@@ -188,7 +188,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         model.train(args.train)
     try:
         with _quiet_torch_logs(args.verbose):
-            report = explain(model, *call_args, options=options, training=args.train, **call_kwargs)
+            report = explain(model, *call_args, options=options, training=args.train, by_name=args.by_name,
+                             compare=args.compare, **call_kwargs)
     except ExplainError as exc:
         raise CLIError(str(exc)) from None
     if args.html:  # before printing: a closed pipe (`| head`) must not cost the file
@@ -217,6 +218,13 @@ def build_parser(prog: str = "cgbackend") -> argparse.ArgumentParser:
     ex.add_argument("--train", "--training", dest="train", action="store_true",
                     help="trace for training: model.train() and grad mode on (default: model.eval() "
                          "under torch.no_grad(), inference)")
+    ex.add_argument("--by-name", action="store_true",
+                    help="show the partition torch.compile(model, backend=\"cgbackend\") gives (Dynamo's "
+                         "settings as they are: a graph break at each data-dependent op) instead of "
+                         "cgbackend.compile(model)'s")
+    ex.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                    help="also trace the other entry point (without counting launches) and give its graph "
+                         "and break counts in the report's first line (default on)")
     ex.add_argument("--device", default="cpu", help="device for --demo models (default cpu)")
     ex.add_argument("--option", action="append", metavar="KEY=VALUE",
                     help="a cgbackend option (see cgbackend.Config), repeatable")

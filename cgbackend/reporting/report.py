@@ -73,6 +73,7 @@ from typing import Any, Optional
 from ..passes.pipeline import Analysis
 from .coverage import launch_text
 from ..fx_utils import module_path, op_name
+from .entry import entry_text
 from .hints import hints_text
 from ..opaque import opaque_info
 from ..passes.cost import estimate_kernels
@@ -152,6 +153,11 @@ class Report:
     schema: str = SCHEMA
     traced_as: dict[str, Any] = dataclasses.field(default_factory=dict)
     """explain only: ``{"mode": "inference" | "training" | "mixed" | "none", "why"}``."""
+    traced_via: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """explain only: whose partition the report shows, ``{"entry": "compile" | "by_name",
+    "trace_dynamic_ops", "other": {"entry", "graphs", "graph_breaks"} | null, "other_may_differ"}``:
+    ``cgbackend.compile(model)`` or ``torch.compile(model, backend="cgbackend")``, and the other
+    entry point's counts where explain traced it too (``compare=True``; entry.py renders it)."""
     opaque_modules: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What ``cgbackend.compile`` / ``explain`` made opaque (opaque.py): ``{"wrapped": [{"module",
     "kind"}], "skipped": [{"module", "kind", "reason"}]}``; skipped modules keep their own forward
@@ -457,6 +463,7 @@ def render_text(report: Report) -> str:
     s = report.summary
     lines = [
         "cgbackend partition report",
+        *entry_text(report.traced_via, s),
         f"  graphs: {s['graphs']}   graph breaks: {s['graph_breaks']}   ops: {s['ops']}",
         f"  static_op_fraction: {s['static_op_fraction']:.3f} (kernels ~{s['static_kernel_fraction']:.3f})"
         f"   static regions: {s['static_regions']}   dynamic regions: {s['dynamic_regions']}",
