@@ -200,18 +200,21 @@ def _is_op(node) -> bool:
 
 
 def _aggregate_reasons(reasons) -> list[dict[str, Any]]:
+    """``reasons``: (Reason, estimated kernels of its node); one entry per (rule, op, source)."""
     counts: collections.OrderedDict = collections.OrderedDict()
-    for reason in reasons:
+    for reason, kernels in reasons:
         key = (reason.rule, reason.op, reason.source)
         if key in counts:
             counts[key][1] += 1
+            counts[key][2] += kernels
         else:
-            counts[key] = [reason, 1]
+            counts[key] = [reason, 1, kernels]
     out = []
-    for reason, count in counts.values():
+    for reason, count, kernels in counts.values():
         d = reason.to_dict()
         d.pop("node")
         d["count"] = count
+        d["est_kernels"] = kernels
         out.append(d)
     # Root causes first (the ops to act on), then what merely follows from them.
     out.sort(key=lambda d: (not Rule(d["rule"]).is_root_cause, -d["count"]))
@@ -240,7 +243,7 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
                 paths.append(path)
             reason = analysis.reason_of(node)
             if not region.is_static and reason is not None:
-                reasons.append(reason)
+                reasons.append((reason, estimate_kernels(node)))
             nodes.append({"name": node.name, "op": op_name(node),
                           "role": analysis.labels.node_roles[node],
                           "rule": reason.rule.value if (reason is not None and not region.is_static) else None})
@@ -459,6 +462,39 @@ def _dispatch_text(dispatch: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _explain_rule_once(rule: str, explained: set[str], indent: int) -> list[str]:
+    """The rule's one-line meaning (reasons.py), the first time the text names it."""
+    if rule in explained:
+        return []
+    explained.add(rule)
+    try:
+        return [f"{'':<{indent}}({rule}: {Rule(rule).description})"]
+    except (ValueError, KeyError):  # a rule this version does not know (an older report)
+        return []
+
+
+def _derived_text(derived: list[dict[str, Any]]) -> str:
+    """"+ N ops that follow from those": the ops that launch kernels first, by estimated kernels,
+    then the bookkeeping (views, tuple elements, size checks) that launches none."""
+    ops: collections.Counter = collections.Counter()
+    kernels: collections.Counter = collections.Counter()
+    for x in derived:
+        ops[x["op"]] += x["count"]
+        kernels[x["op"]] += x.get("est_kernels", 0)
+    total = sum(ops.values())
+    costly = sorted((op for op in ops if kernels[op] > 0), key=lambda op: (-kernels[op], -ops[op]))
+    free = sorted((op for op in ops if kernels[op] == 0), key=lambda op: -ops[op])
+    text = f"+ {total} ops that follow from those"
+    if costly:
+        text += (f", ~{sum(kernels.values())} kernels: "
+                 + ", ".join(f"{op} x{ops[op]} (~{kernels[op]})" for op in costly[:4])
+                 + (f", +{len(costly) - 4} more" if len(costly) > 4 else ""))
+    if free:
+        text += ("; " if costly else ": ") + "no kernel: " + ", ".join(f"{op} x{ops[op]}" for op in free[:3])
+        text += f", +{len(free) - 3} more" if len(free) > 3 else ""
+    return text
+
+
 def render_text(report: Report) -> str:
     s = report.summary
     lines = [
@@ -488,6 +524,7 @@ def render_text(report: Report) -> str:
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")
+    explained: set[str] = set()  # rules whose meaning the text has given (once each)
     for g in report.graphs:
         mode = "training" if g.training else "inference"
         frac = g.static_ops / g.ops if g.ops else 0.0
@@ -525,18 +562,16 @@ def render_text(report: Report) -> str:
                 lines.append(f"{'':<10}eager: {reason['op']} [{reason['rule']}]{where}{count}")
                 if reason["code"]:
                     lines.append(f"{'':<17}`{reason['code']}`")
+                lines.extend(_explain_rule_once(reason["rule"], explained, 17))
             if len(roots) > 6:
                 lines.append(f"{'':<10}... {len(roots) - 6} more causes (see --json)")
             if r.hoisted_syncs:
                 lines.append(f"{'':<10}{r.hoisted_syncs} host sync(s) issued before the work that "
                              "precedes them in the code, so later launches overlap the GPU")
             if derived:
-                total = sum(x["count"] for x in derived)
-                ops = collections.Counter()
-                for x in derived:
-                    ops[x["op"]] += x["count"]
-                shown = ", ".join(f"{op} x{n}" for op, n in ops.most_common(4))
-                lines.append(f"{'':<10}+ {total} ops that follow from those ({shown})")
+                lines.append(f"{'':<10}{_derived_text(derived)}")
+                for rule in dict.fromkeys(x["rule"] for x in derived):
+                    lines.extend(_explain_rule_once(rule, explained, 12))
         if g.runtime:
             lines.extend(_runtime_text(g.runtime))
             lines.extend(timing_text(g.runtime.get("timing") or {}))

@@ -57,10 +57,15 @@ def test_cli_by_name_and_compare_reach_explain(monkeypatch, capsys):
     assert 'shows: torch.compile(model, backend="cgbackend")' in capsys.readouterr().out
 
 
-def test_the_report_says_how_the_other_entry_point_differs():
+@pytest.fixture(scope="module")
+def moe_report():
     model, x = demo_model("moe")
     with torch.no_grad():
-        report = cgbackend.explain(model, x, count_launches=False)
+        return cgbackend.explain(model, x, count_launches=False)
+
+
+def test_the_report_says_how_the_other_entry_point_differs(moe_report):
+    report = moe_report
     assert report.traced_via == {"entry": "compile", "trace_dynamic_ops": True, "other": None,
                                  "other_may_differ": True}
     first = report.to_text().splitlines()[1]
@@ -125,3 +130,34 @@ def test_a_failed_trace_is_one_line_naming_the_users_line(model, marker, capfd):
     assert info.value.__cause__ is None and info.value.__suppress_context__
     assert isinstance(info.value.torch_error, Exception)
     assert "failed while attempting to run meta" not in capfd.readouterr().err
+
+
+# ----------------------------------------------------------------------------- reasons in the text
+
+class TwoSyncs(nn.Module):
+    def forward(self, x):
+        v = x.sum().item()  # SYNC
+        y = x * v
+        w = y.sum().item()
+        return x + w
+
+
+def test_each_rule_is_explained_where_it_first_appears():
+    from cgbackend.reasons import Rule
+    text = cgbackend.explain(TwoSyncs(), torch.randn(4), count_launches=False).to_text()
+    lines = text.splitlines()
+    for rule in ("small_region", "host_sync", "depends_on_data_dependent_shape"):
+        explained = [i for i, line in enumerate(lines) if line.strip() == f"({rule}: {Rule(rule).description})"]
+        named = [i for i, line in enumerate(lines) if f"[{rule}]" in line or "ops that follow" in line
+                 and rule.startswith("depends")]
+        assert len(explained) == 1 and explained[0] == named[0] + 1 + ("`" in lines[named[0] + 1]), (rule, text)
+    assert "small_region: a static run of ops too small to be worth a graph" in text
+
+
+def test_ops_that_follow_list_the_costly_ones_first(moe_report):
+    line = next(line.strip() for line in moe_report.to_text().splitlines() if "ops that follow from those" in line)
+    costly, _, free = line.partition("; no kernel: ")
+    assert costly.startswith("+ 76 ops that follow from those, ~") and ": linear x12 (~12)" in costly
+    assert "getitem" not in free and "aten._assert_scalar x8" in free and "linear" not in free
+    d1 = next(r for r in moe_report.regions() if r.id == "g0.D1")
+    assert sum(x["est_kernels"] for x in d1.reasons) <= d1.est_kernels
