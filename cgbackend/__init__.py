@@ -4,6 +4,7 @@
     cgbackend.compile(model, warmup=3)               # traces data-dependent ops into the graph
     cgbackend.explain(model, *inputs)                # ahead-of-time partition report
     cgbackend.stats(compiled_model)                  # counters
+    print(cgbackend.summary(compiled_model))         # the counters as a short table, per region
     help(cgbackend.Config), help(cgbackend.Report)   # every option; the report's fields
 """
 
@@ -17,10 +18,11 @@ from .logs import register as _register_logs
 from .marks import mark_dynamic
 from .reasons import Reason, Rule
 from .reporting.report import Report
+from .stats_table import summary
 
 
 _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)
 _register_backend()  # torch.compile(backend="cgbackend") without installed metadata (by_name.py)
 
 __all__ = ["CGBackend", "Config", "ConfigError", "ExplainError", "Reason", "Report", "Rule", "backend",
-           "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "__version__"]
+           "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "summary", "__version__"]

@@ -22,6 +22,7 @@ import torch.fx
 from .passes.pipeline import Analysis, analyze
 from .reporting.breaks import break_text, source_of_stack
 from .config import Config
+from .dryrun import DryRun
 from .tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
@@ -84,6 +85,8 @@ class CGBackend:
         self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
         """Per-region timing (option profile)."""
         self.shared.watch = self.timer
+        self.dry_run = DryRun(self.config.dryrun)
+        """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"
         # Graphs go before the process group at exit: a CUDA graph holding NCCL resources would
         # make the communicator's destruction wait (cgbackend.distributed).
@@ -139,6 +142,8 @@ class CGBackend:
             structured.emit_report(Report(graphs=[gr], graph_breaks=[break_info] if break_info else [],
                                summary=summarize([gr], [break_info] if break_info else []),
                                config=self.config.to_dict()), "cgbackend_partition_report")
+        if self.config.dryrun:
+            self.dry_run.show(analysis, index, break_info, self.config)  # dryrun.py
         if compiled.blocked == EagerReason.NO_CUDA and self.config.strict:
             raise RuntimeError(
                 f"cgbackend: strict=True but graph {index} computes on "

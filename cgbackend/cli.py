@@ -69,7 +69,7 @@ def _option_value(key: str, raw: str, default: Any) -> Any:
     ``capture_sizes=1,2,4``), or a Python literal as a hint prints it and a user pastes it
     (``static_dispatch="auto"``, ``dynamic_ops=("torch.nonzero",)``, ``strict=True``)."""
     import ast
-    from .config import parse_value
+    from .config import BOOL_OR_PATH, parse_value
     text = raw.strip()
     if text[:1] in ("'", '"', "(", "["):
         try:
@@ -80,7 +80,7 @@ def _option_value(key: str, raw: str, default: Any) -> Any:
         if isinstance(value, (list, tuple)):
             return tuple(value)
         text = str(value)
-    return parse_value(f"--option {key}", text, default)
+    return parse_value(f"--option {key}", text, default, path_ok=key in BOOL_OR_PATH)
 
 
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:

@@ -13,9 +13,12 @@ from typing import Any, Mapping
 
 from .suggest import did_you_mean
 
-__all__ = ["Config", "ConfigError", "ENV_PREFIX", "parse_value"]
+__all__ = ["BOOL_OR_PATH", "Config", "ConfigError", "ENV_PREFIX", "parse_value"]
 
 ENV_PREFIX = "CGBACKEND_"
+
+BOOL_OR_PATH = ("dryrun",)
+"""Options that take True / False or a file path (from text: a boolean word, else the path)."""
 
 _INNER_COMPILERS = ("auto", "eager", "inductor")
 _GRAPH_CACHES = ("lru", "keep")
@@ -127,9 +130,20 @@ class Config:
     "replay" re-runs it and writes into the same buffers, so buffer reuse, hand-offs, copies and
     counters can be tested on CPU. Never a speed-up; off by default."""
 
+    dryrun: bool | str = False
+    """Show the partition report of each graph once, at its first call, and run the model as
+    compiled. True logs the report's text at WARNING on the ``cgbackend.dryrun`` logger (stderr
+    unless logging is configured otherwise); a file path (a string) writes the JSON report of every
+    graph so far there instead and logs one line naming the file (dryrun.py; Torch-TensorRT's dry
+    run does the same at compile time)."""
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in BOOL_OR_PATH:
+                if not isinstance(value, bool) and not (isinstance(value, str) and value.strip()):
+                    raise ConfigError(f"cgbackend option {f.name} takes True, False or a file path, got {value!r}")
+                continue
             if isinstance(f.default, bool) and not isinstance(value, bool):
                 # A string such as "false" is truthy: never guess, the environment has its spellings.
                 raise ConfigError(f"cgbackend option {f.name} takes True or False, got {value!r}")
@@ -197,7 +211,7 @@ class Config:
                     f"{did_you_mean(key, [ENV_PREFIX + v.upper() for v in valid])}; valid: "
                     + ", ".join(ENV_PREFIX + v.upper() for v in valid)
                 )
-            values[name] = parse_value(key, raw, fields[name].default)
+            values[name] = parse_value(key, raw, fields[name].default, path_ok=name in BOOL_OR_PATH)
         values.update(options)
         return cls(**values)
 
@@ -230,8 +244,9 @@ def _check_int(cfg: Config, name: str, minimum: int) -> None:
         raise ConfigError(f"cgbackend option {name} must be an integer >= {minimum}, got {value!r}")
 
 
-def parse_value(key: str, raw: str, default: Any) -> Any:
-    """Parse an option's text (environment variable, command line) by the type of its default."""
+def parse_value(key: str, raw: str, default: Any, path_ok: bool = False) -> Any:
+    """Parse an option's text (environment variable, command line) by the type of its default;
+    ``path_ok``: a boolean option that also takes a file path (BOOL_OR_PATH)."""
     text = raw.strip()
     if isinstance(default, bool):
         lowered = text.lower()
@@ -239,6 +254,8 @@ def parse_value(key: str, raw: str, default: Any) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
+        if path_ok and text:
+            return text
         raise ConfigError(f"{key}={raw!r}: expected one of 1/0/true/false/yes/no/on/off")
     if isinstance(default, int):
         try:

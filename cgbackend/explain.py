@@ -148,7 +148,7 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
     """One trace of ``explain``; ``by_name`` leaves out what only cgbackend.compile does to the model
     (opaque modules, the dispatch loops' source rewrite)."""
     config = Config.from_options(options or {})
-    instance = CGBackend(config=config.replace(capture=False))
+    instance = CGBackend(config=config.replace(capture=False, dryrun=False))  # explain is the report
     instance._keep_analyses = True
     if config.opaque_modules and isinstance(model, torch.nn.Module) and not by_name:
         instance.opaque = opaque.install(model)
