@@ -16,6 +16,7 @@ from .config import Config, ConfigError
 from .explain import ExplainError, explain
 from .logs import register as _register_logs
 from .marks import mark_dynamic
+from .notices import CGBackendWarning, NothingCapturedWarning
 from .reasons import Reason, Rule
 from .reporting.report import Report
 from .stats_table import summary
@@ -24,5 +25,5 @@ from .stats_table import summary
 _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)
 _register_backend()  # torch.compile(backend="cgbackend") without installed metadata (by_name.py)
 
-__all__ = ["CGBackend", "Config", "ConfigError", "ExplainError", "Reason", "Report", "Rule", "backend",
+__all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning", "Reason", "Report", "Rule", "backend",
            "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "summary", "__version__"]

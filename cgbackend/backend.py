@@ -30,6 +30,7 @@ from .opaque import InstallResult
 from .runtime.timing import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
+from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
 from .runtime.entries import RuntimeShared
@@ -85,6 +86,8 @@ class CGBackend:
         self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
         """Per-region timing (option profile)."""
         self.shared.watch = self.timer
+        self.shared.capture_watch = CaptureWatch(self.shared.counters)
+        """Warns once when the model runs with nothing captured (runtime/capture_watch.py)."""
         self.dry_run = DryRun(self.config.dryrun)
         """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"
@@ -142,6 +145,7 @@ class CGBackend:
             structured.emit_report(Report(graphs=[gr], graph_breaks=[break_info] if break_info else [],
                                summary=summarize([gr], [break_info] if break_info else []),
                                config=self.config.to_dict()), "cgbackend_partition_report")
+        self.shared.capture_watch.on_compile(compiled)
         if self.config.dryrun:
             self.dry_run.show(analysis, index, break_info, self.config)  # dryrun.py
         if compiled.blocked == EagerReason.NO_CUDA and self.config.strict:
@@ -175,6 +179,7 @@ class CGBackend:
             self._analyses.clear()
             self.shared.mirror.reset()  # adds what was counted so far, then starts from zero
             self.shared.counters.clear()
+            self.shared.capture_watch.reset()
             self._no_cuda_logged = False
 
     def stats(self) -> dict[str, Any]:
