@@ -25,5 +25,6 @@ from .stats_table import summary
 _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)
 _register_backend()  # torch.compile(backend="cgbackend") without installed metadata (by_name.py)
 
-__all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning", "Reason", "Report", "Rule", "backend",
-           "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "summary", "__version__"]
+__all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning",
+           "Reason", "Report", "Rule", "backend", "compile", "explain", "find_backend", "mark_dynamic", "prepare",
+           "report", "reset", "stats", "summary", "__version__"]

@@ -150,6 +150,7 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
     config = Config.from_options(options or {})
     instance = CGBackend(config=config.replace(capture=False, dryrun=False))  # explain is the report
     instance._keep_analyses = True
+    instance.shared.capture_watch.enabled = False  # capturing nothing is explain's point, not a warning
     if config.opaque_modules and isinstance(model, torch.nn.Module) and not by_name:
         instance.opaque = opaque.install(model)
     rewrote_loops = False

@@ -61,6 +61,16 @@ _OWN_FRAMES = ("cgbackend/opaque.py",)
 """Frames of cgbackend's own code Dynamo traces (an opaque call's wrapper): the user's line is above."""
 
 
+_RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(?P<name>.+)_at_\d+$")
+
+
+def user_function(name: str) -> str:
+    """The user's function behind Dynamo's resume function after a graph break
+    (``torch_dynamo_resume_in_forward_at_70`` -> ``forward``); other names as they are."""
+    match = _RESUME_RE.match(name)
+    return match.group("name") if match else name
+
+
 def source_frame(node: torch.fx.Node) -> dict[str, Any] | None:
     """The innermost user frame of ``node``: ``{"path", "line", "function", "code"}`` (the full
     path as Dynamo recorded it), or None."""
@@ -73,8 +83,8 @@ def source_frame(node: torch.fx.Node) -> dict[str, Any] | None:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             if code and set(code) <= set("^~ "):
                 code = ""
-            return {"path": m.group("file"), "line": int(m.group("line")), "function": m.group("func"),
-                    "code": code}
+            return {"path": m.group("file"), "line": int(m.group("line")),
+                    "function": user_function(m.group("func")), "code": code}
     return None
 
 

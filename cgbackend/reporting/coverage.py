@@ -54,6 +54,9 @@ _NO_KERNEL = frozenset({
 
 _MAX_SOURCES = 12
 
+_MAX_SEQUENCE = 2000
+"""Entries of the measured call's sequence kept (a deep model's call runs thousands of regions)."""
+
 
 def counting_supported() -> bool:
     """Whether a dispatch mode can watch compiled code run (``ignore_compile_internals``)."""
@@ -121,6 +124,9 @@ class LaunchCounter(TorchDispatchMode):
         self.codes: dict[str, str] = {}
         """Uncompiled code: source -> its line of code."""
         self.regions_seen = 0
+        self.sequence: list[dict[str, Any]] = []
+        """The call in execution order (the HTML page draws it): ``{"kind": "region", "id"}`` per
+        region run, ``{"kind": "uncompiled", "source", "ops"}`` per stretch of uncompiled code."""
         self.static_regions: dict[str, bool] = {}
         """Region id -> is static, for every region that ran."""
         self._region: Optional[tuple[str, bool]] = None
@@ -146,6 +152,11 @@ class LaunchCounter(TorchDispatchMode):
             source, code = _user_frame()
             self.codes.setdefault(source, code)
             self.ops.append((None, False, source, name))
+            last = self.sequence[-1] if self.sequence else None
+            if last is not None and last["kind"] == "uncompiled" and last["source"] == source:
+                last["ops"] += 1
+            elif len(self.sequence) < _MAX_SEQUENCE:
+                self.sequence.append({"kind": "uncompiled", "source": source, "ops": 1})
         if not self.ranges:
             return func(*args, **(kwargs or {}))
         with op_range(f"{OP_RANGE}{len(self.ops) - 1}"):
@@ -158,6 +169,8 @@ class LaunchCounter(TorchDispatchMode):
         self._region = (f"g{graph.index}.{region.name}", region.is_static)
         self.static_regions[self._region[0]] = region.is_static
         self.regions_seen += 1
+        if len(self.sequence) < _MAX_SEQUENCE:
+            self.sequence.append({"kind": "region", "id": self._region[0]})
         try:
             if not self.ranges:
                 return run_step(step, ins, call)
@@ -258,6 +271,7 @@ class Launches:
                     {"source": source, "code": code, "launches": n, "ops": dict(ops.most_common(4))}
                     for source, (n, code, ops) in sources[:_MAX_SOURCES]],
                 "upper_bound": False,
+                "sequence": list(self.counter.sequence),
             },
         }
 

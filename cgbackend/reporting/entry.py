@@ -37,8 +37,9 @@ def entry_text(traced_via: dict[str, Any], summary: dict[str, Any]) -> list[str]
         line += (f"{other_call} gives {_counts(other['graphs'], other['graph_breaks'])}"
                  f"{' too' if same else ''}: {see} shows its partition")
     elif traced_via.get("other_may_differ", True):
-        line += (f"{other_call} may differ ({'data-dependent ops or opaque modules here' if entry == 'compile' else 'graph breaks here'}): "
-                 f"{see} shows its partition, --compare (Python: compare=True) counts it here")
+        why = "data-dependent ops or opaque modules here" if entry == "compile" else "graph breaks here"
+        line += (f"{other_call} may differ ({why}): {see} shows its partition, --compare (Python: "
+                 "compare=True) counts it here")
     else:
         line += f"{other_call} gives the same partition (no data-dependent op, no graph break)"
     return [line]

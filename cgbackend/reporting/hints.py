@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch.fx
 
 from ..config import Config
-from ..fx_utils import source_frame, source_location
+from ..fx_utils import source_frame, source_location, user_function
 
 __all__ = ["build_hints", "hint_option", "hints_text", "option_cli", "option_python", "source_text"]
 
@@ -171,8 +171,9 @@ def _break_site(gm: torch.fx.GraphModule) -> Optional[tuple[str, str, str, dict[
     frame = stack[-1]
     base = str(frame.filename).replace("\\", "/").rsplit("/", 1)[-1]
     code = (getattr(frame, "line", None) or "").strip()
-    full = {"path": str(frame.filename), "line": int(frame.lineno), "function": str(frame.name), "code": code}
-    return f"{base}:{frame.lineno} in {frame.name}", code, str(getattr(reason, "reason", "")), full
+    name = user_function(str(frame.name))
+    full = {"path": str(frame.filename), "line": int(frame.lineno), "function": name, "code": code}
+    return f"{base}:{frame.lineno} in {name}", code, str(getattr(reason, "reason", "")), full
 
 
 def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]]:

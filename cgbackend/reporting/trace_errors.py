@@ -19,13 +19,13 @@ import re
 import sysconfig
 from typing import Any, Iterator, Optional
 
+from ..fx_utils import user_function
 from .breaks import break_text
 
 __all__ = ["quiet_meta_failures", "tracing_failure", "user_frame"]
 
 _USER_CODE_BLOCK = re.compile(r"(?:from user code|User stack):\s*\n(?P<block>(?:[ \t]+.*\n?)+)")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
-_RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<name>.+)_at_\d+$")
 
 
 def _library_dirs() -> tuple[str, tuple[str, ...]]:
@@ -48,8 +48,7 @@ def _is_user_file(path: str, library: tuple[str, tuple[str, ...]]) -> bool:
 
 
 def _frame(path: str, line: int, name: str) -> dict[str, Any]:
-    match = _RESUME.match(name)  # Dynamo's resume function after a graph break: the user's function
-    return {"path": path, "line": line, "function": match.group("name") if match else name,
+    return {"path": path, "line": line, "function": user_function(name),
             "code": linecache.getline(path, line).strip()}
 
 

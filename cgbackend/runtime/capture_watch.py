@@ -92,13 +92,15 @@ class CaptureWatch:
 
     def __init__(self, counters: Any) -> None:
         self.counters = counters
+        self.enabled = True
+        """False where capturing nothing is the point (explain)."""
         self.warned = False
         self.compiles: dict[int, int] = {}
 
     def on_compile(self, graph: Any) -> None:
         """A new graph was compiled (backend.py): the third compile of one function with nothing
         captured means a value that changes each call is baked into each graph."""
-        compile_id = _compile_id()
+        compile_id = _compile_id() if self.enabled else None
         if compile_id is None or self.warned:
             return
         frame = compile_id[0]  # Dynamo counts a frame's compiles per process; these are this model's
@@ -115,7 +117,7 @@ class CaptureWatch:
         which to look again, or None. Regions still warming up (new signatures, such as sizes spread
         over several capture sizes) may capture later: that reason waits for _PATIENCE times as many
         calls, looking again at each doubling, before it warns."""
-        if self.warned or self.counters.graphs_captured:
+        if self.warned or not self.enabled or self.counters.graphs_captured:
             return None
         reason = nothing_captured_reason(graph)
         first = settle_call(graph.config, graph.shared.layer_copies)

@@ -103,6 +103,21 @@ def test_import_registers_the_name_without_installed_metadata(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "OK"
 
 
+def test_register_where_dynamo_is_loaded_and_no_entry_point(monkeypatch):
+    """The other order: torch._dynamo imported before cgbackend registers the name (no hook needed)."""
+    import torch._dynamo.backends.registry as registry
+    from cgbackend import by_name
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    for table in ("_COMPILER_FNS", "_BACKENDS"):
+        monkeypatch.setattr(registry, table, {k: v for k, v in getattr(registry, table).items() if k != "cgbackend"})
+    by_name.register()
+    assert registry.lookup_backend("cgbackend") is by_name.dynamo_entry
+    by_name.register()  # again: the same function, no duplicate-name error
+    registry._COMPILER_FNS["cgbackend"] = lambda gm, inputs: gm
+    with pytest.raises(RuntimeError, match="another backend is registered with Dynamo as 'cgbackend'"):
+        by_name.register()
+
+
 def test_backend_by_name_moe_in_a_fresh_interpreter():
     """The MoE through plain torch.compile: Dynamo breaks the graph at the dispatch; results still equal eager."""
     proc = run_python("""

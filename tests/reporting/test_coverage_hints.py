@@ -250,8 +250,8 @@ def test_runtime_coverage_and_profile_timing():
     timing = report.graphs[0].runtime["timing"]
     assert list(timing) == ["S0", "D1", "S2", "D3", "S4"]  # execution order
     for name in ("S0", "S2", "S4"):
-        assert timing[name]["replay"]["calls"] == 3 and timing[name]["eager"]["calls"] == 1
-        assert timing[name]["replay"]["total_ms"] > 0
+        assert timing[name]["eager"]["calls"] == 1 and timing[name]["capture"]["calls"] == 1
+        assert timing[name]["replay"]["calls"] == 2 and timing[name]["replay"]["total_ms"] > 0
     for name in ("D1", "D3"):
         assert set(timing[name]) == {"eager"} and timing[name]["eager"]["calls"] == 4
     text = report.to_text()
@@ -259,7 +259,7 @@ def test_runtime_coverage_and_profile_timing():
     assert "static_dispatch" in _kinds(report)
     page = report.to_html()
     assert "ms measured (profile=True)" in page
-    assert "replay: 3 x " in page  # the split, on hover
+    assert "replay 2 x " in page and "capture 1 x " in page  # the split, on hover
 
 
 def test_profile_off_has_no_timing():
@@ -412,9 +412,17 @@ def test_html_shows_uncompiled_code():
     page = report.to_html()
     parser = _parse(page)
     _self_contained(parser, page)
-    rows = parser.find("div", **{"class": "uncompiled"})
+    rows = [r for r in parser.find("div", **{"class": "uncompiled"}) if "data-source" in r]
     sources = report.summary["launches"]["uncompiled_sources"]
-    assert [r["data-source"] for r in rows if "data-source" in r] == [s["source"] for s in sources]
+    # uncompiled code where it ran: each stretch between the regions it ran between, every line named
+    sequence = report.summary["launches"]["sequence"]
+    steps = [b.get("data-id") or "uncompiled" for b in parser.find("div", **{"class": "region"})
+             if "data-id" in b or "data-source" in b]
+    expected = [e["id"] if e["kind"] == "region" else "uncompiled" for e in sequence]
+    assert steps == [x for i, x in enumerate(expected) if x != "uncompiled" or i == 0 or expected[i - 1] != x]
+    assert rows and all(r["title"].startswith("uncompiled code") for r in rows)
+    for s in sources:
+        assert any(s["source"] in r["title"] for r in rows), s["source"]
     assert parser.find("li", **{"class": "hint"}, **{"data-kind": "data_dependent_loop"})
 
 
@@ -434,7 +442,8 @@ def test_cuda_profile_timing_and_coverage():
     timing = report.graphs[0].runtime["timing"]
     assert cgbackend.stats(compiled)["graphs_captured"] == 3
     for name in ("S0", "S2", "S4"):
-        assert timing[name]["replay"]["calls"] == 4 and timing[name]["replay"]["total_ms"] > 0
+        assert timing[name]["replay"]["calls"] == 3 and timing[name]["replay"]["total_ms"] > 0
+        assert timing[name]["capture"]["calls"] == 1
     assert timing["D1"]["eager"]["calls"] == 5
     s = explained.summary
     assert s["launches"]["uncompiled"] == 0 and 0.2 < s["launch_coverage"] < 0.9
