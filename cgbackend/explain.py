@@ -97,7 +97,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     backend="cgbackend")``, Dynamo's settings as they are (a graph break at each data-dependent
     op). The report's first lines (``traced_via``) say which one it shows and how the other
     differs: ``compare=True`` traces the other one too (without counting launches) and gives its
-    graph and break counts; else they say whether it can differ and how to see it.
+    graph and break counts where it can differ (``other_may_differ``); else they say whether it can
+    differ and how to see it.
     ``trace_dynamic_ops=False`` alone traces as by name but keeps cgbackend.compile's preparations.
     ``options`` are cgbackend options (as for cgbackend.backend).
     ``training``: True traces with grad mode on (a training graph where parameters or inputs
@@ -118,13 +119,13 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     report = _explain(model, args, kwargs, options, trace_dynamic_ops and not by_name, training,
                       count_launches, by_name)
     other = None
-    if compare:
+    may_differ = other_may_differ(report, by_name)
+    if compare and may_differ:  # where it cannot differ, the line says so without a second trace
         shown = _explain(model, args, kwargs, options, by_name, training, False, not by_name)
         other = {"entry": "compile" if by_name else "by_name", "graphs": shown.summary["graphs"],
                  "graph_breaks": shown.summary["graph_breaks"]}
     report.traced_via = {"entry": "by_name" if by_name else "compile", "trace_dynamic_ops":
-                         trace_dynamic_ops and not by_name, "other": other,
-                         "other_may_differ": other_may_differ(report, by_name)}
+                         trace_dynamic_ops and not by_name, "other": other, "other_may_differ": may_differ}
     emit_report(report, "cgbackend_explain_report")
     return report
 

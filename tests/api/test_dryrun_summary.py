@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import cgbackend
+from log_helpers import records_of
 from cgbackend.models import build_model, make_inputs
 from cgbackend.reporting.schema import validate_report
 
@@ -20,15 +21,14 @@ def _mlp():
 
 
 @pytest.mark.parametrize("how", ["by_name", "cgbackend_compile"])
-def test_dry_run_shows_the_report_once_and_runs_the_model(how, caplog):
+def test_dry_run_shows_the_report_once_and_runs_the_model(how):
     model = _mlp()
     compiled = (torch.compile(model, backend="cgbackend", options={"dryrun": True}) if how == "by_name"
                 else cgbackend.compile(model, dryrun=True))
-    with caplog.at_level(logging.WARNING, logger="cgbackend.dryrun"), torch.no_grad():
+    with records_of("cgbackend.dryrun") as shown, torch.no_grad():
         for _ in range(3):
             x = torch.randn(5, 8)
             assert torch.equal(compiled(x), model(x))
-    shown = [r for r in caplog.records if r.name == "cgbackend.dryrun"]
     assert len(shown) == 1 and shown[0].levelno == logging.WARNING
     text = shown[0].getMessage()
     assert text.startswith("cgbackend dry run: graph 0, at its first call (the model runs as compiled)\n"
@@ -37,15 +37,15 @@ def test_dry_run_shows_the_report_once_and_runs_the_model(how, caplog):
     assert cgbackend.stats(compiled)["graph_calls"] == 3
 
 
-def test_dry_run_to_a_file_writes_the_json_report(tmp_path, caplog):
+def test_dry_run_to_a_file_writes_the_json_report(tmp_path):
     path = tmp_path / "partition.json"
     compiled = cgbackend.compile(_mlp(), dryrun=str(path))
-    with caplog.at_level(logging.WARNING, logger="cgbackend.dryrun"), torch.no_grad():
+    with records_of("cgbackend.dryrun") as records, torch.no_grad():
         compiled(torch.randn(5, 8))
         compiled(torch.randn(5, 8))
     data = json.loads(path.read_text())
     assert validate_report(data) == [] and data["summary"]["static_regions"] == 1
-    assert [r.getMessage() for r in caplog.records if r.name == "cgbackend.dryrun"] == [
+    assert [r.getMessage() for r in records] == [
         f"cgbackend dry run: graph 0's partition report written to {path} (1 graph(s) so far); "
         "the model runs as compiled"]
 

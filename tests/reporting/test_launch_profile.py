@@ -166,7 +166,7 @@ def test_explain_weighs_ops_by_profiled_launches(monkeypatch):
 
 @needs_counting
 def test_explain_weighs_uncompiled_code_by_source(monkeypatch):
-    from tests.test_coverage_hints import _hit_model, _line_of
+    from tests.reporting.test_coverage_hints import _hit_model, _line_of
     model, x = _hit_model()
     _cpu_profiler(monkeypatch)
     with torch.no_grad():

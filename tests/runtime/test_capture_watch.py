@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import cgbackend
+from log_helpers import records_of
 
 
 def _mlp():
@@ -31,16 +32,16 @@ def _calls(fn, inputs):
     return per_call
 
 
-def test_cpu_tensors_warn_once_after_warm_up(caplog):
+def test_cpu_tensors_warn_once_after_warm_up():
     compiled = torch.compile(_mlp(), backend="cgbackend")  # warmup 3: the 4th call would capture
-    with caplog.at_level(logging.INFO, logger="cgbackend"):
+    with records_of("cgbackend.runtime.capture_watch", logging.INFO) as records:
         per_call = _calls(compiled, [(torch.randn(2, 4),)] * 7)
     assert [len(w) for w in per_call] == [0, 0, 0, 1, 0, 0, 0]
     message = per_call[3][0]
     assert message.startswith("cgbackend: nothing was captured as a CUDA graph, every call runs eagerly: ")
     reason = "computes on cpu tensors" if torch.cuda.is_available() else "this machine has no CUDA device"
     assert reason in message
-    assert [r.getMessage() for r in caplog.records if r.name == "cgbackend.runtime.capture_watch"] == [message]
+    assert [r.getMessage() for r in records] == [message]
     assert issubclass(cgbackend.NothingCapturedWarning, cgbackend.CGBackendWarning)
 
 
