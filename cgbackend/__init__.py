@@ -1,24 +1,30 @@
 """cgbackend: a torch.compile backend that brings CUDA graphs to models that are not fully static.
 
-    torch.compile(model, backend="cgbackend", options={"warmup": 3})  # by name (entry point)
+    torch.compile(model, backend="cgbackend", options={"warmup": 3})  # by name (after import, or entry point)
     cgbackend.compile(model, warmup=3)               # traces data-dependent ops into the graph
     cgbackend.explain(model, *inputs)                # ahead-of-time partition report
     cgbackend.stats(compiled_model)                  # counters
+    print(cgbackend.summary(compiled_model))         # the counters as a short table, per region
     help(cgbackend.Config), help(cgbackend.Report)   # every option; the report's fields
 """
 
 from ._version import __version__
 from .api import backend, compile, find_backend, prepare, report, reset, stats
 from .backend import CGBackend
+from .by_name import register as _register_backend
 from .config import Config, ConfigError
 from .explain import ExplainError, explain
 from .logs import register as _register_logs
 from .marks import mark_dynamic
+from .notices import CGBackendWarning, NothingCapturedWarning
 from .reasons import Reason, Rule
 from .reporting.report import Report
+from .stats_table import summary
 
 
 _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)
+_register_backend()  # torch.compile(backend="cgbackend") without installed metadata (by_name.py)
 
-__all__ = ["CGBackend", "Config", "ConfigError", "ExplainError", "Reason", "Report", "Rule", "backend",
-           "compile", "explain", "find_backend", "mark_dynamic", "prepare", "report", "reset", "stats", "__version__"]
+__all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning",
+           "Reason", "Report", "Rule", "backend", "compile", "explain", "find_backend", "mark_dynamic", "prepare",
+           "report", "reset", "stats", "summary", "__version__"]

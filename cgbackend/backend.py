@@ -24,6 +24,7 @@ from .passes.pipeline import Analysis, analyze
 from .reporting.breaks import break_text, source_of_stack
 from . import progress
 from .config import Config
+from .dryrun import DryRun
 from .tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
@@ -31,6 +32,7 @@ from .opaque import InstallResult
 from .runtime.timing import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
+from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
 from .runtime.entries import RuntimeShared
@@ -86,6 +88,10 @@ class CGBackend:
         self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
         """Per-region timing (option profile)."""
         self.shared.watch = self.timer
+        self.shared.capture_watch = CaptureWatch(self.shared.counters)
+        """Warns once when the model runs with nothing captured (runtime/capture_watch.py)."""
+        self.dry_run = DryRun(self.config.dryrun)
+        """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"
         # Graphs go before the process group at exit: a CUDA graph holding NCCL resources would
         # make the communicator's destruction wait (cgbackend.distributed).
@@ -148,6 +154,9 @@ class CGBackend:
             structured.emit_report(Report(graphs=[gr], graph_breaks=[break_info] if break_info else [],
                                summary=summarize([gr], [break_info] if break_info else []),
                                config=self.config.to_dict()), "cgbackend_partition_report")
+        self.shared.capture_watch.on_compile(compiled)
+        if self.config.dryrun:
+            self.dry_run.show(analysis, index, break_info, self.config)  # dryrun.py
         if compiled.blocked == EagerReason.NO_CUDA and self.config.strict:
             raise RuntimeError(
                 f"cgbackend: strict=True but graph {index} computes on "
@@ -179,6 +188,7 @@ class CGBackend:
             self._analyses.clear()
             self.shared.mirror.reset()  # adds what was counted so far, then starts from zero
             self.shared.counters.clear()
+            self.shared.capture_watch.reset()
             self._no_cuda_logged = False
 
     def stats(self) -> dict[str, Any]:
@@ -193,8 +203,8 @@ class CGBackend:
         """The partition report of every graph this instance compiled, with runtime counters."""
         graphs = []
         compiled = self.compiled_graphs()
-        for i, g in enumerate(compiled):
-            gr = graph_report(g.analysis, i, graph_break_info(g.analysis.gm))
+        for g in compiled:  # region ids as in the logs and profiler ranges: g<index>.<region>
+            gr = graph_report(g.analysis, g.index, graph_break_info(g.analysis.gm))
             gr.runtime = g.runtime_summary()
             if self.timer is not None:
                 gr.runtime["timing"] = self.timer.graph_timing(g.index)

@@ -4,6 +4,8 @@ backend")."""
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import sys
 import threading
 import weakref
@@ -16,7 +18,7 @@ from .backend import CGBackend
 from .config import ConfigError
 
 __all__ = ["backend_of_wrapper", "by_name_backends", "default_backend", "dynamo_entry",
-           "is_compile_wrapper", "reset_default_backend"]
+           "is_compile_wrapper", "register", "reset_default_backend"]
 
 
 class _ByName:
@@ -154,6 +156,59 @@ def _reset_by_name() -> None:
 # torch._dynamo.reset() calls reset() on each backend it cached; by name that is torch's compile
 # wrapper, which forwards to its compiler function's reset.
 dynamo_entry.reset = _reset_by_name
+
+
+def register() -> None:
+    """Register ``dynamo_entry`` under the name "cgbackend" with Dynamo where the package's
+    ``torch_dynamo_backends`` entry point is not installed (a source tree, a vendored copy), so
+    ``import cgbackend`` is enough for ``torch.compile(model, backend="cgbackend")``. Where the entry
+    point is installed, Dynamo loads this same function through it on first use (registering it
+    here too would make that load fail as a duplicate name).
+
+    Dynamo's registry lives in ``torch._dynamo``, a second of imports that ``import cgbackend`` does
+    not otherwise need (the command line's --help and the benchmarks' refusal on a machine without
+    CUDA stay quick): where it is not imported yet, the name is registered right after it is
+    (:class:`_AfterDynamoImport`), which torch.compile does before it looks a name up."""
+    import importlib.metadata
+    if any(ep.name == "cgbackend" and ep.value == f"{__name__}:dynamo_entry"
+           for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")):
+        return
+    if "torch._dynamo" in sys.modules:
+        _register_now()
+    elif not any(isinstance(finder, _AfterDynamoImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterDynamoImport())
+
+
+def _register_now() -> None:
+    from torch._dynamo import lookup_backend, register_backend
+    try:
+        register_backend(compiler_fn=dynamo_entry, name="cgbackend")
+    except AssertionError:  # Dynamo's "duplicate name"
+        found = lookup_backend("cgbackend")
+        if found is not dynamo_entry:
+            raise RuntimeError(f"another backend is registered with Dynamo as 'cgbackend': {found!r}") from None
+
+
+class _AfterDynamoImport(importlib.abc.MetaPathFinder):
+    """Registers the name once ``torch._dynamo`` has been imported (a post-import hook: it finds the
+    module's spec through the other finders and runs the registration after the module's code)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)  # once; the other finders find the module itself
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _register_now()
+
+        loader.exec_module = exec_module  # this spec's loader object only
+        return spec
 
 
 def find_backend(obj: Any = None) -> CGBackend:

@@ -64,17 +64,38 @@ def _split_inputs(made: Any) -> tuple[Any, tuple, dict]:
     return model, (inputs,), {}
 
 
+def _option_value(key: str, raw: str, default: Any) -> Any:
+    """One --option value: the text the environment takes (``static_dispatch=auto``,
+    ``capture_sizes=1,2,4``), or a Python literal as a hint prints it and a user pastes it
+    (``static_dispatch="auto"``, ``dynamic_ops=("torch.nonzero",)``, ``strict=True``)."""
+    import ast
+    from .config import BOOL_OR_PATH, parse_value
+    text = raw.strip()
+    if text[:1] in ("'", '"', "(", "["):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise CLIError(f"--option {key}={raw}: not a valid Python literal (quotes unbalanced?); "
+                           f"write {key}=VALUE without quotes") from None
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        text = str(value)
+    return parse_value(f"--option {key}", text, default, path_ok=key in BOOL_OR_PATH)
+
+
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:
-    from .config import Config, parse_value
+    from .config import Config
+    from .suggest import did_you_mean
     fields = {f: Config.__dataclass_fields__[f].default for f in Config.field_names()}
     options: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep:
             raise CLIError(f"--option takes KEY=VALUE, got {item!r}")
         if key not in fields:
-            raise CLIError(f"unknown option {key!r}; valid: {', '.join(fields)}")
-        options[key] = parse_value(f"--option {key}", raw, fields[key])
+            raise CLIError(f"unknown option {key!r}{did_you_mean(key, fields)}; valid: {', '.join(fields)}")
+        options[key] = _option_value(key, raw, fields[key])
     return options
 
 
@@ -167,7 +188,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         model.train(args.train)
     try:
         with _quiet_torch_logs(args.verbose):
-            report = explain(model, *call_args, options=options, training=args.train, **call_kwargs)
+            report = explain(model, *call_args, options=options, training=args.train, by_name=args.by_name,
+                             compare=args.compare, **call_kwargs)
     except ExplainError as exc:
         raise CLIError(str(exc)) from None
     if args.html:  # before printing: a closed pipe (`| head`) must not cost the file
@@ -196,6 +218,13 @@ def build_parser(prog: str = "cgbackend") -> argparse.ArgumentParser:
     ex.add_argument("--train", "--training", dest="train", action="store_true",
                     help="trace for training: model.train() and grad mode on (default: model.eval() "
                          "under torch.no_grad(), inference)")
+    ex.add_argument("--by-name", action="store_true",
+                    help="show the partition torch.compile(model, backend=\"cgbackend\") gives (Dynamo's "
+                         "settings as they are: a graph break at each data-dependent op) instead of "
+                         "cgbackend.compile(model)'s")
+    ex.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                    help="also trace the other entry point (without counting launches) and give its graph "
+                         "and break counts in the report's first line (default on)")
     ex.add_argument("--device", default="cpu", help="device for --demo models (default cpu)")
     ex.add_argument("--option", action="append", metavar="KEY=VALUE",
                     help="a cgbackend option (see cgbackend.Config), repeatable")

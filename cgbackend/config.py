@@ -11,9 +11,14 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-__all__ = ["Config", "ConfigError", "ENV_PREFIX", "parse_value"]
+from .suggest import did_you_mean
+
+__all__ = ["BOOL_OR_PATH", "Config", "ConfigError", "ENV_PREFIX", "parse_value"]
 
 ENV_PREFIX = "CGBACKEND_"
+
+BOOL_OR_PATH = ("dryrun",)
+"""Options that take True / False or a file path (from text: a boolean word, else the path)."""
 
 _INNER_COMPILERS = ("auto", "eager", "inductor")
 _GRAPH_CACHES = ("lru", "keep")
@@ -127,9 +132,20 @@ class Config:
     "replay" re-runs it and writes into the same buffers, so buffer reuse, hand-offs, copies and
     counters can be tested on CPU. Never a speed-up; off by default."""
 
+    dryrun: bool | str = False
+    """Show the partition report of each graph once, at its first call, and run the model as
+    compiled. True logs the report's text at WARNING on the ``cgbackend.dryrun`` logger (stderr
+    unless logging is configured otherwise); a file path (a string) writes the JSON report of every
+    graph so far there instead and logs one line naming the file (dryrun.py; Torch-TensorRT's dry
+    run does the same at compile time)."""
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in BOOL_OR_PATH:
+                if not isinstance(value, bool) and not (isinstance(value, str) and value.strip()):
+                    raise ConfigError(f"cgbackend option {f.name} takes True, False or a file path, got {value!r}")
+                continue
             if isinstance(f.default, bool) and not isinstance(value, bool):
                 # A string such as "false" is truthy: never guess, the environment has its spellings.
                 raise ConfigError(f"cgbackend option {f.name} takes True or False, got {value!r}")
@@ -142,18 +158,19 @@ class Config:
         if self.inner not in _INNER_COMPILERS:
             raise ConfigError(
                 f"cgbackend option inner={self.inner!r} is not one of {', '.join(_INNER_COMPILERS)}"
+                + did_you_mean(self.inner, _INNER_COMPILERS)
             )
         if self.inner == "inductor" and self.warmup < 1 and self.capture:
             raise ConfigError("cgbackend option inner='inductor' needs warmup >= 1: Inductor compiles "
                               "its backward at the first backward, which must not happen during a capture")
         if self.graph_cache not in _GRAPH_CACHES:
             raise ConfigError(f"cgbackend option graph_cache={self.graph_cache!r} is not one of "
-                              f"{', '.join(_GRAPH_CACHES)}")
+                              f"{', '.join(_GRAPH_CACHES)}{did_you_mean(self.graph_cache, _GRAPH_CACHES)}")
         object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
         from .passes.dispatch import MODES
         if self.static_dispatch not in MODES:
             raise ConfigError(f"cgbackend option static_dispatch={self.static_dispatch!r} is not one of "
-                              f"{', '.join(MODES)}")
+                              f"{', '.join(MODES)}{did_you_mean(self.static_dispatch, MODES)}")
         for name in ("dynamic_ops", "dynamic_modules"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -180,7 +197,8 @@ class Config:
         unknown = sorted(set(options) - set(valid))
         if unknown:
             raise ConfigError(
-                f"unknown cgbackend option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}"
+                f"unknown cgbackend option(s) {', '.join(u + did_you_mean(u, valid) for u in unknown)}; "
+                f"valid options: {', '.join(valid)}"
             )
         values: dict[str, Any] = {}
         env = os.environ if environ is None else environ
@@ -191,10 +209,11 @@ class Config:
             name = key[len(ENV_PREFIX):].lower()
             if name not in fields:
                 raise ConfigError(
-                    f"environment variable {key} names no cgbackend option; valid: "
+                    f"environment variable {key} names no cgbackend option"
+                    f"{did_you_mean(key, [ENV_PREFIX + v.upper() for v in valid])}; valid: "
                     + ", ".join(ENV_PREFIX + v.upper() for v in valid)
                 )
-            values[name] = parse_value(key, raw, fields[name].default)
+            values[name] = parse_value(key, raw, fields[name].default, path_ok=name in BOOL_OR_PATH)
         values.update(options)
         return cls(**values)
 
@@ -227,8 +246,9 @@ def _check_int(cfg: Config, name: str, minimum: int) -> None:
         raise ConfigError(f"cgbackend option {name} must be an integer >= {minimum}, got {value!r}")
 
 
-def parse_value(key: str, raw: str, default: Any) -> Any:
-    """Parse an option's text (environment variable, command line) by the type of its default."""
+def parse_value(key: str, raw: str, default: Any, path_ok: bool = False) -> Any:
+    """Parse an option's text (environment variable, command line) by the type of its default;
+    ``path_ok``: a boolean option that also takes a file path (BOOL_OR_PATH)."""
     text = raw.strip()
     if isinstance(default, bool):
         lowered = text.lower()
@@ -236,6 +256,8 @@ def parse_value(key: str, raw: str, default: Any) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
+        if path_ok and text:
+            return text
         raise ConfigError(f"{key}={raw!r}: expected one of 1/0/true/false/yes/no/on/off")
     if isinstance(default, int):
         try:

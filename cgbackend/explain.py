@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import re
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -19,12 +19,16 @@ from .reporting.launch_profile import LaunchProfiler
 from .reporting.hints import build_hints
 from .reporting.report import Report
 from .reporting.structured import emit_report
+from .reporting.trace_errors import quiet_meta_failures, tracing_failure
 
-__all__ = ["ExplainError", "explain"]
+__all__ = ["ExplainError", "call_inputs", "explain", "tracing_failure"]
 
 
 class ExplainError(RuntimeError):
-    """The model could not be traced; the message names the cause."""
+    """The model could not be traced; the message names the cause and the user's line. The error
+    torch raised is ``torch_error`` (left out of the traceback: its frames are torch's)."""
+
+    torch_error: Optional[BaseException] = None
 
 
 def _first_line(text: str) -> str:
@@ -32,39 +36,28 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else ""
 
 
-_USER_CODE_RE = re.compile(r'(?:from user code|User stack):\s*\n\s*File "(?P<file>[^"]+)", line (?P<line>\d+), '
-                           r'in (?P<name>\S+)')
-
-
-def tracing_failure(exc: BaseException) -> str:
-    """One line for a failed trace: the root error (the innermost of the exception chain, where
-    Dynamo's own wrapper hides it) and the user's line Dynamo names."""
-    chain = [exc]
-    while True:
-        nxt = chain[-1].__cause__ or chain[-1].__context__
-        if nxt is None or nxt in chain or len(chain) > 16:
-            break
-        chain.append(nxt)
-    root = chain[-1]
-    where = ""
-    for e in chain:
-        match = _USER_CODE_RE.search(str(e))
-        if match:
-            where = (f" at {match.group('file').replace(chr(92), '/').rsplit('/', 1)[-1]}:"
-                     f"{match.group('line')} in {match.group('name')}")
-            break
-    message = str(root)
-    text = break_text(message) if "Explanation:" in message else _first_line(message)
-    bullet = next((line.strip()[2:] for line in message.splitlines()[1:] if line.strip().startswith("- ")), "")
-    if bullet:
-        text = f"{text} {bullet}"
-    if type(root).__name__ == "ConstraintViolationError":
-        fix = ("mark the dimensions that must stay equal to it dynamic too ("
-               "torch._dynamo.mark_dynamic on each; CLI: --dynamic NAME:DIM for each), or leave it static")
-    else:
-        fix = "check that the model runs eagerly on these inputs"
-    wrapped = f" (inside {type(exc).__name__})" if root is not exc else ""
-    return f"tracing the model failed{where}: {type(root).__name__}: {text}{wrapped}; {fix}"
+def call_inputs(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``explain(model, inputs)`` with ``inputs`` a tuple or list of positional inputs, as the CLI's
+    factories return them: unpacked where the model's signature takes them one by one (a model
+    whose one parameter takes a tuple gets it as it is)."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], (tuple, list)) or not args[0]:
+        return args, kwargs
+    unpacked = tuple(args[0])
+    try:
+        signature = inspect.signature(model.forward if isinstance(model, torch.nn.Module) else model)
+    except (TypeError, ValueError):  # no signature to check (a builtin): as the CLI does
+        return unpacked, kwargs
+    try:
+        signature.bind(*unpacked)
+    except TypeError:
+        return args, kwargs
+    try:
+        signature.bind(args[0])
+    except TypeError:
+        return unpacked, kwargs
+    # Both bind (forward(self, x, mask=None) and two inputs): the tensors are the inputs, a tuple of
+    # them is not one input.
+    return (unpacked, kwargs) if all(isinstance(a, torch.Tensor) for a in unpacked) else (args, kwargs)
 
 
 def _mode_reason(training: Optional[bool], traced: set[bool]) -> dict[str, Any]:
@@ -91,14 +84,23 @@ def _mode_reason(training: Optional[bool], traced: set[bool]) -> dict[str, Any]:
 
 def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
             trace_dynamic_ops: bool = True, training: Optional[bool] = None, count_launches: bool = True,
-            **kwargs: Any) -> Report:
+            by_name: bool = False, compare: bool = False, **kwargs: Any) -> Report:
     """Report how cgbackend would split ``model(*args, **kwargs)``: every region, its role, what stays
     eager and why, with source lines. Runs the model through Dynamo (eagerly, on whatever device
-    its inputs are on) and captures nothing.
+    its inputs are on) and captures nothing. ``explain(model, inputs)`` with ``inputs`` a tuple of
+    positional inputs works too (``call_inputs``).
 
-    ``options`` are cgbackend options (as for cgbackend.backend). ``trace_dynamic_ops`` traces
-    data-dependent ops into the graph (Dynamo's capture_dynamic_output_shape_ops and
-    capture_scalar_outputs, scoped to this call); False shows what plain torch.compile sees.
+    ``by_name`` picks the entry point whose partition the report shows: False (default) that of
+    ``cgbackend.compile(model)``, which traces data-dependent ops into the graph (Dynamo's
+    capture_dynamic_output_shape_ops and capture_scalar_outputs, scoped to this call) and makes
+    known untraceable modules opaque calls; True that of ``torch.compile(model,
+    backend="cgbackend")``, Dynamo's settings as they are (a graph break at each data-dependent
+    op). The report's first lines (``traced_via``) say which one it shows and how the other
+    differs: ``compare=True`` traces the other one too (without counting launches) and gives its
+    graph and break counts where it can differ (``other_may_differ``); else they say whether it can
+    differ and how to see it.
+    ``trace_dynamic_ops=False`` alone traces as by name but keeps cgbackend.compile's preparations.
+    ``options`` are cgbackend options (as for cgbackend.backend).
     ``training``: True traces with grad mode on (a training graph where parameters or inputs
     require grad), False under ``torch.no_grad()`` (inference), None (default) in the caller's grad
     mode. The module's own ``train()``/``eval()`` mode is left as it is. The report's
@@ -113,13 +115,49 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     zeroes the counters of every cgbackend instance). The model's buffers (batch-norm statistics)
     and the RNG state are restored afterwards; loops rewritten for static dispatch are restored too.
     """
+    args, kwargs = call_inputs(model, args, kwargs)
+    report = _explain(model, args, kwargs, options, trace_dynamic_ops and not by_name, training,
+                      count_launches, by_name)
+    other = None
+    may_differ = other_may_differ(report, by_name)
+    if compare and may_differ:  # where it cannot differ, the line says so without a second trace
+        shown = _explain(model, args, kwargs, options, by_name, training, False, not by_name)
+        other = {"entry": "compile" if by_name else "by_name", "graphs": shown.summary["graphs"],
+                 "graph_breaks": shown.summary["graph_breaks"]}
+    report.traced_via = {"entry": "by_name" if by_name else "compile", "trace_dynamic_ops":
+                         trace_dynamic_ops and not by_name, "other": other, "other_may_differ": may_differ}
+    emit_report(report, "cgbackend_explain_report")
+    return report
+
+
+def other_may_differ(report: Report, by_name: bool) -> bool:
+    """Can the other entry point's partition differ from this report's? By name, Dynamo breaks the
+    graph at data-dependent ops and host syncs that cgbackend.compile traces, and it wraps no
+    module as an opaque call; a by-name trace without a graph break is what cgbackend.compile
+    traces too. Static dispatch's graph rewrites count: they replace data-dependent ops (by name,
+    graph breaks) that the report no longer shows."""
+    if by_name:
+        return bool(report.graph_breaks)
+    data_dependent = {"data_dependent_shape", "host_sync"}
+    return (any(v == "unbacked" for r in report.regions() for v in r.symbols.values())
+            or any(x["rule"] in data_dependent for r in report.regions() for x in r.reasons)
+            or bool(report.opaque_modules.get("wrapped")) or any(r["form"] for r in report.loop_rewrites)
+            or bool(report.summary.get("dispatch_rewrites"))
+            or bool(report.graph_breaks))
+
+
+def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, Any]],
+             trace_dynamic_ops: bool, training: Optional[bool], count_launches: bool, by_name: bool) -> Report:
+    """One trace of ``explain``; ``by_name`` leaves out what only cgbackend.compile does to the model
+    (opaque modules, the dispatch loops' source rewrite)."""
     config = Config.from_options(options or {})
-    instance = CGBackend(config=config.replace(capture=False))
+    instance = CGBackend(config=config.replace(capture=False, dryrun=False))  # explain is the report
     instance._keep_analyses = True
-    if config.opaque_modules and isinstance(model, torch.nn.Module):
+    instance.shared.capture_watch.enabled = False  # capturing nothing is explain's point, not a warning
+    if config.opaque_modules and isinstance(model, torch.nn.Module) and not by_name:
         instance.opaque = opaque.install(model)
     forwards: Optional[LoopForwards] = None
-    if config.static_dispatch != "off" and isinstance(model, torch.nn.Module):
+    if config.static_dispatch != "off" and isinstance(model, torch.nn.Module) and not by_name:
         forwards = LoopForwards(model)  # the rewritten forwards, on the modules only while traced
         instance.loops = forwards.records
     counters = torch._dynamo.utils.counters
@@ -152,7 +190,7 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
         return call
 
     try:
-        with grad, torch.random.fork_rng(devices=devices):
+        with grad, torch.random.fork_rng(devices=devices), quiet_meta_failures():
             compiled = traced(torch.compile(model, backend=instance))
             try:
                 with scope:
@@ -179,7 +217,9 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     except ExplainError:
         raise
     except Exception as exc:
-        raise ExplainError(tracing_failure(exc)) from exc
+        error = ExplainError(tracing_failure(exc))
+        error.torch_error = exc
+        raise error from None  # one line naming the user's code; torch's frames stay in torch_error
     finally:
         if after is None:
             after = dict(counters["graph_break"])
@@ -219,10 +259,9 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     report.traced_as = _mode_reason(training, {a.classification.training for a, _ in analyses})
     if launches is not None:
         report.summary.update(launches.to_summary())
-    loops = (survey(model) if config.static_dispatch == "off" and isinstance(model, torch.nn.Module)
-             else instance.loops)
+    loops = (survey(model) if (config.static_dispatch == "off" or by_name)
+             and isinstance(model, torch.nn.Module) else instance.loops)
     report.hints = build_hints(report, [a for a, _ in analyses], config, loops)
-    emit_report(report, "cgbackend_explain_report")
     return report
 
 

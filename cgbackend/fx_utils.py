@@ -61,20 +61,40 @@ _OWN_FRAMES = ("cgbackend/opaque.py",)
 """Frames of cgbackend's own code Dynamo traces (an opaque call's wrapper): the user's line is above."""
 
 
-def source_location(node: torch.fx.Node) -> tuple[str, str]:
-    """("file.py:LINE in func", "the code line") of the innermost user frame, or ("", "")."""
+_RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(?P<name>.+)_at_\d+$")
+
+
+def user_function(name: str) -> str:
+    """The user's function behind Dynamo's resume function after a graph break
+    (``torch_dynamo_resume_in_forward_at_70`` -> ``forward``); other names as they are."""
+    match = _RESUME_RE.match(name)
+    return match.group("name") if match else name
+
+
+def source_frame(node: torch.fx.Node) -> dict[str, Any] | None:
+    """The innermost user frame of ``node``: ``{"path", "line", "function", "code"}`` (the full
+    path as Dynamo recorded it), or None."""
     trace = node.meta.get("stack_trace") or ""
     lines = trace.rstrip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         m = _FRAME_RE.search(lines[i])
         path = m.group("file").replace("\\", "/") if m else ""
         if m and not path.endswith(_OWN_FRAMES):
-            file = path.rsplit("/", 1)[-1]
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             if code and set(code) <= set("^~ "):
                 code = ""
-            return f"{file}:{m.group('line')} in {m.group('func')}", code
-    return "", ""
+            return {"path": m.group("file"), "line": int(m.group("line")),
+                    "function": user_function(m.group("func")), "code": code}
+    return None
+
+
+def source_location(node: torch.fx.Node) -> tuple[str, str]:
+    """("file.py:LINE in func", "the code line") of the innermost user frame, or ("", "")."""
+    frame = source_frame(node)
+    if frame is None:
+        return "", ""
+    file = frame["path"].replace("\\", "/").rsplit("/", 1)[-1]
+    return f"{file}:{frame['line']} in {frame['function']}", frame["code"]
 
 
 _PATH_ROOT_RE = re.compile(r"^L\['[^']*'\]\.?")

@@ -10,7 +10,7 @@ import torch.fx
 
 from .fx_utils import module_path, op_name, source_location
 
-__all__ = ["Rule", "Reason", "reason_for"]
+__all__ = ["RULE_DESCRIPTIONS", "Rule", "Reason", "reason_for"]
 
 
 class Rule(str, enum.Enum):
@@ -45,9 +45,37 @@ class Rule(str, enum.Enum):
         return self.value
 
     @property
+    def description(self) -> str:
+        """One line for people: what the rule means (the report prints it where the rule first
+        appears)."""
+        return RULE_DESCRIPTIONS[self]
+
+    @property
     def is_root_cause(self) -> bool:
         """False for rules that only follow from another node's verdict."""
         return self not in (Rule.DEPENDS_ON_DYNAMIC_SHAPE, Rule.TUPLE_ELEMENT)
+
+
+RULE_DESCRIPTIONS: dict[Rule, str] = {
+    Rule.DATA_DEPENDENT_SHAPE: "the op's output size is read from device data (nonzero, where(cond), "
+                               "masked_select, ...), so no graph can be recorded for it ahead of the data",
+    Rule.DEPENDS_ON_DYNAMIC_SHAPE: "an input of the op has a data-dependent size, so it runs eagerly after "
+                                   "the op that made that size",
+    Rule.HOST_SYNC: "the op copies a device value to the host (.item(), .tolist(), bool(tensor)); "
+                    "a CUDA graph cannot wait for the host",
+    Rule.DEVICE_MOVE: "the op moves data between devices (.cpu(), .to(other device))",
+    Rule.CPU_TENSOR: "the op computes on CPU tensors; a CUDA graph replays device work only",
+    Rule.UNSAFE_TAG: "the operator carries torch.Tag.cudagraph_unsafe",
+    Rule.USER_MARKED: "marked dynamic by the user (cgbackend.mark_dynamic, the options dynamic_ops or "
+                      "dynamic_modules)",
+    Rule.GLOBAL_STATE: "an autocast or grad-mode switch whose block eager code cuts: it must run in Python",
+    Rule.INPLACE_ON_GRAD: "training: an in-place write to a tensor that requires grad",
+    Rule.TUPLE_ELEMENT: "an element of a tuple an eager op made: regions pass tensors, not tuples",
+    Rule.SMALL_REGION: "a static run of ops too small to be worth a graph (fewer estimated kernels than "
+                       "the option min_region_ops), folded into the eager code around it",
+    Rule.COLLECTIVE: "a collective (all-to-all, all-gather, reduce-scatter, ...): kept eager",
+}
+"""One line per rule for people, read by the text report (reasons as data)."""
 
 
 @dataclasses.dataclass(frozen=True)

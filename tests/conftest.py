@@ -10,7 +10,7 @@ import torch
 
 import cgbackend
 
-# The shared helpers (fx_helpers.py, cuda_utils.py) live here; the tests live in folders that
+# The shared helpers (fx_helpers.py, cuda_utils.py, log_helpers.py) live here; the tests live in folders that
 # mirror the package (tests/passes/, tests/runtime/, ...).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,7 +14,7 @@ from .cases import Case, prepare_case
 from .contenders import CONTENDERS
 from .measure import cleanup, log, sanitize
 from .render import acc, device_name, fmt, mib, build_meta, render_markdown, render_table, write_json
-from .settings import Settings, UsageError, dtype_name, build_parser, resolve_settings
+from .settings import Settings, UsageError, dtype_name, build_parser, no_cuda_refusal, resolve_settings
 from .timing import add_ratios, run_contenders
 
 
@@ -51,11 +51,25 @@ def _log_row(key: str, row: dict[str, Any], seconds: float) -> None:
              f"breaks {fmt(row['graph_breaks'])}, peak {mib(row['peak_mem_bytes'])} MiB [{seconds:.1f}s]")
 
 
+def _case_count(settings: Settings) -> int:
+    """Cases (model x mode x token count) the run will take, for its progress lines."""
+    from .models import MODELS
+    total = 0
+    for model_name in settings.models:
+        spec = MODELS[model_name]
+        ms = settings.for_model(spec)
+        for mode in settings.modes:
+            if mode in spec.modes:
+                total += len(ms.tokens or (4096,)) if spec.family == "shape" else 1
+    return total
+
+
 def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
     from .models import MODELS
     rows: list[dict[str, Any]] = []
     cases: list[Case] = []
     skipped: list[dict[str, Any]] = []
+    total, done = _case_count(settings), 0
     for model_name in settings.models:
         spec = MODELS[model_name]
         ms = settings.for_model(spec)
@@ -68,6 +82,8 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
             names = _contenders_for(spec, mode, settings)
             if spec.family == "decode":
                 from .decode import run_decode
+                done += 1
+                log(f"case {done} of {total}: {model_name}/{mode}, contenders {', '.join(names)}")
                 t_case = time.perf_counter()
                 rows.extend(run_decode(spec, ms, names, log_row=_log_row))
                 log(f"{model_name}/{mode}: done [{time.perf_counter() - t_case:.1f}s]")
@@ -75,7 +91,9 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
             for tokens in (ms.tokens or (4096,)) if spec.family == "shape" else (None,):
                 t_case = time.perf_counter()
                 label = f"{model_name}/{mode}" + (f"/{tokens}" if tokens is not None else "")
-                log(f"{label}: preparing inputs, eager reference and floor")
+                done += 1
+                log(f"case {done} of {total}: {label}, contenders {', '.join(names)}; preparing inputs, "
+                    "eager reference and floor")
                 case = prepare_case(spec, mode, ms, tokens)
                 cases.append(case)
                 if case.floor_ms is not None:
@@ -108,6 +126,10 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m cgbackend 
             flags = kind + (", needs CUDA" if c.needs_cuda else "")
             print(f"{name:24s} {c.description} ({flags})")
         return 0
+    refusal = no_cuda_refusal("bench", args)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
         settings = resolve_settings(args)
     except UsageError as exc:

@@ -27,9 +27,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .accuracy import rel_err
-from .measure import cudagraph_tree_counts, sync
+from .measure import cudagraph_tree_counts, log, sync
 from .render import command_line, device_name
-from .settings import DTYPES, TOLERANCE
+from .settings import DTYPES, TOLERANCE, no_cuda_refusal
 from ..config import Config
 from ..models import build_model
 
@@ -92,7 +92,9 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
     buckets_hit = len({next((b for b in ladder if b >= n), n) for n in warm_sizes + timed_sizes})
     rows = []
     eager_s = None
-    for name in args.contenders:
+    for position, name in enumerate(args.contenders, 1):
+        log(f"{model_name} {name} (contender {position} of {len(args.contenders)}): {args.calls} warm calls, "
+            f"each checked against eager, then {args.calls} timed calls")
         torch._dynamo.reset()
         cgbackend.reset()
         row: dict[str, Any] = {"model": model_name, "contender": name, "calls": args.calls,
@@ -183,7 +185,8 @@ def build_parser(prog: str = "python -m cgbackend serve-bench") -> argparse.Argu
     p.add_argument("--seed", type=int, default=0, help="seed of weights and batch sizes (default %(default)s)")
     p.add_argument("--tol", type=float, default=None,
                    help="accuracy tolerance on max|diff|/max|ref| (default by dtype)")
-    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--device", default=None, help="cuda (the default; without a CUDA device serve-bench "
+                                                  "refuses unless --device cpu is given) or cpu")
     p.add_argument("--out", default=None, help="write the JSON results here (default: not written)")
     p.add_argument("--markdown", default=None, help="write the Markdown table here (default: stdout only)")
     return p
@@ -191,6 +194,9 @@ def build_parser(prog: str = "python -m cgbackend serve-bench") -> argparse.Argu
 
 def run(argv: Sequence[str], prog: str = "python -m cgbackend serve-bench") -> dict[str, Any]:
     args = build_parser(prog).parse_args(list(argv))
+    refusal = no_cuda_refusal("serve-bench", args)
+    if refusal is not None:
+        raise SystemExit(refusal)
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for c in args.contenders:
         if c not in CONTENDERS:
@@ -216,5 +222,14 @@ def run(argv: Sequence[str], prog: str = "python -m cgbackend serve-bench") -> d
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m cgbackend serve-bench") -> int:
-    results = run(sys.argv[1:] if argv is None else argv, prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser(prog).parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error (argparse already printed it)
+        return int(exc.code or 0)
+    refusal = no_cuda_refusal("serve-bench", args)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    results = run(argv, prog)
     return 0 if all("error" not in r and r.get("accuracy_ok", True) for r in results["rows"]) else 1

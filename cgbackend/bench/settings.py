@@ -172,7 +172,8 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
     p.add_argument("--acc-batches", type=int, help="batches compared against eager (default 4)")
     p.add_argument("--floor-steps", type=int, help="profiled eager steps for floor_ms (default 10)")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="default bf16 on CUDA, fp32 on CPU")
-    p.add_argument("--device", help="cuda (default when available) or cpu")
+    p.add_argument("--device", help="cuda (the default; without a CUDA device the bench refuses unless "
+                                    "--smoke or --device cpu is given) or cpu")
     p.add_argument("--tol", type=float, help="accuracy tolerance on max|diff|/max|ref| "
                                              "(default 3e-2 bf16, 1e-2 fp16, 1e-4 fp32)")
     p.add_argument("--threads", type=int, help="torch.set_num_threads for the run, restored after "
@@ -190,6 +191,18 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
                         "inner compiler, few iterations")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks and cgbackend INFO logs")
     return p
+
+
+def no_cuda_refusal(command: str, args: argparse.Namespace) -> Optional[str]:
+    """The one line a benchmark command prints on a machine without CUDA, unless the run asked for
+    the CPU (``--device cpu``, or ``--smoke`` where the command has it); None where it may run.
+    Checked before anything heavy is imported or built."""
+    if getattr(args, "smoke", False) or args.device is not None or torch.cuda.is_available():
+        return None
+    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    smoke = "--smoke runs a short CPU check of every contender, " if hasattr(args, "smoke") else ""
+    return (f"cgbackend {command}: no CUDA device (torch {torch.__version__}, {build}), and the benchmark "
+            f"times CUDA graphs; {smoke}--device cpu times on the CPU")
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:

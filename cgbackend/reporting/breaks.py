@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+from ..fx_utils import user_function
+
 __all__ = ["break_text", "frame_skipped", "skipped_frame_source", "source_of_stack"]
 
 _NESTED = "*** While handling this graph break, another graph break occurred: ***"
@@ -56,4 +58,4 @@ def source_of_stack(stack: Optional[list[Any]]) -> str:
         return ""
     frame = stack[-1]
     filename = str(frame.filename).replace("\\", "/").rsplit("/", 1)[-1]
-    return f"{filename}:{frame.lineno} in {frame.name}"
+    return f"{filename}:{frame.lineno} in {user_function(frame.name)}"

@@ -54,6 +54,9 @@ _NO_KERNEL = frozenset({
 
 _MAX_SOURCES = 12
 
+_MAX_SEQUENCE = 2000
+"""Entries of the measured call's sequence kept (a deep model's call runs thousands of regions)."""
+
 
 def counting_supported() -> bool:
     """Whether a dispatch mode can watch compiled code run (``ignore_compile_internals``)."""
@@ -121,6 +124,9 @@ class LaunchCounter(TorchDispatchMode):
         self.codes: dict[str, str] = {}
         """Uncompiled code: source -> its line of code."""
         self.regions_seen = 0
+        self.sequence: list[dict[str, Any]] = []
+        """The call in execution order (the HTML page draws it): ``{"kind": "region", "id"}`` per
+        region run, ``{"kind": "uncompiled", "source", "ops"}`` per stretch of uncompiled code."""
         self.static_regions: dict[str, bool] = {}
         """Region id -> is static, for every region that ran."""
         self._region: Optional[tuple[str, bool]] = None
@@ -146,6 +152,11 @@ class LaunchCounter(TorchDispatchMode):
             source, code = _user_frame()
             self.codes.setdefault(source, code)
             self.ops.append((None, False, source, name))
+            last = self.sequence[-1] if self.sequence else None
+            if last is not None and last["kind"] == "uncompiled" and last["source"] == source:
+                last["ops"] += 1
+            elif len(self.sequence) < _MAX_SEQUENCE:
+                self.sequence.append({"kind": "uncompiled", "source": source, "ops": 1})
         if not self.ranges:
             return func(*args, **(kwargs or {}))
         with op_range(f"{OP_RANGE}{len(self.ops) - 1}"):
@@ -158,6 +169,8 @@ class LaunchCounter(TorchDispatchMode):
         self._region = (f"g{graph.index}.{region.name}", region.is_static)
         self.static_regions[self._region[0]] = region.is_static
         self.regions_seen += 1
+        if len(self.sequence) < _MAX_SEQUENCE:
+            self.sequence.append({"kind": "region", "id": self._region[0]})
         try:
             if not self.ranges:
                 return run_step(step, ins, call)
@@ -258,6 +271,7 @@ class Launches:
                     {"source": source, "code": code, "launches": n, "ops": dict(ops.most_common(4))}
                     for source, (n, code, ops) in sources[:_MAX_SOURCES]],
                 "upper_bound": False,
+                "sequence": list(self.counter.sequence),
             },
         }
 
@@ -316,13 +330,12 @@ def runtime_launches(graphs: list, compiled: list, broke: bool) -> dict[str, Any
     calls = warmups = 0
     by_region: dict[str, int] = {}
     for report, graph in zip(graphs, compiled):
-        runners = {r.name.rsplit(".", 1)[-1]: r for r in graph.runners}
+        runners = {r.name.split(".", 1)[-1]: r for r in graph.runners}  # "g0.S0" -> "S0"
         warm = max((r.eager_calls.get(EagerReason.WARMUP, 0) for r in graph.runners), default=0)
         calls += max(graph.calls - warm, 0)
         warmups += warm
         for region in report.regions:
-            name = region.id.split(".")[-1]
-            runner = runners.get(name)
+            runner = runners.get(region.id.split(".", 1)[-1])
             if runner is not None:
                 replayed = runner.replays * region.est_kernels
                 ran = sum(n for reason, n in runner.eager_calls.items()
@@ -357,8 +370,11 @@ def launch_text(summary: dict[str, Any]) -> list[str]:
     if info["basis"] == "measured":
         weights = ("launches per op measured by torch.profiler" if info.get("weights") == "profiled"
                    else "one launch per dispatched op")
-        lines = [f"  launch coverage: {cov:.3f} (measured, {weights}: {info['in_graphs']} of the "
-                 f"{info['eager_call']} launches of an eager call run inside graphs; {info['in_dynamic_regions']} "
+        placed = (f"{info['in_graphs']} of the {info['eager_call']} launches of an eager call run inside graphs"
+                  if info["in_graphs"] + info["in_dynamic_regions"] + info["uncompiled"] <= info["eager_call"]
+                  else f"the compiled call dispatches {info['in_graphs']} ops inside graphs, where an eager "
+                       f"call launches {info['eager_call']} (the graphs run a rewritten form)")
+        lines = [f"  launch coverage: {cov:.3f} (measured, {weights}: {placed}; {info['in_dynamic_regions']} "
                  f"in dynamic regions, {info['uncompiled']} in uncompiled code)"]
         for src in info["uncompiled_sources"][:6]:
             ops = ", ".join(f"{op} x{n}" for op, n in src["ops"].items())

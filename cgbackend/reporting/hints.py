@@ -1,8 +1,11 @@
 """Hints: what a user can change to graph more, read off a report and the analyses behind it.
 
-Each hint is ``{"kind", "message", "option", "source"}``: ``option`` names the cgbackend option
-to set (``static_dispatch="auto"``), ``source`` the line of the user's code to change; the other
-is null. Kinds:
+Each hint is ``{"kind", "message", "option", "source"}``: ``option`` is the cgbackend option to
+set, ``{"option": "static_dispatch", "value": "auto"}`` (null where the fix is a code change),
+``source`` the user's line it is about, ``{"path", "line", "function", "code"}`` (the full path;
+null where no line is known). The text names the option as a command-line flag
+(``--option static_dispatch=auto``) and as Python (``cgbackend.compile(model,
+static_dispatch="auto")``), both ready to paste (:func:`option_cli`, :func:`option_python`). Kinds:
 
 * ``static_dispatch``: dynamic regions hold MoE dispatch loops that ``static_dispatch="auto"``
   rewrites. Found by running the passes again on a copy of each graph with that option (nothing
@@ -19,22 +22,75 @@ is null. Kinds:
 
 from __future__ import annotations
 
+import ast
 import re
+import shlex
 from typing import Any, Optional
 
 import torch.fx
 
 from ..config import Config
+from ..fx_utils import source_frame, source_location, user_function
 
-__all__ = ["build_hints", "hints_text"]
+__all__ = ["build_hints", "hint_option", "hints_text", "option_cli", "option_python", "source_text"]
 
 _FOR_LOOP = re.compile(r"^\s*for\s+.+?\s+in\s+(?P<iter>.+):\s*(#.*)?$")
 _DATA_DEPENDENT = re.compile(r"data.dependent|unbacked|nonzero|dynamic shape operator|\bu\d+\b", re.I)
 _DATA_DEPENDENT_ITER = re.compile(r"nonzero\(|\.unique\(|torch\.unique\(|torch\.where\(|\.tolist\(")
 
 
-def _hint(kind: str, message: str, option: Optional[str] = None, source: Optional[str] = None) -> dict[str, Any]:
-    return {"kind": kind, "message": message, "option": option, "source": source}
+def _hint(kind: str, message: str, option: Optional[tuple[str, Any]] = None,
+          source: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    return {"kind": kind, "message": message,
+            "option": None if option is None else {"option": option[0], "value": option[1]},
+            "source": source}
+
+
+def option_cli(name: str, value: Any) -> str:
+    """``--option name=value`` as the command line parses it (cli.py)."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, (list, tuple)):
+        text = ",".join(str(v) for v in value)
+    else:
+        text = str(value)
+    return f"--option {shlex.quote(f'{name}={text}')}"
+
+
+def option_python(name: str, value: Any) -> str:
+    """``name="value"``: the keyword of cgbackend.compile / cgbackend.backend."""
+    text = f'"{value}"' if isinstance(value, str) else repr(tuple(value) if isinstance(value, list) else value)
+    return f"{name}={text}"
+
+
+def hint_option(hint: dict[str, Any]) -> Optional[tuple[str, Any]]:
+    """(name, value) of a hint's option; also reads the older one-string form ``name="value"``."""
+    option = hint.get("option")
+    if isinstance(option, dict):
+        return option["option"], option["value"]
+    if isinstance(option, str) and "=" in option:
+        name, _, text = option.partition("=")
+        try:
+            return name.strip(), ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            return name.strip(), text.strip()
+    return None
+
+
+def source_text(source: Any) -> str:
+    """"path:line in function" of a hint's source (older reports: the string itself)."""
+    if isinstance(source, dict):
+        return f"{source['path']}:{source['line']} in {source['function']}"
+    return source or ""
+
+
+def _frame_of(analyses: list, where: str) -> Optional[dict[str, Any]]:
+    """The full frame of the first node whose short source ("gpt.py:40 in forward") is ``where``."""
+    for analysis in analyses:
+        for node in analysis.gm.graph.nodes:
+            if where and source_location(node)[0] == where:
+                return source_frame(node)
+    return None
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -63,6 +119,7 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
     auto = config.replace(static_dispatch="auto")
     rewrites = regions_before = regions_after = 0
     fractions = []
+    where = ""
     for analysis in analyses:
         try:
             after = analyze(_copy(analysis.gm), auto, training=analysis.classification.training,
@@ -70,6 +127,7 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
         except Exception:  # an estimate: a graph the copy cannot analyze gets no hint
             return None
         rewrites += len(after.dispatch.rewrites)
+        where = where or next((r.source for r in after.dispatch.rewrites if r.source), "")
         regions_before += len(analysis.partition.dynamic_regions())
         regions_after += len(after.partition.dynamic_regions())
         fractions.append(_static_fraction(after) if after.dispatch.rewrites else None)
@@ -99,11 +157,11 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
         f"{regions} dynamic region(s) hold {rewrites} MoE dispatch loop(s) that static_dispatch=\"auto\" "
         f"rewrites into static code (masked dense; outputs equal the loop's): estimated launch coverage "
         f"after {100 * estimate:.0f}%{now_text}",
-        option='static_dispatch="auto"')
+        option=("static_dispatch", "auto"), source=_frame_of(analyses, where))
 
 
-def _break_site(gm: torch.fx.GraphModule) -> Optional[tuple[str, str, str]]:
-    """(source, code, reason) of the graph break that ended this graph, if it ended at one."""
+def _break_site(gm: torch.fx.GraphModule) -> Optional[tuple[str, str, str, dict[str, Any]]]:
+    """(source, code, reason, frame) of the graph break that ended this graph, if it ended at one."""
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
@@ -113,7 +171,9 @@ def _break_site(gm: torch.fx.GraphModule) -> Optional[tuple[str, str, str]]:
     frame = stack[-1]
     base = str(frame.filename).replace("\\", "/").rsplit("/", 1)[-1]
     code = (getattr(frame, "line", None) or "").strip()
-    return f"{base}:{frame.lineno} in {frame.name}", code, str(getattr(reason, "reason", ""))
+    name = user_function(str(frame.name))
+    full = {"path": str(frame.filename), "line": int(frame.lineno), "function": name, "code": code}
+    return f"{base}:{frame.lineno} in {name}", code, str(getattr(reason, "reason", "")), full
 
 
 def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]]:
@@ -126,7 +186,7 @@ def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]
         site = _break_site(analysis.gm)
         if site is None:
             continue
-        source, code, reason = site
+        source, code, reason, frame = site
         match = _FOR_LOOP.match(code)
         if match is None or source in seen:
             continue
@@ -143,7 +203,8 @@ def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]
                 "data_dependent_loop",
                 what + f"static_dispatch=\"auto\" rewrites this loop ({survey.form}: proven to skip only "
                 f"experts whose body has no effect) into the fixed-length loop over every expert before "
-                f"tracing, and then the dispatch into static code", option='static_dispatch="auto"'))
+                f"tracing, and then the dispatch into static code", option=("static_dispatch", "auto"),
+                source=frame))
             continue
         declined = (f" (static dispatch's loop rewrite leaves it as written: {survey.reason})"
                     if survey is not None and survey.reason else "")
@@ -152,7 +213,7 @@ def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]
             what + f"Iterating over `range(E)` instead (every expert; one that received no token "
             f"contributes nothing) gives the loop a fixed length, so cgbackend can graph it and "
             f"static_dispatch=\"auto\" can rewrite the dispatch{declined}",
-            source=source))
+            source=frame))
     return hints
 
 
@@ -164,7 +225,7 @@ def _inner_hint(report: Any, config: Config) -> Optional[dict[str, Any]]:
         f"the {report.summary['static_regions']} static region(s) run eager's kernels inside their graphs "
         f"(inner=\"eager\" in effect, bitwise equal to eager); inner=\"inductor\" compiles them first: "
         f"fused kernels, fewer launches per replay, results within rounding of eager",
-        option='inner="inductor"')
+        option=("inner", "inductor"))
 
 
 def build_hints(report: Any, analyses: list, config: Config, loops: Optional[list] = None) -> list[dict[str, Any]]:
@@ -182,10 +243,17 @@ def build_hints(report: Any, analyses: list, config: Config, loops: Optional[lis
 
 
 def hints_text(hints: list[dict[str, Any]]) -> list[str]:
+    """The text report's hints: the message, then the option to paste (command line and Python)
+    and the line it is about."""
     if not hints:
         return []
     lines = ["  hints:"]
     for h in hints:
-        where = h["option"] or h["source"]
-        lines.append(f"    - [{h['kind']}] {h['message']}" + (f" ({where})" if h["option"] else ""))
+        lines.append(f"    - [{h['kind']}] {h['message']}")
+        option = hint_option(h)
+        if option is not None:
+            lines.append(f"{'':<8}set: {option_cli(*option)}  or  cgbackend.compile(model, "
+                         f"{option_python(*option)})")
+        if h.get("source"):
+            lines.append(f"{'':<8}at: {source_text(h['source'])}")
     return lines

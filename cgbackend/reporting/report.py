@@ -50,8 +50,9 @@ estimated kernels per region; ``eager_call`` and ``uncompiled`` are null, ``uppe
 when Dynamo broke a graph; ``launch_coverage`` is null until a call after warm-up ran.
 
 ``hints[]`` (top level, hints.py): ``{"kind": "static_dispatch" | "data_dependent_loop" |
-"inner_compiler", "message", "option", "source"}``; ``option`` names the option to set,
-``source`` the line to change (the other is null).
+"inner_compiler", "message", "option", "source"}``; ``option`` is the option to set (``{"option":
+name, "value": value}``), ``source`` the user's line (``{"path", "line", "function", "code"}``);
+either may be null.
 
 ``runtime`` is null in an ahead-of-time report; for a compiled model it holds, per static
 region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``recaptured``
@@ -72,6 +73,7 @@ from typing import Any, Optional
 from ..passes.pipeline import Analysis
 from .coverage import launch_text
 from ..fx_utils import module_path, op_name
+from .entry import entry_text
 from .hints import hints_text
 from ..opaque import opaque_info
 from ..passes.cost import estimate_kernels
@@ -151,6 +153,11 @@ class Report:
     schema: str = SCHEMA
     traced_as: dict[str, Any] = dataclasses.field(default_factory=dict)
     """explain only: ``{"mode": "inference" | "training" | "mixed" | "none", "why"}``."""
+    traced_via: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """explain only: whose partition the report shows, ``{"entry": "compile" | "by_name",
+    "trace_dynamic_ops", "other": {"entry", "graphs", "graph_breaks"} | null, "other_may_differ"}``:
+    ``cgbackend.compile(model)`` or ``torch.compile(model, backend="cgbackend")``, and the other
+    entry point's counts where explain traced it too (``compare=True``; entry.py renders it)."""
     opaque_modules: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What ``cgbackend.compile`` / ``explain`` made opaque (opaque.py): ``{"wrapped": [{"module",
     "kind"}], "skipped": [{"module", "kind", "reason"}]}``; skipped modules keep their own forward
@@ -160,7 +167,8 @@ class Report:
     with static_dispatch on): ``[{"function", "source", "form", "reason"}]``; ``form`` is "hit_loop"
     or "count_skip" when rewritten, "" with the ``reason`` when left as it is."""
     hints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """What to change to graph more (hints.py): ``{"kind", "message", "option", "source"}``."""
+    """What to change to graph more (hints.py): ``{"kind", "message", "option": {"option", "value"},
+    "source": {"path", "line", "function", "code"}}``."""
     regional: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Stacks of identical layers compiled once each (cgbackend.compile, regional.py): ``[{"path",
     "layers", "class", "key"}]``: the layers at ``path`` share one compiled layer (one Dynamo graph,
@@ -192,18 +200,21 @@ def _is_op(node) -> bool:
 
 
 def _aggregate_reasons(reasons) -> list[dict[str, Any]]:
+    """``reasons``: (Reason, estimated kernels of its node); one entry per (rule, op, source)."""
     counts: collections.OrderedDict = collections.OrderedDict()
-    for reason in reasons:
+    for reason, kernels in reasons:
         key = (reason.rule, reason.op, reason.source)
         if key in counts:
             counts[key][1] += 1
+            counts[key][2] += kernels
         else:
-            counts[key] = [reason, 1]
+            counts[key] = [reason, 1, kernels]
     out = []
-    for reason, count in counts.values():
+    for reason, count, kernels in counts.values():
         d = reason.to_dict()
         d.pop("node")
         d["count"] = count
+        d["est_kernels"] = kernels
         out.append(d)
     # Root causes first (the ops to act on), then what merely follows from them.
     out.sort(key=lambda d: (not Rule(d["rule"]).is_root_cause, -d["count"]))
@@ -232,7 +243,7 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
                 paths.append(path)
             reason = analysis.reason_of(node)
             if not region.is_static and reason is not None:
-                reasons.append(reason)
+                reasons.append((reason, estimate_kernels(node)))
             nodes.append({"name": node.name, "op": op_name(node),
                           "role": analysis.labels.node_roles[node],
                           "rule": reason.rule.value if (reason is not None and not region.is_static) else None})
@@ -383,7 +394,7 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
         mib = f", pool {r['pool_bytes'] / 2**20:.1f} MiB" if r.get("pool_bytes") else ""
         handout = (f" + {r['handout_graphs']} handout graph(s) (outputs to the caller without a copy)"
                    if r.get("handout_graphs") else "")
-        lines.append(f"{'':<4}{name.split('.')[-1]}: {r['graphs']} graph(s){handout}{held}{pad}{mib}, "
+        lines.append(f"{'':<4}{name.split('.', 1)[-1]}: {r['graphs']} graph(s){handout}{held}{pad}{mib}, "
                      f"{r['replays']} replays, eager calls: {eager}")
         if r.get("disabled"):
             lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")
@@ -453,10 +464,44 @@ def _dispatch_text(dispatch: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _explain_rule_once(rule: str, explained: set[str], indent: int) -> list[str]:
+    """The rule's one-line meaning (reasons.py), the first time the text names it."""
+    if rule in explained:
+        return []
+    explained.add(rule)
+    try:
+        return [f"{'':<{indent}}({rule}: {Rule(rule).description})"]
+    except (ValueError, KeyError):  # a rule this version does not know (an older report)
+        return []
+
+
+def _derived_text(derived: list[dict[str, Any]]) -> str:
+    """"+ N ops that follow from those": the ops that launch kernels first, by estimated kernels,
+    then the bookkeeping (views, tuple elements, size checks) that launches none."""
+    ops: collections.Counter = collections.Counter()
+    kernels: collections.Counter = collections.Counter()
+    for x in derived:
+        ops[x["op"]] += x["count"]
+        kernels[x["op"]] += x.get("est_kernels", 0)
+    total = sum(ops.values())
+    costly = sorted((op for op in ops if kernels[op] > 0), key=lambda op: (-kernels[op], -ops[op]))
+    free = sorted((op for op in ops if kernels[op] == 0), key=lambda op: -ops[op])
+    text = f"+ {total} ops that follow from those"
+    if costly:
+        text += (f", ~{sum(kernels.values())} kernels: "
+                 + ", ".join(f"{op} x{ops[op]} (~{kernels[op]})" for op in costly[:4])
+                 + (f", +{len(costly) - 4} more" if len(costly) > 4 else ""))
+    if free:
+        text += ("; " if costly else ": ") + "no kernel: " + ", ".join(f"{op} x{ops[op]}" for op in free[:3])
+        text += f", +{len(free) - 3} more" if len(free) > 3 else ""
+    return text
+
+
 def render_text(report: Report) -> str:
     s = report.summary
     lines = [
         "cgbackend partition report",
+        *entry_text(report.traced_via, s),
         f"  graphs: {s['graphs']}   graph breaks: {s['graph_breaks']}   ops: {s['ops']}",
         f"  static_op_fraction: {s['static_op_fraction']:.3f} (kernels ~{s['static_kernel_fraction']:.3f})"
         f"   static regions: {s['static_regions']}   dynamic regions: {s['dynamic_regions']}",
@@ -481,6 +526,7 @@ def render_text(report: Report) -> str:
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")
+    explained: set[str] = set()  # rules whose meaning the text has given (once each)
     for g in report.graphs:
         mode = "training" if g.training else "inference"
         frac = g.static_ops / g.ops if g.ops else 0.0
@@ -518,18 +564,16 @@ def render_text(report: Report) -> str:
                 lines.append(f"{'':<10}eager: {reason['op']} [{reason['rule']}]{where}{count}")
                 if reason["code"]:
                     lines.append(f"{'':<17}`{reason['code']}`")
+                lines.extend(_explain_rule_once(reason["rule"], explained, 17))
             if len(roots) > 6:
                 lines.append(f"{'':<10}... {len(roots) - 6} more causes (see --json)")
             if r.hoisted_syncs:
                 lines.append(f"{'':<10}{r.hoisted_syncs} host sync(s) issued before the work that "
                              "precedes them in the code, so later launches overlap the GPU")
             if derived:
-                total = sum(x["count"] for x in derived)
-                ops = collections.Counter()
-                for x in derived:
-                    ops[x["op"]] += x["count"]
-                shown = ", ".join(f"{op} x{n}" for op, n in ops.most_common(4))
-                lines.append(f"{'':<10}+ {total} ops that follow from those ({shown})")
+                lines.append(f"{'':<10}{_derived_text(derived)}")
+                for rule in dict.fromkeys(x["rule"] for x in derived):
+                    lines.extend(_explain_rule_once(rule, explained, 12))
         if g.runtime:
             lines.extend(_runtime_text(g.runtime))
             lines.extend(timing_text(g.runtime.get("timing") or {}))

@@ -72,6 +72,9 @@ class RuntimeShared:
         """Called instead of each region of each call when set: ``watch(graph, position, run_step,
         step, ins, call)`` runs ``run_step(step, ins, call)`` and returns its result. Set by explain
         (coverage.py, counting launches) and by the option profile (timing.py, timing regions)."""
+        self.capture_watch: Optional[Any] = None
+        """Told when a compiled graph has run the call at which its regions capture
+        (runtime/capture_watch.py: the warning that nothing was captured)."""
         self.handout_storages: set[int] = set()
         """Storage base pointers of handout graphs' outputs (runtime/handout.py): outputs lying in
         them are handed to the caller as aliases, not copied."""

@@ -38,6 +38,7 @@ from ..passes.constants import make_constant
 from .split import Step, build_region_module
 from .syncsplit import apply_splits
 from .stats import EagerReason
+from .capture_watch import settle_call
 
 __all__ = ["CompiledGraph", "CallState", "SlotTable", "run_step"]
 
@@ -222,6 +223,8 @@ class CompiledGraph:
         self._lock = threading.RLock()
         self.calls = 0
         """Calls of this graph (each runs every dynamic region once): the runtime launch coverage."""
+        self._settle_at = settle_call(self.config, shared.layer_copies)
+        """The call after which this graph's regions have captured if they will (capture_watch.py)."""
         self._mirror = getattr(shared, "mirror", None)
         """runtime/mirror.py: torch._dynamo.utils.counters["cgbackend"] reads the counters when read;
         each call first checks that it was not cleared since (CounterMirror.begin)."""
@@ -253,7 +256,7 @@ class CompiledGraph:
         kinds, producers = self._input_kinds(region)
         hooks = region_hooks(region.nodes)
         opaque_calls = any(opaque_info(n) is not None for n in region.nodes)
-        name = f"graph{self.index}.{region.name}"
+        name = f"g{self.index}.{region.name}"  # the report's region id
         fn = module
         lazy = None
         if self._inner is not None:
@@ -343,6 +346,8 @@ class CompiledGraph:
             apply_splits(self)
         if not self._capture_logged:
             self._log_capture_once()
+        if self.calls == self._settle_at and self.shared.capture_watch is not None:
+            self._settle_at = self.shared.capture_watch.on_settled(self) or 0
         return result
 
     def _env(self, args: tuple) -> list:

@@ -1,5 +1,6 @@
 """Per-region timing on request (option ``profile=True``): each region call of a compiled model's
-forward, split into graph replays and eager calls (warm-up, fallbacks, dynamic regions).
+forward, split into graph replays, captures (the call that captured a graph, with its replay) and
+eager calls (warm-up, fallbacks, dynamic regions).
 
 CUDA: a pair of CUDA events around the call on the current stream, read later (no sync in the
 call path; pairs are resolved once their end event has completed, and all of them when a report
@@ -37,7 +38,8 @@ class RegionTimer:
 
     def __init__(self) -> None:
         self.times: dict[tuple[int, int, str, str], _Times] = {}
-        """(graph index, region position, region name, "replay" | "eager") -> calls and seconds."""
+        """(graph index, region position, region name, "replay" | "capture" | "eager") -> calls and
+        seconds."""
         self._pending: list[tuple[tuple[int, int, str, str], Any, Any]] = []
 
     def __call__(self, graph: Any, position: int, run_step: Callable[..., Any], step: Any, ins: list,
@@ -45,6 +47,7 @@ class RegionTimer:
         region = graph.analysis.partition.regions[position]
         runner = step.runner
         replays = runner.replays if runner is not None else 0
+        graphs = runner.n_graphs if runner is not None else 0
         device = _cuda_device(ins, runner)
         if device is not None:
             start = torch.cuda.Event(enable_timing=True)
@@ -56,7 +59,8 @@ class RegionTimer:
             t0 = time.perf_counter()
             out = run_step(step, ins, call)
             elapsed = time.perf_counter() - t0
-        how = "replay" if runner is not None and runner.replays > replays else "eager"
+        how = ("capture" if runner is not None and runner.n_graphs > graphs
+               else "replay" if runner is not None and runner.replays > replays else "eager")
         key = (graph.index, position, region.name, how)
         if device is not None:
             self._pending.append((key, start, end))
@@ -86,7 +90,8 @@ class RegionTimer:
         self._pending = keep
 
     def graph_timing(self, index: int) -> dict[str, dict[str, Any]]:
-        """``{"S0": {"replay": {"calls", "total_ms", "mean_ms"}, "eager": {...}}}`` of one graph."""
+        """``{"S0": {"replay": {"calls", "total_ms", "mean_ms"}, "capture": {...}, "eager": {...}}}`` of
+        one graph."""
         self.resolve()
         out: dict[str, dict[str, Any]] = {}
         for (graph, _, name, how), times in sorted(self.times.items()):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -61,6 +63,23 @@ def test_unknown_option_rejected_with_the_valid_ones(make):
     with pytest.raises(ConfigError) as info:
         make()
     _check_lists_valid_options(str(info.value), "bogus")
+
+
+@pytest.mark.parametrize("options, suggestion", [
+    ({"warmpu": 2}, "did you mean 'warmup'?"),
+    ({"static_dispatch": "autp"}, "did you mean 'auto'?"),
+    ({"inner": "inductr"}, "did you mean 'inductor'?"),
+    ({"graph_cache": "lur"}, "did you mean 'lru'?"),
+])
+def test_a_typo_suggests_the_closest_valid_one(options, suggestion):
+    with pytest.raises(ConfigError, match=re.escape(suggestion)):
+        Config.from_options(options, environ={})
+
+
+def test_a_command_line_typo_suggests_the_closest_option():
+    from cgbackend.cli import CLIError, _parse_options
+    with pytest.raises(CLIError, match=re.escape("unknown option 'static_dispach' (did you mean 'static_dispatch'?)")):
+        _parse_options(["static_dispach=auto"])
 
 
 def test_several_unknown_options_are_all_named():

@@ -4,9 +4,13 @@ cgbackend.compile(); on CPU both must give eager's results bit for bit and say w
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import shutil
+import site
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +56,66 @@ def test_backend_by_name_in_a_fresh_interpreter():
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "OK"
+
+
+def _site_without_cgbackend(root: Path) -> Path:
+    """A copy of site-packages (symlinks) without cgbackend's installed metadata and editable finder."""
+    farm = root / "site"
+    farm.mkdir()
+    for folder in {Path(p) for p in site.getsitepackages()}:
+        for entry in folder.iterdir():
+            name = entry.name.lower()
+            if "cgbackend" in name or name.endswith(".pth") or (farm / entry.name).exists():
+                continue
+            (farm / entry.name).symlink_to(entry)
+    return farm
+
+
+def test_import_registers_the_name_without_installed_metadata(tmp_path):
+    """A source tree with no metadata: ``-S`` skips site-packages and its .pth files (the editable
+    install), PYTHONPATH gives the copied package and the other installed packages only."""
+    src = tmp_path / "src"
+    shutil.copytree(Path(cgbackend.__file__).parent, src / "cgbackend",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "CGBACKEND_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(src), str(_site_without_cgbackend(tmp_path))])
+    code = textwrap.dedent("""
+        import importlib.metadata
+        import torch
+
+        assert not [ep for ep in importlib.metadata.entry_points(group="torch_dynamo_backends")
+                    if ep.name == "cgbackend"]
+        import cgbackend
+        assert cgbackend.__file__.startswith(%r), cgbackend.__file__
+        compiled = torch.compile(torch.nn.Linear(4, 4), backend="cgbackend")
+        other = torch.compile(torch.nn.Linear(4, 4), backend="cgbackend")
+        with torch.no_grad():
+            compiled(torch.randn(2, 4))
+            other(torch.randn(2, 4))
+        # one backend instance per torch.compile call
+        assert cgbackend.find_backend(compiled) is not cgbackend.find_backend(other)
+        assert cgbackend.stats(compiled)["compiled_graphs"] == 1
+        print("OK")
+    """ % str(src))
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "OK"
+
+
+def test_register_where_dynamo_is_loaded_and_no_entry_point(monkeypatch):
+    """The other order: torch._dynamo imported before cgbackend registers the name (no hook needed)."""
+    import torch._dynamo.backends.registry as registry
+    from cgbackend import by_name
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    for table in ("_COMPILER_FNS", "_BACKENDS"):
+        monkeypatch.setattr(registry, table, {k: v for k, v in getattr(registry, table).items() if k != "cgbackend"})
+    by_name.register()
+    assert registry.lookup_backend("cgbackend") is by_name.dynamo_entry
+    by_name.register()  # again: the same function, no duplicate-name error
+    registry._COMPILER_FNS["cgbackend"] = lambda gm, inputs: gm
+    with pytest.raises(RuntimeError, match="another backend is registered with Dynamo as 'cgbackend'"):
+        by_name.register()
 
 
 def test_backend_by_name_moe_in_a_fresh_interpreter():

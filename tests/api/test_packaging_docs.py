@@ -146,6 +146,33 @@ def test_readme_demo_excerpt_is_what_the_demo_prints(monkeypatch, capsys):
     assert not missing, f"README's demo excerpt lines not printed by `python -m cgbackend {' '.join(argv)}`: {missing}"
 
 
+def readme_usage_blocks() -> list[str]:
+    """The ```python blocks of the README's "Use" section, in order."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)\n```", section, re.S)
+
+
+def test_readme_usage_runs_as_written():
+    """The README's usage code, run as it is on a small model: every call it shows works."""
+    import torch
+
+    from log_helpers import records_of
+    blocks = readme_usage_blocks()
+    assert blocks and len((ROOT / "README.md").read_text().splitlines()) <= 200
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
+    inputs = (torch.randn(2, 8),)
+    namespace = {"model": model, "inputs": inputs}
+    with records_of("cgbackend.dryrun") as shown:
+        for block in blocks:
+            exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    assert isinstance(namespace["report"], cgbackend.Report) and namespace["report"].summary["graphs"] == 1
+    assert torch.equal(namespace["out"], model(*inputs))
+    assert len(shown) == 1 and shown[0].getMessage().startswith("cgbackend dry run: graph 0")
+    assert cgbackend.stats(namespace["compiled"])["graph_calls"] == 1
+
+
 def _shown_equal(text: str, value: float) -> bool:
     """``text`` is ``value`` as rounded for display (to the decimals it shows)."""
     decimals = len(text.split(".")[1]) if "." in text else 0

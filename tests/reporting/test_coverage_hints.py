@@ -125,7 +125,9 @@ def test_hit_experts_loop_coverage_below_static_fraction(trace_dynamic_ops):
     assert f"launch coverage: {s['launch_coverage']:.3f}" in text
     assert f"at {_line_of('INDEX_ADD')}" in text
     loop = [h for h in report.hints if h["kind"] == "data_dependent_loop"]
-    assert len(loop) == 1 and loop[0]["source"] == _line_of("LOOP") and loop[0]["option"] is None
+    assert len(loop) == 1 and loop[0]["option"] is None
+    assert loop[0]["source"]["path"] == __file__ and loop[0]["source"]["code"].endswith("# LOOP")
+    assert f"{loop[0]['source']['path']}:{loop[0]['source']['line']} in forward".endswith(_line_of("LOOP"))
     assert "range(E)" in loop[0]["message"]
 
 
@@ -157,18 +159,46 @@ def test_moe_demo_coverage_and_static_dispatch_hint():
     by_region = launches["by_region"]
     assert sum(n for rid, n in by_region.items() if ".S" in rid) == launches["in_graphs"]
     hint = next(h for h in report.hints if h["kind"] == "static_dispatch")
-    assert hint["option"] == 'static_dispatch="auto"' and hint["source"] is None
+    assert hint["option"] == {"option": "static_dispatch", "value": "auto"}
+    assert hint["source"]["path"].endswith("cgbackend/models/gpt.py") and hint["source"]["line"] > 0
+    text = report.to_text()
+    assert "set: --option static_dispatch=auto  or  cgbackend.compile(model, static_dispatch=\"auto\")" in text
+    assert f"at: {hint['source']['path']}:{hint['source']['line']} in forward" in text
     assert hint["message"].startswith("2 dynamic region(s) hold 8 MoE dispatch loop(s)")
     assert "estimated launch coverage after 100%" in hint["message"]
     js = json.loads(report.to_json())
     assert js["summary"]["launch_coverage"] == s["launch_coverage"]
     assert [h["kind"] for h in js["hints"]] == _kinds(report)
     assert all(set(h) == {"kind", "message", "option", "source"} for h in js["hints"])
+    assert js["hints"][0]["option"] == {"option": "static_dispatch", "value": "auto"}
     # Under static_dispatch="auto" (the default) the dispatch is graphed: no hint, whole call covered.
     with torch.no_grad():
         auto = cgbackend.explain(model, x)
     assert "static_dispatch" not in _kinds(auto)
     assert auto.summary["launch_coverage"] == 1.0
+
+
+@pytest.mark.parametrize("pasted", ["static_dispatch=auto", 'static_dispatch="auto"', "static_dispatch='auto'",
+                                    "inner=inductor", 'inner="inductor"', "strict=True", "capture_sizes=1,2",
+                                    'dynamic_ops=("torch.nonzero",)'])
+def test_an_option_parses_as_printed_and_as_pasted(pasted):
+    """The text prints ``--option name=value``; users also paste the Python form a message shows."""
+    import shlex
+    from cgbackend.cli import _parse_options
+    from cgbackend.reporting.hints import option_cli, option_python
+    (name, value), = _parse_options([pasted]).items()
+    assert cgbackend.Config.from_options({name: value}, environ={})  # a valid value
+    printed = shlex.split(option_cli(name, value))
+    assert printed[0] == "--option" and _parse_options([printed[1]]) == {name: value}
+    assert _parse_options([option_python(name, value)]) == {name: value}
+
+
+def test_hints_of_older_reports_still_read():
+    from cgbackend.reporting.hints import hint_option, hints_text
+    old = {"kind": "static_dispatch", "message": "m", "option": 'static_dispatch="auto"', "source": "gpt.py:3 in f"}
+    assert hint_option(old) == ("static_dispatch", "auto")
+    assert hints_text([old])[2:] == ['        set: --option static_dispatch=auto  or  cgbackend.compile(model, '
+                                     'static_dispatch="auto")', "        at: gpt.py:3 in f"]
 
 
 def test_launch_counting_off_or_unsupported(monkeypatch):
@@ -189,7 +219,8 @@ def test_inner_compiler_hint_follows_the_config_in_effect():
     with torch.no_grad():
         report = cgbackend.explain(model, x, options={"inner": "eager"})
     hint = next(h for h in report.hints if h["kind"] == "inner_compiler")
-    assert hint["option"] == 'inner="inductor"' and 'inner="eager" in effect' in hint["message"]
+    assert hint["option"] == {"option": "inner", "value": "inductor"}
+    assert 'inner="eager" in effect' in hint["message"]
     assert build_hints(report, [], Config.from_options({"inner": "inductor"})) == []
 
 
@@ -220,8 +251,8 @@ def test_runtime_coverage_and_profile_timing():
     timing = report.graphs[0].runtime["timing"]
     assert list(timing) == ["S0", "D1", "S2", "D3", "S4"]  # execution order
     for name in ("S0", "S2", "S4"):
-        assert timing[name]["replay"]["calls"] == 3 and timing[name]["eager"]["calls"] == 1
-        assert timing[name]["replay"]["total_ms"] > 0
+        assert timing[name]["eager"]["calls"] == 1 and timing[name]["capture"]["calls"] == 1
+        assert timing[name]["replay"]["calls"] == 2 and timing[name]["replay"]["total_ms"] > 0
     for name in ("D1", "D3"):
         assert set(timing[name]) == {"eager"} and timing[name]["eager"]["calls"] == 4
     text = report.to_text()
@@ -229,7 +260,7 @@ def test_runtime_coverage_and_profile_timing():
     assert "static_dispatch" in _kinds(report)
     page = report.to_html()
     assert "ms measured (profile=True)" in page
-    assert "replay: 3 x " in page  # the split, on hover
+    assert "replay 2 x " in page and "capture 1 x " in page  # the split, on hover
 
 
 def test_profile_off_has_no_timing():
@@ -262,7 +293,7 @@ def test_torch_logs_env_shows_debug_lines():
                           timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-2000:]
     err = proc.stderr
-    assert "cgbackend: captured graph0.S0 (inference, slot 0)" in err  # DEBUG, one per capture
+    assert "cgbackend: captured g0.S0 (inference, slot 0)" in err  # DEBUG, one per capture
     assert re.search(r"cgbackend: graph 0: \d+ ops, 1 static regions", err)  # INFO at compile
     assert "cgbackend: graph 0: 1 static regions, 1 graphs captured in" in err  # INFO after capture
     env.pop("TORCH_LOGS")
@@ -291,7 +322,7 @@ def test_set_logs_reaches_cgbackend():
             compiled(x)
             compiled(x)
         messages = [r.getMessage() for r in records]
-        assert any(m.startswith("cgbackend: captured graph0.S0") for m in messages)
+        assert any(m.startswith("cgbackend: captured g0.S0") for m in messages)
         assert any(r.levelno == logging.INFO and "graphs captured in" in r.getMessage() for r in records)
         torch._logging.set_logs(cgbackend=logging.WARNING, dynamo=logging.WARNING)
         assert logger.getEffectiveLevel() == logging.WARNING
@@ -382,9 +413,17 @@ def test_html_shows_uncompiled_code():
     page = report.to_html()
     parser = _parse(page)
     _self_contained(parser, page)
-    rows = parser.find("div", **{"class": "uncompiled"})
+    rows = [r for r in parser.find("div", **{"class": "uncompiled"}) if "data-source" in r]
     sources = report.summary["launches"]["uncompiled_sources"]
-    assert [r["data-source"] for r in rows if "data-source" in r] == [s["source"] for s in sources]
+    # uncompiled code where it ran: each stretch between the regions it ran between, every line named
+    sequence = report.summary["launches"]["sequence"]
+    steps = [b.get("data-id") or "uncompiled" for b in parser.find("div", **{"class": "region"})
+             if "data-id" in b or "data-source" in b]
+    expected = [e["id"] if e["kind"] == "region" else "uncompiled" for e in sequence]
+    assert steps == [x for i, x in enumerate(expected) if x != "uncompiled" or i == 0 or expected[i - 1] != x]
+    assert rows and all(r["title"].startswith("uncompiled code") for r in rows)
+    for s in sources:
+        assert any(s["source"] in r["title"] for r in rows), s["source"]
     assert parser.find("li", **{"class": "hint"}, **{"data-kind": "data_dependent_loop"})
 
 
@@ -404,7 +443,8 @@ def test_cuda_profile_timing_and_coverage():
     timing = report.graphs[0].runtime["timing"]
     assert cgbackend.stats(compiled)["graphs_captured"] == 3
     for name in ("S0", "S2", "S4"):
-        assert timing[name]["replay"]["calls"] == 4 and timing[name]["replay"]["total_ms"] > 0
+        assert timing[name]["replay"]["calls"] == 3 and timing[name]["replay"]["total_ms"] > 0
+        assert timing[name]["capture"]["calls"] == 1
     assert timing["D1"]["eager"]["calls"] == 5
     s = explained.summary
     assert s["launches"]["uncompiled"] == 0 and 0.2 < s["launch_coverage"] < 0.9

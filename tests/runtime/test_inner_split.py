@@ -272,7 +272,7 @@ def test_regions_compile_lazily_only_when_they_reach_capture(monkeypatch):
     assert len(compiled_modules) == 1
     st = cgbackend.stats(compiled)
     assert st["graphs_captured"] == 1 and st["replays"] == 2 and st["inner_fallbacks"] == {}
-    assert cgbackend.report(compiled).graphs[0].runtime["regions"]["graph0.S0"]["inner"]["state"] == "compiled"
+    assert cgbackend.report(compiled).graphs[0].runtime["regions"]["g0.S0"]["inner"]["state"] == "compiled"
 
 
 def test_capture_false_compiles_nothing(monkeypatch):
@@ -306,7 +306,7 @@ def test_inductor_failure_runs_eager_kernels_with_counted_reason(monkeypatch, co
     st = cgbackend.stats(compiled)
     assert st["inner_fallbacks"] == {reason: 1}, st["inner_fallbacks"]
     assert st["inner_compiled"] == 0
-    assert st["inner_failures"][0]["region"] == "graph0.S0"
+    assert st["inner_failures"][0]["region"] == "g0.S0"
     assert st["graphs_captured"] == 1 and st["replays"] == 3  # still captured
     text = cgbackend.report(compiled).to_text()
     assert reason in text

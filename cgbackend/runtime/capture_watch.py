@@ -1,0 +1,137 @@
+"""The one-time warning that a compiled model runs with nothing captured.
+
+Every region of a model can end up eager without an error: CPU tensors, a machine without CUDA,
+``capture=False``, every static region disabled, or a value that changes each call and keeps the
+model warming up (a new input signature each call) or recompiling (a Python number Dynamo bakes
+into each graph). The counters say so (``stats()["nothing_captured_reason"]``, ``eager_calls``),
+but nobody reads them unprompted. :class:`CaptureWatch` looks once per compiled graph, right after
+the call at which its regions capture (the call after ``warmup`` warm-up calls), and at each
+compile of a function Dynamo compiled twice before; if the backend instance has captured nothing by
+then, it warns once (``NothingCapturedWarning``, Python's warnings) naming the reason, and logs the
+same line at INFO. The check costs one integer comparison per call of a compiled graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from ..notices import NothingCapturedWarning
+from .stats import EagerReason
+
+__all__ = ["CaptureWatch", "settle_call"]
+
+log = logging.getLogger(__name__)
+
+_PATIENCE = 8
+"""Calls of a graph, in units of its first settle call, before 'still warming up' is a warning."""
+
+_WARMING = "the static regions of graph"
+
+_RECOMPILES = 3
+"""Compiles of one function (Dynamo's frame) with nothing captured that make it a pattern."""
+
+
+def settle_call(config: Any, layer_copies: int) -> int:
+    """The call of a compiled graph after which its static regions have captured if they ever will
+    on these inputs: ``warmup`` warm-up calls, then the capture (per layer sharing the graph)."""
+    return (config.warmup + 1) * max(layer_copies, 1)
+
+
+def _compile_id() -> Optional[tuple[int, int]]:
+    """(frame id, compile of that frame in this process) of the compile in progress; None where
+    torch has none (private API, feature-tested)."""
+    context = getattr(getattr(torch, "_guards", None), "CompileContext", None)
+    current = getattr(context, "current_compile_id", None)
+    compile_id = current() if current is not None else None
+    frame, count = getattr(compile_id, "frame_id", None), getattr(compile_id, "frame_compile_id", None)
+    return (frame, count) if isinstance(frame, int) and isinstance(count, int) else None
+
+
+def _no_cuda(graph: Any) -> str:
+    device = graph.analysis.classification.compute_device
+    if torch.cuda.is_available():
+        return (f"graph {graph.index} computes on {device} tensors and CUDA graphs replay device work "
+                "only: move the model and its inputs to a CUDA device")
+    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    return (f"this machine has no CUDA device (torch {torch.__version__}, {build}) and CUDA graphs need "
+            "one; simulate_graphs=True tests cgbackend's runtime on CPU")
+
+
+def nothing_captured_reason(graph: Any) -> str:
+    """Why graph ``graph`` (a CompiledGraph) captured nothing, in words a user can act on."""
+    if graph.blocked == EagerReason.NO_CUDA:
+        return _no_cuda(graph)
+    if graph.blocked == EagerReason.CAPTURE_DISABLED:
+        return "the option capture=False: the graphs are partitioned and run eagerly"
+    if not graph.runners:
+        return (f"graph {graph.index} has no static region, every op of it runs eagerly "
+                "(cgbackend.report(compiled) names the reasons)")
+    disabled = [r for r in graph.runners if r.disabled]
+    if len(disabled) == len(graph.runners):
+        shown = ", ".join(f"{r.name} ({r.disabled}: {r.disabled_detail})" for r in disabled[:3])
+        return f"every static region of graph {graph.index} runs eagerly for good: {shown}"
+    eager: dict[str, int] = {}
+    for runner in graph.runners:
+        for reason, n in runner.eager_calls.items():
+            eager[reason] = eager.get(reason, 0) + n
+    if eager and max(eager, key=eager.get) == EagerReason.WARMUP:
+        return (f"{_WARMING} {graph.index} are still warming up after {graph.calls} calls "
+                f"({eager[EagerReason.WARMUP]} warm-up calls, option warmup={graph.config.warmup}): each call "
+                "brought a new input signature (a shape, dtype or Python value the graph depends on), and a "
+                "new signature warms up again; cgbackend.report(compiled) lists each region's graphs")
+    text = ", ".join(f"{k} {v}" for k, v in sorted(eager.items(), key=lambda kv: -kv[1]))
+    return f"static regions of graph {graph.index} ran eagerly: {text or 'no call reached them'}"
+
+
+class CaptureWatch:
+    """One backend instance's watch (its counters); warns at most once."""
+
+    def __init__(self, counters: Any) -> None:
+        self.counters = counters
+        self.enabled = True
+        """False where capturing nothing is the point (explain)."""
+        self.warned = False
+        self.compiles: dict[int, int] = {}
+
+    def on_compile(self, graph: Any) -> None:
+        """A new graph was compiled (backend.py): the third compile of one function with nothing
+        captured means a value that changes each call is baked into each graph."""
+        compile_id = _compile_id() if self.enabled else None
+        if compile_id is None or self.warned:
+            return
+        frame = compile_id[0]  # Dynamo counts a frame's compiles per process; these are this model's
+        self.compiles[frame] = self.compiles.get(frame, 0) + 1
+        if self.compiles[frame] >= _RECOMPILES and self.counters.graphs_captured == 0:
+            self.warn(f"Dynamo compiled the same function {self.compiles[frame]} times with "
+                      f"{self.counters.graph_calls} calls run: a value that changes each call (a Python number "
+                      "or attribute the code branches on, loops over or sizes by) is a constant in each "
+                      "graph, and every new graph warms up again (TORCH_LOGS=recompiles names the value; "
+                      "pass it as a tensor, or keep it fixed)")
+
+    def on_settled(self, graph: Any) -> Optional[int]:
+        """``graph`` just ran the call at which its regions capture (executor.py); returns the call at
+        which to look again, or None. Regions still warming up (new signatures, such as sizes spread
+        over several capture sizes) may capture later: that reason waits for _PATIENCE times as many
+        calls, looking again at each doubling, before it warns."""
+        if self.warned or not self.enabled or self.counters.graphs_captured:
+            return None
+        reason = nothing_captured_reason(graph)
+        first = settle_call(graph.config, graph.shared.layer_copies)
+        if reason.startswith(_WARMING) and graph.calls < _PATIENCE * first:
+            return graph.calls * 2
+        self.warn(reason)
+        return None
+
+    def warn(self, reason: str) -> None:
+        self.warned = True
+        message = f"cgbackend: nothing was captured as a CUDA graph, every call runs eagerly: {reason}"
+        log.info("%s", message)
+        warnings.warn(message, NothingCapturedWarning, stacklevel=2)
+
+    def reset(self) -> None:
+        self.warned = False
+        self.compiles.clear()
