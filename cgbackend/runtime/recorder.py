@@ -125,10 +125,13 @@ class Recorder:
         pool = shared.pools.get(device, call.slot)
         entry: Entry = TrainEntry() if grad_path else Entry()
         entry.pool = pool
+        error = None
         try:
             self.prepare_static_inputs(ins, grad_path, entry, pad)
         except torch.OutOfMemoryError as exc:  # the static buffers are part of what capturing costs
-            self.failed_attempt(first_line(exc))
+            error = first_line(exc)
+        if error is not None:  # outside the handler: its traceback holds the buffers made so far
+            self.failed_attempt(error)
             return None
         static_ins = entry.static_ins
         fn = runner.fn
@@ -156,7 +159,13 @@ class Recorder:
             graph, outputs = shared.capturer.capture(
                 run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=runner.hooks)
         except CaptureError as exc:
-            self.failed_attempt(str(exc))
+            error = str(exc)
+        if error is not None:
+            # the attempt's static buffers (and the handler's traceback) go before its pool's
+            # blocks are handed back
+            entry.static_ins = None
+            del static_ins, run, entry
+            self.failed_attempt(error)
             return None
         elapsed = time.perf_counter() - start
         entry.graph = graph

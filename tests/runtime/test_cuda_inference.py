@@ -102,7 +102,7 @@ def test_dense_one_graph_no_copies_but_input():
 def test_moe_hand_off_between_graphs_avoids_copies():
     model = build_model("moe", size="tiny", device="cuda").eval()
     inputs = make_inputs("moe", model, n=6, device="cuda")
-    compiled = cgbackend.compile(model, warmup=1)
+    compiled = cgbackend.compile(model, warmup=1, static_dispatch="off")  # graphs between dynamic regions
     with torch.no_grad():
         for x in inputs:
             assert_matches(compiled(x), model(x), torch.float32)
@@ -448,7 +448,7 @@ def test_moe_inference_peak_memory_within_15_percent_of_eager():
     temporary in the graph pool, not a second workspace kept for the capture stream (32 MiB on
     Hopper) next to the eager stream's."""
     new = _peak_memory(pooled=True)
-    assert new["graphs"] == new["regions"] >= 2 and new["replays"] > 0, new
+    assert new["graphs"] == new["regions"] >= 1 and new["replays"] > 0, new
     assert new["err"] <= 2 * new["eager_err"], new
     assert new["graphed"] <= 1.15 * new["eager"], new
     # The measurement sees the difference: the capture stream's own workspace (8 MiB before
