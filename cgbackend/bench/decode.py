@@ -25,7 +25,6 @@ Per contender:
 from __future__ import annotations
 
 import copy
-import gc
 import inspect
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -35,7 +34,7 @@ import torch.nn as nn
 
 from .cases import Case, empty_row, skip_reason
 from .contenders import CONTENDERS
-from .measure import cleanup, error_text, log, sync
+from .measure import cleanup, error_text, log, memory_baseline, sync
 from .models import DECODE_SHAPES
 from .timing import TIMING_ROUNDS, Tally, block_share, put_counts, put_times, read_peak
 
@@ -318,14 +317,7 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
     stage = "setup"
     session = model = None
     try:
-        if alone:
-            cleanup(device)
-        elif cuda:
-            gc.collect()
-            torch.cuda.synchronize(device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
+        memory_baseline(device, alone, row)
         with out.tally:
             stage = "compile"
             if contender.convert is not None:

@@ -103,6 +103,22 @@ def cleanup(device: torch.device) -> None:
             pass
 
 
+def memory_baseline(device: torch.device, alone: bool, row: dict) -> None:
+    """Before a contender's compile: a clean device (``alone``: Dynamo and cgbackend reset too),
+    the peak counter reset and the memory already held in ``row["mem_baseline_bytes"]``."""
+    cuda = device.type == "cuda"
+    if alone:
+        cleanup(device)
+    elif cuda:
+        # Garbage of the contenders before (autograd cycles holding activations) would count in
+        # this one's baseline and be freed during its calls (1 MiB of peak memory seen that way).
+        gc.collect()
+        torch.cuda.synchronize(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
+
+
 def sanitize(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None

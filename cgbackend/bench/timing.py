@@ -5,7 +5,6 @@ percentiles, counts and memory."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import statistics
 import time
 import traceback
@@ -15,7 +14,8 @@ import torch
 
 from .cases import Case, Runner, STATS_KEYS, empty_row, judge_row, new_model, skip_reason, timed_iterations
 from .contenders import CONTENDERS, Contender, GROUPED_CONTENDERS, STOCK_CONTENDERS
-from .measure import by_first_line, cleanup, counter, cudagraph_tree_counts, error_text, graph_breaks, log, percentile, sync
+from .measure import (by_first_line, cleanup, counter, cudagraph_tree_counts, error_text, graph_breaks, log,
+                      memory_baseline, percentile, sync)
 from .settings import Settings
 
 
@@ -122,16 +122,7 @@ def prepare_contender(case: Case, contender: Contender, settings: Settings,
     cuda = device.type == "cuda"
     tally = Tally(device)
     try:
-        if alone:
-            cleanup(device)
-        elif cuda:
-            # Garbage of the contenders before (autograd cycles holding activations) would count in
-            # this one's baseline and be freed during its calls (1 MiB of peak memory seen that way).
-            gc.collect()
-            torch.cuda.synchronize(device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
+        memory_baseline(device, alone, row)
         with tally:
             stage = "compile"
             model = new_model(case, settings, contender)

@@ -137,6 +137,20 @@ def _route(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Ten
     return weights, selected
 
 
+def _router(moe: nn.Module, cfg: RealConfig) -> None:
+    """The router of either MoE form: expert count, top-k, renormalization and the gate."""
+    moe.n_experts, moe.top_k, moe.norm_topk = cfg.experts, cfg.top_k, cfg.norm_topk
+    moe.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+    moe.shared_experts = Expert(cfg.hidden, cfg.shared * cfg.ffn) if cfg.shared else None
+
+
+def _routing(moe: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens as rows ``[b * t, c]``, their top-k weights (in the tokens' dtype) and experts."""
+    h = x.reshape(-1, x.shape[-1])
+    weights, selected = _route(moe.gate(h), moe.top_k, moe.norm_topk)
+    return h, weights.to(h.dtype), selected
+
+
 class LoopMoE(nn.Module):
     """Dropless top-k MoE in Mixtral's eager style: a per-expert ModuleList and a loop over every
     expert (``torch.where`` on the one-hot mask, gather, expert, ``index_add_``), plus optional
@@ -144,16 +158,12 @@ class LoopMoE(nn.Module):
 
     def __init__(self, cfg: RealConfig) -> None:
         super().__init__()
-        self.n_experts, self.top_k, self.norm_topk = cfg.experts, cfg.top_k, cfg.norm_topk
-        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        _router(self, cfg)
         self.experts = nn.ModuleList(Expert(cfg.hidden, cfg.ffn) for _ in range(cfg.experts))
-        self.shared_experts = Expert(cfg.hidden, cfg.shared * cfg.ffn) if cfg.shared else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, c = x.shape
-        h = x.reshape(-1, c)
-        weights, selected = _route(self.gate(h), self.top_k, self.norm_topk)
-        weights = weights.to(h.dtype)
+        h, weights, selected = _routing(self, x)
         final = torch.zeros_like(h)
         expert_mask = F.one_hot(selected, num_classes=self.n_experts).permute(2, 1, 0)
         for e in range(self.n_experts):
@@ -175,18 +185,14 @@ class GroupedMoE(nn.Module):
 
     def __init__(self, cfg: RealConfig) -> None:
         super().__init__()
-        self.n_experts, self.top_k, self.norm_topk = cfg.experts, cfg.top_k, cfg.norm_topk
-        self.gate = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        _router(self, cfg)
         self.w1 = nn.Parameter(torch.empty(cfg.experts, cfg.ffn, cfg.hidden))
         self.w3 = nn.Parameter(torch.empty(cfg.experts, cfg.ffn, cfg.hidden))
         self.w2 = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.ffn))
-        self.shared_experts = Expert(cfg.hidden, cfg.shared * cfg.ffn) if cfg.shared else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, c = x.shape
-        h = x.reshape(-1, c)
-        weights, selected = _route(self.gate(h), self.top_k, self.norm_topk)
-        weights = weights.to(h.dtype)
+        h, weights, selected = _routing(self, x)
         flat = selected.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k
