@@ -158,6 +158,15 @@ def render_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _run_lines(results: dict[str, Any]) -> list[str]:
+    runs = _runs(results)
+    if len(runs) == 1:
+        return [f"- date: {runs[0]['date']}", f"- command: `{runs[0]['command']}`"]
+    lines = ["- runs (merged with `--append`; each table names its run):"]
+    lines += [f"  {i}. {r['date']}, {r['device']}, torch {r['torch']}: `{r['command']}`" for i, r in enumerate(runs)]
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """RESULTS.md: header (device, torch, date, command) and one table per model x mode."""
     meta = results["meta"]
@@ -168,15 +177,15 @@ def render_markdown(results: dict[str, Any]) -> str:
            f"- device: {meta['device']}",
            f"- torch: {meta['torch']}" + (f" (CUDA {meta['cuda']})" if meta.get("cuda") else ""),
            f"- cgbackend: {meta.get('cgbackend')}",
-           f"- date: {meta['date']}",
-           f"- command: `{meta['command']}`",
+           *_run_lines(results),
            f"- dtype {s.get('dtype')}, batch {s.get('batch')}, seq {s.get('seq')}, {s.get('batches')} "
            f"distinct batches, {s.get('warmup')} warm-up + {s.get('iters')} timed calls, size "
            f"{s.get('size')} {s.get('size_overrides') or ''}".rstrip(),
            f"- timing: {meta.get('timing')}; ratios are median / reference median (below 1 is faster)",
            ""]
     for title, rows in _groups(results["rows"]):
-        out.append(f"## {title}")
+        run = rows[0].get("run")
+        out.append(f"## {title}" + (f" (run {run})" if run is not None and len(_runs(results)) > 1 else ""))
         out.append("")
         out.append(f"Eager kernel-time floor: {fmt(rows[0]['floor_ms'])} ms/step. "
                    f"Best stock contender: {rows[0].get('best_stock') or '-'}.")
@@ -200,6 +209,33 @@ def render_markdown(results: dict[str, Any]) -> str:
                "equal to eager's. Decode rows: ms per token.")
     out.append("")
     return "\n".join(out)
+
+
+_RUN_KEYS = ("command", "device", "torch", "cuda", "date")
+
+
+def _runs(results: dict[str, Any]) -> list[dict[str, Any]]:
+    meta = results["meta"]
+    return meta.get("runs") or [{k: meta.get(k) for k in _RUN_KEYS}]
+
+
+def merge_runs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``bench --append``: ``new``'s rows added to ``old``'s. An old row of the same model, mode,
+    contender and token count is replaced; every row keeps ``run``, its index in ``meta.runs``."""
+    runs = _runs(old)
+    for row in old["rows"]:
+        row.setdefault("run", 0)
+    index = len(runs)
+    runs.append({k: new["meta"].get(k) for k in _RUN_KEYS})
+    key = lambda r: (r["model"], r["mode"], r["contender"], r.get("tokens"))  # noqa: E731
+    fresh = {key(r) for r in new["rows"]}
+    rows = [r for r in old["rows"] if key(r) not in fresh] + [dict(r, run=index) for r in new["rows"]]
+    used = sorted({r["run"] for r in rows})
+    renumber = {old_i: i for i, old_i in enumerate(used)}
+    for r in rows:
+        r["run"] = renumber[r["run"]]
+    meta = dict(new["meta"], runs=[runs[i] for i in used])
+    return {"meta": meta, "rows": rows}
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -13,7 +14,7 @@ from .. import progress
 from .cases import Case, prepare_case
 from .contenders import CONTENDERS
 from .measure import cleanup, log, sanitize
-from .render import acc, device_name, fmt, mib, build_meta, render_markdown, render_table, write_json
+from .render import acc, device_name, fmt, mib, build_meta, merge_runs, render_markdown, render_table, write_json
 from .settings import Settings, UsageError, dtype_name, build_parser, no_cuda_refusal, resolve_settings
 from .timing import add_ratios, run_contenders
 
@@ -150,6 +151,8 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m cgbackend 
         results = run(settings, argv)
     finally:
         torch.set_num_threads(saved_threads)
+    if settings.append and settings.out.exists():
+        results = merge_runs(json.loads(settings.out.read_text(encoding="utf-8")), results)
     write_json(results, settings.out)
     log(f"wrote {settings.out}")
     if settings.markdown is not None:

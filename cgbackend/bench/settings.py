@@ -79,6 +79,7 @@ class Settings:
     markdown: Optional[Path]
     smoke: bool
     verbose: bool
+    append: bool = False
     threads: Optional[int] = None
     scale: str = "full"
     tokens: Optional[tuple[int, ...]] = None
@@ -186,6 +187,9 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
     p.add_argument("--markdown", help="also render RESULTS.md here (default: beside the JSON on CUDA; "
                                       "on CPU only when given)")
     p.add_argument("--no-markdown", action="store_true", help="do not render markdown")
+    p.add_argument("--append", action="store_true",
+                   help="add this run's rows to the --out file: its rows of other model/mode/contender/"
+                        "tokens stay, each row names the run that made it (meta.runs: command, device, date)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU smoke run: tiny sizes, eager and the cgbackend contenders with the eager "
                         "inner compiler, few iterations")
@@ -293,7 +297,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
                     iters=ints["iters"], acc_batches=min(ints["acc_batches"], ints["batches"]),
                     floor_steps=ints["floor_steps"], device=device, dtype=dtype,
                     tol=args.tol if args.tol is not None else TOLERANCE[dtype], seed=args.seed, lr=args.lr,
-                    out=out, markdown=markdown, smoke=args.smoke, verbose=args.verbose, threads=threads,
+                    out=out, markdown=markdown, smoke=args.smoke, verbose=args.verbose, append=args.append, threads=threads,
                     scale=args.scale or ("tiny" if args.smoke else "full"), tokens=tokens,
                     reference=args.reference or "fp64", time_budget=args.time_budget,
                     timing=args.timing or "alternate", share_weights=bool(args.share_weights),
