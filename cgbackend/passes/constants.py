@@ -38,12 +38,23 @@ GPU in every call (``cache_utils.py``): the move was a dynamic region of its own
 memory), and the one thing keeping Mistral from running as a single graph. The moved tensor is an
 attribute of the cache the model returns, so it is a graph output: check 5's exception.
 
+**Arithmetic on constants** is folded the same way: a pure, deterministic op (:data:`FOLDED_FUNCTIONS`,
+:data:`FOLDED_METHODS`: arithmetic, powers, exponentials, trigonometry, outer products, shape views
+and concatenation, none in place, none random) whose tensor arguments are all hoisted constants and
+whose other arguments are Python constants, and which passes checks 3 to 6. A rotary embedding that
+recomputes ``inv_freq = 1 / base ** (torch.arange(0, d, 2).float() / d)`` on the CPU in every call
+and moves it to the GPU (seen in transformers MoE models) was a dynamic region between two static
+ones (host arithmetic, then a copy from host memory); the whole chain is now made once per
+compiled graph. Its inputs are Python numbers that Dynamo guards on, so a call with other values
+compiles a new graph and makes the chain again: the constant never outlives its inputs.
+
 Complexity: O(N + W) for N nodes and W written storages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator as _OP
 from typing import Any, Optional
 
 import torch
@@ -52,7 +63,8 @@ import torch.fx
 from ..fx_utils import fake_value, storage_ids
 from .effects import Effects
 
-__all__ = ["CONVERSIONS", "Constants", "FACTORIES", "MAX_ELEMENTS", "find_constants", "make_constant"]
+__all__ = ["CONVERSIONS", "Constants", "FACTORIES", "FOLDED_FUNCTIONS", "FOLDED_METHODS", "MAX_ELEMENTS",
+           "find_constants", "make_constant"]
 
 MAX_ELEMENTS = 1 << 16
 """Largest constant hoisted (elements): bigger ones are left to the region that makes them."""
@@ -70,6 +82,23 @@ CONVERSIONS: frozenset = frozenset({"to", "cuda", "cpu", "float", "double", "hal
                                     "short", "bool", _aten._to_copy.default})
 """Tensor methods (by name) and functions that convert one tensor (device, dtype) and read no other
 tensor: applied to a hoisted constant, their result is one too."""
+
+FOLDED_FUNCTIONS: frozenset = frozenset({
+    _OP.add, _OP.sub, _OP.mul, _OP.truediv, _OP.floordiv, _OP.pow, _OP.neg, _OP.mod,
+    torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.neg, torch.reciprocal,
+    torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.outer, torch.cat,
+    torch.stack, torch.clamp, torch.minimum, torch.maximum, torch.floor, torch.ceil, torch.round,
+    torch.where, torch.unsqueeze, torch.reshape, torch.flatten,
+})
+"""Functions that compute a new tensor from their arguments alone (pure, deterministic): applied to
+hoisted constants and Python values, their result is a constant too."""
+
+FOLDED_METHODS: frozenset = frozenset({
+    "add", "sub", "mul", "div", "true_divide", "pow", "neg", "reciprocal", "exp", "log", "sqrt", "rsqrt",
+    "sin", "cos", "outer", "clamp", "floor", "ceil", "round", "__rpow__", "__rtruediv__", "__rsub__",
+    "unsqueeze", "reshape", "view", "flatten", "expand", "repeat", "contiguous", "t",
+})
+"""Tensor methods (by name) of the same kind."""
 
 _CONSTANT_TYPES = (int, float, bool, complex, str, type(None), torch.device, torch.dtype, torch.layout,
                    torch.memory_format)
@@ -122,7 +151,7 @@ def find_constants(gm: torch.fx.GraphModule, effects: Effects) -> Constants:
     returned: list[torch.fx.Node] = []
     hoisted: set[torch.fx.Node] = set()
     for node in gm.graph.nodes:
-        if not (_is_factory(node) or _is_conversion(node, hoisted)):
+        if not (_is_factory(node) or _is_conversion(node, hoisted) or _is_folded(node, hoisted)):
             continue
         if node.kwargs.get("requires_grad") or node.kwargs.get("pin_memory"):
             continue
@@ -160,6 +189,17 @@ def _is_conversion(node: torch.fx.Node, hoisted: set) -> bool:
     inputs = node.all_input_nodes
     return (len(inputs) == 1 and node.args[0] is inputs[0] and inputs[0] in hoisted
             and _python_args_constant(node))
+
+
+def _is_folded(node: torch.fx.Node, hoisted: set) -> bool:
+    """Pure arithmetic whose tensor arguments are all hoisted constants (at least one)."""
+    if node.op == "call_function":
+        known = node.target in FOLDED_FUNCTIONS
+    else:
+        known = node.op == "call_method" and node.target in FOLDED_METHODS
+    inputs = node.all_input_nodes
+    return (known and bool(inputs) and all(n in hoisted for n in inputs) and _python_args_constant(node)
+            and isinstance(fake_value(node), torch.Tensor))
 
 
 def make_constant(node: torch.fx.Node, made: Optional[dict] = None) -> torch.Tensor:

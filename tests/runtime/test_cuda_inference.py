@@ -245,6 +245,22 @@ def test_constant_moved_to_the_gpu_is_made_once():
     assert st["graphs_captured"] == 1 and st["replays"] == len(xs) - 1, st
 
 
+def test_rotary_inv_freq_from_the_cpu_is_folded_into_one_region():
+    """inv_freq recomputed on the CPU in every call and moved to the GPU (a transformers MoE
+    model's rotary embedding): made once, so the model is one static region, captured."""
+    from test_inner_split import Rotary
+    model = Rotary().cuda().eval()
+    compiled = cgbackend.compile(model, warmup=1)
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(6, 16, device="cuda")
+            pos = torch.randint(0, 100, (6,), device="cuda")
+            torch.testing.assert_close(compiled(x, pos), model(x, pos))
+    st = cgbackend.stats(compiled)
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0, st
+    assert st["graphs_captured"] == 1 and st["replays"] == 4 and st["constants_hoisted"] == 6, st
+
+
 def test_constant_moved_to_the_gpu_and_returned_is_made_once_and_copied_out():
     """Mistral's case: the moved sliding-window tensor is an attribute of the cache the model
     returns, so a graph output. It is made once; each call returns a copy of it."""

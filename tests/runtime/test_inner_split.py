@@ -60,14 +60,14 @@ def test_device_constants_are_hoisted_and_the_region_is_captured_whole():
         for x in _inputs(5):
             assert torch.equal(compiled(x), model(x))
     st = cgbackend.stats(compiled)
-    assert st["constants_hoisted"] == 2, st
+    assert st["constants_hoisted"] == 3, st  # zero, low and low * 0
     assert st["static_regions"] == 1 and st["dynamic_regions"] == 0
     assert st["graphs_captured"] == 1 and st["replays"] == 4
     assert st["eager_calls"] == {"warmup": 1}
     assert st["regions_split"] == 0
     # The report names them.
     runtime = cgbackend.report(compiled).graphs[0].runtime
-    assert sorted(c["op"] for c in runtime["constants"]) == ["full", "tensor"]
+    assert sorted(c["op"] for c in runtime["constants"]) == ["full", "operator.mul", "tensor"]
 
 
 def test_constants_written_in_place_or_returned_as_views_stay_in_their_region():
@@ -126,6 +126,64 @@ def test_conversions_of_constants_are_constants():
     runtime = cgbackend.report(compiled).graphs[0].runtime
     ops = sorted(c["op"] for c in runtime["constants"])
     assert ops == ["Tensor.double", "Tensor.to", "Tensor.to", "arange"] + ["tensor"] * 4, ops
+
+
+class Rotary(nn.Module):
+    """A rotary embedding that recomputes ``inv_freq`` from Python numbers on the CPU in every call
+    and moves it to the input's device (as a transformers MoE model does)."""
+
+    def __init__(self, dim=16, base=10000.0):
+        super().__init__()
+        self.dim, self.base = dim, base
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x, pos):
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim))
+        inv_freq = inv_freq.to(device=x.device, dtype=x.dtype)
+        freqs = pos[:, None].to(x.dtype) * inv_freq[None, :]  # the positions are an input: per call
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return self.lin(x * emb.cos() + x.flip(-1) * emb.sin())
+
+
+def test_arithmetic_on_constants_is_folded():
+    """inv_freq's whole chain (arange, float, divide, power, reciprocal, move) is made once per
+    compiled graph: no dynamic region, one graph; what reads the input stays in the region."""
+    model = Rotary().double().eval()
+    compiled = cgbackend.compile(copy.deepcopy(model), **SIM)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(6, 16, generator=g, dtype=torch.float64)
+            pos = torch.randint(0, 100, (6,), generator=g)
+            assert torch.equal(compiled(x, pos), model(x, pos))
+    st = cgbackend.stats(compiled)
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0, st
+    assert st["graphs_captured"] == 1 and st["replays"] == 4, st
+    runtime = cgbackend.report(compiled).graphs[0].runtime
+    ops = sorted(c["op"] for c in runtime["constants"])
+    assert ops == ["Tensor.float", "Tensor.to", "arange", "operator.pow", "operator.truediv",
+                   "operator.truediv"], ops
+    assert st["constants_hoisted"] == len(ops)
+
+
+def test_folding_stops_at_inputs_and_writes():
+    """Arithmetic that reads an input, or whose result is written in place, stays in its region."""
+    def f(x):
+        scale = torch.arange(4, dtype=x.dtype) * 2.0  # folded
+        mixed = torch.arange(4, dtype=x.dtype) + x.sum()  # reads the input: per call
+        acc = torch.ones(4, dtype=x.dtype) * 3.0  # written below: per call
+        acc.add_(x[0])
+        return x * scale + mixed + acc
+
+    compiled = cgbackend.compile(f, **SIM)
+    for x in _inputs(4, seed=5):
+        x = x[:, :4].contiguous()
+        assert torch.equal(compiled(x), f(x))
+    runtime = cgbackend.report(compiled).graphs[0].runtime
+    ops = sorted(c["op"] for c in runtime["constants"])
+    # scale's arange and its product; mixed's and acc's factories (their arithmetic is per call)
+    assert ops == ["arange", "arange", "ones", "operator.mul"], ops
+    assert cgbackend.stats(compiled)["replays"] == 3
 
 
 class HiddenSync(nn.Module):
