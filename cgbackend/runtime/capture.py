@@ -245,7 +245,7 @@ class Capturer:
                 with torch.random.fork_rng(devices=[]):
                     outputs = fn()
             except Exception as exc:
-                raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+                raise CaptureError(first_line(exc)) from exc
             finally:
                 with torch.no_grad():
                     for t, value in zip(restore, saved):
