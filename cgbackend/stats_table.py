@@ -70,7 +70,8 @@ def summary(obj: Any = None) -> str:
     lines.append(f"  captured {counters['graphs_captured']} graph(s) in {counters['capture_time_s']:.2f} s, "
                  f"replays {counters['replays']}, static-region calls run eagerly {sum(eager.values())}")
     lines.append(f"  pool {_mib(counters['pool_bytes'])} MiB ({_mib(counters['pool_bytes_held'])} MiB held); "
-                 f"inputs copied {counters['copies_made']}, read in place {counters['copies_avoided']}")
+                 f"inputs copied {counters['copies_made']}, read in place {counters['copies_avoided']}"
+                 + (f", copied into a compiled layout {counters['layout_copies']}" if counters.get("layout_copies") else ""))
     if counters.get("nothing_captured_reason"):
         lines.append(f"  nothing captured: {counters['nothing_captured_reason']}")
     for reason in sorted(eager, key=lambda r: -eager[r]):

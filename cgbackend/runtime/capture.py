@@ -59,9 +59,11 @@ class SimulatedGraph:
     def scribble(self) -> None:
         with torch.no_grad():
             for t in iter_tensors(self.outputs):
+                if not t.numel():  # nothing to scribble (and it may be a view of a leaf input)
+                    continue
                 if not non_overlapping(t):  # an expanded view: its elements share memory
                     continue
-                if t.numel() and t.untyped_storage().data_ptr() in self._input_storages:
+                if t.untyped_storage().data_ptr() in self._input_storages:
                     continue
                 # A graph captured under inference mode has inference tensors for outputs: written
                 # in inference mode (a CUDA replay writes them whatever the mode).
@@ -243,7 +245,7 @@ class Capturer:
                 with torch.random.fork_rng(devices=[]):
                     outputs = fn()
             except Exception as exc:
-                raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+                raise CaptureError(first_line(exc)) from exc
             finally:
                 with torch.no_grad():
                     for t, value in zip(restore, saved):

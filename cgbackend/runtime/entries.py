@@ -110,10 +110,16 @@ class Entry:
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
                  "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds",
                  "param_addrs", "volatile_pos",
-                 "pad_block", "input_views", "handouts")
+                 "pad_block", "input_views", "handouts", "compact", "copy_dst")
 
     def __init__(self) -> None:
         self.graph = None
+        self.compact: dict[int, tuple[int, ...]] = {}
+        """Copied input position -> the dims its static buffer reads with stride 0 (an expanded
+        input, runtime/layouts.py): a replay copies one slice along them."""
+        self.copy_dst: list = []
+        """What each copied input is copied into, in ``copy_pos`` order: its static buffer, or the
+        buffer's slice (``compact``)."""
         self.handouts: Optional[list[HandoutGraph]] = None
         """Inference entries whose outputs may go to the caller without a copy: their handout
         graphs, captured when first needed (runtime/handout.py); None where that does not apply."""

@@ -257,6 +257,7 @@ class CompiledGraph:
         hooks = region_hooks(region.nodes)
         opaque_calls = any(opaque_info(n) is not None for n in region.nodes)
         name = f"g{self.index}.{region.name}"  # the report's region id
+        mutated = mutated_input_positions(self.analysis.effects, region)
         fn = module
         lazy = None
         if self._inner is not None:
@@ -264,13 +265,14 @@ class CompiledGraph:
             # regions holding one run their FX module as it is.
             fn = module if opaque_calls else self._inner(module, region)
         elif self.inner_mode == "inductor" and self.blocked is None:
-            lazy = LazyInner(module, name, self.shared.counters, strict=self.config.strict)
+            lazy = LazyInner(module, name, self.shared.counters, strict=self.config.strict,
+                             copied=tuple(p for p, k in enumerate(kinds) if k in (COPY, EAGER)),
+                             written=tuple(sorted(mutated)))
             if opaque_calls:  # a policy, not an error: counted, never raised under strict
                 lazy.strict = False
                 lazy.fall_back(InnerFallback.OPAQUE_CALL, "opaque module call in the region")
                 lazy = None
-        runner = RegionRunner(name, fn, kinds, producers,
-                              mutated_input_positions(self.analysis.effects, region), self.shared,
+        runner = RegionRunner(name, fn, kinds, producers, mutated, self.shared,
                               bucket=bucket, device=_region_device(region), hooks=hooks)
         runner.lazy_inner = lazy
         runner.on_sync = self._request_split

@@ -41,7 +41,7 @@ class _Remembered:
         self.ptrs = ptrs
         """The same, aligned with the inputs, for PyTorch's C++ comparison (None without it)."""
         self.static = static
-        """The static buffers of the copied inputs, in entry.copy_pos order."""
+        """What the copied inputs are copied into, in entry.copy_pos order (entry.copy_dst)."""
 
 
 def _shares_written(ins: list, written: tuple, others: tuple) -> bool:
@@ -92,7 +92,7 @@ class FastPath:
         values = tuple((p, freeze(ins[p])) for p in cache.other_pos if kinds[p] is VALUE)
         self.remembered[self._slot(ins)] = _Remembered(
             entry, torch.is_inference_mode_enabled(), tensors, values, cache.param_key, cache.aligned_ptrs(),
-            [entry.static_ins[p] for p in entry.copy_pos])
+            entry.copy_dst)
 
     def replay(self, ins: list, call: Any) -> Any:
         """Replay the remembered entry if this call's key is its key; None otherwise. Its inputs are

@@ -30,6 +30,7 @@ from .. import progress
 from ..config import Config
 from ..fx_utils import fake_value
 from .capture import first_line
+from .layouts import AdaptedCall, InputLayouts
 
 __all__ = ["InnerFallback", "LazyInner", "inductor_compile", "no_donated_buffers", "resolve_inner"]
 
@@ -231,14 +232,18 @@ class LazyInner:
     ``compile()`` is called by the runner before the region's last warm-up call; it returns the
     callable the region runs from then on: the compiled code, or the FX module after a counted
     fallback. ``first_call(fn, ins)`` runs the first compiled call and falls back the same way if it
-    raises."""
+    raises. ``copied``: positions of the inputs the runner copies (their layouts are the compiled
+    code's to choose, runtime/layouts.py); ``written``: those the region writes in place."""
 
     __slots__ = ("module", "name", "counters", "strict", "compiler", "state", "reason", "detail",
-                 "seconds")
+                 "seconds", "copied", "written")
 
     def __init__(self, module: torch.fx.GraphModule, name: str, counters: Any, strict: bool = False,
-                 compiler: Optional[Callable[[torch.fx.GraphModule], Callable[..., Any]]] = None) -> None:
+                 compiler: Optional[Callable[[torch.fx.GraphModule], Callable[..., Any]]] = None,
+                 copied: tuple[int, ...] = (), written: tuple[int, ...] = ()) -> None:
         self.module = module
+        self.copied = copied
+        self.written = written
         self.strict = strict
         self.name = name
         self.counters = counters
@@ -250,9 +255,12 @@ class LazyInner:
         self.seconds = 0.0
 
     def compile(self) -> Callable[..., Any]:
+        """The compiled code, wrapped to take the copied inputs in any layout (AdaptedCall), or the
+        FX module after a counted fallback."""
         start = time.perf_counter()
         try:
-            fn = self.compiler(self.module)
+            layouts, module = InputLayouts.plan(self.module, self.copied, self.written)
+            fn = self.compiler(module)
         except Exception as exc:  # any Inductor error: this region keeps eager's kernels
             return self.fall_back(InnerFallback.COMPILE_FAILED, first_line(exc))
         finally:
@@ -262,7 +270,7 @@ class LazyInner:
         self.counters.inner_compiled += 1
         progress.log.log(progress.level(self.seconds), "cgbackend: %s compiled by Inductor in %.1f s",
                          self.name, self.seconds)
-        return fn
+        return AdaptedCall(fn, self.module, layouts, self.counters) if layouts.layouts else fn
 
     def first_call(self, fn: Callable[..., Any], ins: list) -> tuple[Callable[..., Any], Any]:
         """Run the first call of the compiled code; (the callable to keep, the outputs)."""

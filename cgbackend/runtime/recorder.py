@@ -14,9 +14,10 @@ import torch
 
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph, first_line
-from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reserved, static_buffer_like
+from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reserved
 from .handout import HandoutGraph, handout_supported
 from .inputs import InputViews, SavedTensors, fill_padding
+from .layouts import compact_view, copy_into, describe_inputs, input_buffer
 from .params import ParamPolicy
 from .stats import EagerReason
 
@@ -46,6 +47,7 @@ class Recorder:
         copy_pos, handoff_pos, volatile_pos = [], [], []
         persistent = shared.persistent_ptrs
         plan = runner.bucket if pad is not None else None
+        layouts = runner.layouts
         for pos, value in enumerate(ins):
             kind = runner.kinds[pos]
             if plan is not None and pos in plan.value_inputs:
@@ -97,9 +99,12 @@ class Recorder:
                 static_ins.append(alias)
                 handoff_pos.append(pos)
                 continue
-            buf = static_buffer_like(value)
+            # In the layout the compiled code reads (runtime/layouts.py): the staging copy converts.
+            buf, dims = input_buffer(value, layouts.layout(pos) if layouts is not None else None)
             with torch.no_grad():
-                buf.copy_(value)
+                copy_into(buf, value, dims)
+            if dims:
+                entry.compact[pos] = dims
             if grad_path and value.requires_grad:
                 buf.requires_grad_(True)
             static_ins.append(buf)
@@ -107,6 +112,8 @@ class Recorder:
         shared.register_persistent([static_ins[p] for p in copy_pos], handoff=False)
         entry.static_ins = static_ins
         entry.copy_pos = tuple(copy_pos)
+        entry.copy_dst = [compact_view(static_ins[p].detach(), entry.compact[p]) if p in entry.compact
+                          else static_ins[p] for p in copy_pos]
         entry.handoff_pos = tuple(handoff_pos)
         entry.copy_back_pos = tuple(p for p in copy_pos if p in runner.mutated)
         entry.volatile_pos = tuple(volatile_pos)
@@ -159,7 +166,7 @@ class Recorder:
             graph, outputs = shared.capturer.capture(
                 run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=runner.hooks)
         except CaptureError as exc:
-            error = str(exc)
+            error = self._with_inputs(str(exc), static_ins)
         if error is not None:
             # the attempt's static buffers (and the handler's traceback) go before its pool's
             # blocks are handed back
@@ -253,6 +260,19 @@ class Recorder:
         counters.pool_bytes_held += growth
         entry.nbytes += growth
         self.runner.capture_time_s += elapsed
+
+    def _with_inputs(self, error: str, static_ins: list) -> str:
+        """A stride assertion (compiled code called with other strides than it was compiled for)
+        names the region's inputs, their sizes and strides, and the strides compiled for."""
+        if "stride" not in error:
+            return error
+        runner = self.runner
+        lazy = runner.lazy_inner
+        module = lazy.module if lazy is not None else runner.fn
+        if not isinstance(module, torch.fx.GraphModule):
+            module = None
+        return (f"{error} (region {runner.name} inputs: "
+                f"{describe_inputs(module, runner.kinds, static_ins, runner.layouts, PARAM)})")
 
     def failed_attempt(self, error: str) -> None:
         self.failure = error

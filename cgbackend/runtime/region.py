@@ -22,6 +22,7 @@ from .fast import FastPath
 from .graph_cache import THRASH_EVICTIONS, GraphCache
 from .handout import HandoutGraph
 from .inputs import fill_padding, overlap, overlap_candidates
+from .layouts import AdaptedCall, InputLayouts, compact_view, copy_into
 from .reach import fake_output_reach, reached_inputs
 from .recorder import Recorder
 from .stats import EagerReason
@@ -125,6 +126,13 @@ class RegionRunner:
                 return found[1]
         return reached_inputs(entry.autograd_outputs(), [entry.static_ins[p] for p in entry.diff_in])
 
+    @property
+    def layouts(self) -> Optional[InputLayouts]:
+        """The layouts the region's compiled code reads its copied inputs in (runtime/layouts.py);
+        None while it runs its FX module, which reads any layout."""
+        fn = self.fn
+        return fn.layouts if type(fn) is AdaptedCall else None
+
     def count_eager(self, reason: str) -> None:
         self.eager_calls[reason] = self.eager_calls.get(reason, 0) + 1
         self.shared.counters.eager_calls[reason] += 1
@@ -159,6 +167,11 @@ class RegionRunner:
             # Autograd refuses to save an inference tensor (eagerly, on every call); its static
             # copy is a normal tensor and would be saved.
             return self._fallback(ins, EagerReason.INFERENCE_TENSOR)
+        layouts = self.layouts
+        if layouts is not None and layouts.broadcasting and not layouts.hold(ins):
+            # A tensor that differs along a dim the compiled code reads with stride 0: no static
+            # buffer in its layout can hold it (runtime/layouts.py).
+            return self._fallback(ins, EagerReason.INPUT_LAYOUT)
         cache = self.cache
         pad = cache.padding(ins) if self.bucket is not None and not grad_path else None
         if pad is None:
@@ -280,15 +293,17 @@ class RegionRunner:
         if not fresh:
             static_ins = entry.static_ins
             pad_dims = entry.pad_dims
+            compact = entry.compact
             if not pad_dims:
-                copy_all(static if static is not None else [static_ins[p] for p in entry.copy_pos],
-                         [ins[p] for p in entry.copy_pos])
+                copy_all(static if static is not None else entry.copy_dst,
+                         [ins[p] for p in entry.copy_pos] if not compact else
+                         [compact_view(ins[p], compact[p]) if p in compact else ins[p] for p in entry.copy_pos])
             else:
                 for pos in entry.copy_pos:
                     value = ins[pos]
                     dim = pad_dims.get(pos)
                     if dim is None:
-                        static_ins[pos].copy_(value)
+                        copy_into(static_ins[pos], value, compact.get(pos, ()))
                     else:  # the actual rows as the prefix of the padded buffer, then copies of the last
                         fill_padding(static_ins[pos], value, dim, entry.pad_block[pos])
             counters.copies_made += len(entry.copy_pos)

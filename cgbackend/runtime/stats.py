@@ -30,6 +30,7 @@ class EagerReason:
     INFERENCE_TENSOR = "inference_tensor_input"
     INPUT_VIEW = "input_view_output"
     CALL_RAISED = "call_raised"
+    INPUT_LAYOUT = "input_layout"
 
     DESCRIPTIONS = {
         WARMUP: "eager warm-up call before capture (option warmup)",
@@ -65,6 +66,9 @@ class EagerReason:
                     "graph's (a padded graph): the view could not be rebuilt on the caller's tensor",
         CALL_RAISED: "a capture attempt raised, and so did the call run eagerly: the error is the "
                      "call's own (its code or inputs) and reaches the caller; the region captures later",
+        INPUT_LAYOUT: "the region's compiled code reads an input broadcast (stride 0 along a dim, as "
+                      "Dynamo's example was expanded) and this call's tensor differs along that dim: it "
+                      "cannot be copied into the compiled layout (runtime/layouts.py)",
     }
 
 
@@ -104,6 +108,10 @@ class Counters:
     copied_by_kind: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """copies_made split by what was copied: user_input, eager_value, grad_output, param."""
     copy_backs: int = 0
+    layout_copies: int = 0
+    """Inputs copied into the layout a region's compiled code reads them in (runtime/layouts.py)
+    before an eager or warm-up call of that code: the call's strides differed from the compiled
+    ones. Graph replays never need one (their static buffers lie in the compiled layout)."""
     output_clones: int = 0
     handout_graphs: int = 0
     """Handout graphs captured (option handout_graphs, runtime/handout.py): second captures of an

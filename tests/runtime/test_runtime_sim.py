@@ -477,9 +477,9 @@ def test_out_of_memory_while_preparing_a_capture_falls_back(monkeypatch):
     capture failure like any other (the GPU version of this test squeezes real memory)."""
     from cgbackend.runtime import recorder as region_module
 
-    def no_memory(value):
+    def no_memory(value, layout):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
-    monkeypatch.setattr(region_module, "static_buffer_like", no_memory)
+    monkeypatch.setattr(region_module, "input_buffer", no_memory)
     model = build_model("dense").eval()
     compiled = cgbackend.compile(model, **SIM)
     with torch.no_grad():
