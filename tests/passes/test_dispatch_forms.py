@@ -314,7 +314,7 @@ def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites():
     with torch.no_grad():
         report = cgbackend.explain(model, torch.randint(0, 64, (2, 7)), options={"static_dispatch": "off"})
     loop = [h for h in report.hints if h["kind"] == "data_dependent_loop"]
-    assert len(loop) == 1 and loop[0]["option"] == 'static_dispatch="auto"', report.hints
+    assert len(loop) == 1 and loop[0]["option"] == {"option": "static_dispatch", "value": "auto"}, report.hints
     assert "hit_loop" in loop[0]["message"] and not list(model.modules())[0].__dict__.get("forward")
     # The same hint in the report of a model compiled without static dispatch, after it ran.
     compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="off")
@@ -322,7 +322,7 @@ def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites():
         for _ in range(2):
             compiled(torch.randint(0, 64, (2, 7)))
     after = [h for h in cgbackend.report(compiled).hints if h["kind"] == "data_dependent_loop"]
-    assert [h["option"] for h in after] == ['static_dispatch="auto"'] and cgbackend.report(compiled).loop_rewrites == []
+    assert [h["option"] for h in after] == [{"option": "static_dispatch", "value": "auto"}] and cgbackend.report(compiled).loop_rewrites == []
     torch.manual_seed(0)
     with torch.no_grad():
         report = cgbackend.explain(HitLoopTensorUse().double(), _batches(1, seed=2)[0],

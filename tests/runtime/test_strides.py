@@ -28,7 +28,8 @@ def _randn(*shape, seed, device="cpu"):
 
 def _loss(out):
     outs = out if isinstance(out, tuple) else (out,)
-    return sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).view(o.shape)).sum() for o in outs)
+    return sum((o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype, device=o.device).view(o.shape)).sum()
+               for o in outs)
 
 
 def _run(model, make, n, training, device="cpu", **options):

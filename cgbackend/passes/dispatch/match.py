@@ -460,7 +460,10 @@ def _match_grouped_mm_fallback(node: torch.fx.Node, order: dict) -> Optional[_Pl
         group = b.fn(torch.searchsorted, offs, pos, right=True)
         valid = b.method("unsqueeze", b.fn(operator.lt, group, E), -1)
         clamped = b.method("clamp", group, max=E - 1)
-        every = b.fn(torch.matmul, b.method("unsqueeze", inp, 0), weight)      # [E, S, O]
+        # [E, S, O]; bmm of an expanded input rather than a broadcasting matmul, whose fake-tensor
+        # decomposition (torch 2.11) reads the sizes as ints: a marked-dynamic token count became a
+        # constant and Dynamo refused the graph
+        every = b.fn(torch.bmm, b.method("expand", b.method("unsqueeze", inp, 0), E, -1, -1), weight)
         index = b.method("expand", b.method("view", clamped, 1, -1, 1), 1, n, O)
         picked = b.method("squeeze", b.fn(torch.gather, every, 0, index), 0)
         return b.fn(torch.where, valid, picked, 0)
