@@ -158,12 +158,18 @@ def render_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _letter(run: int) -> str:
+    """A run's label in RESULTS.md (A for meta.runs[0], ...)."""
+    return chr(ord("A") + run) if run < 26 else str(run)
+
+
 def _run_lines(results: dict[str, Any]) -> list[str]:
     runs = _runs(results)
     if len(runs) == 1:
         return [f"- date: {runs[0]['date']}", f"- command: `{runs[0]['command']}`"]
     lines = ["- runs (merged with `--append`; each table names its run):"]
-    lines += [f"  {i}. {r['date']}, {r['device']}, torch {r['torch']}: `{r['command']}`" for i, r in enumerate(runs)]
+    lines += [f"  {_letter(i)}. {r['date']}, {r['device']}, torch {r['torch']}: `{r['command']}`"
+              for i, r in enumerate(runs)]
     return lines
 
 
@@ -178,14 +184,14 @@ def render_markdown(results: dict[str, Any]) -> str:
            f"- torch: {meta['torch']}" + (f" (CUDA {meta['cuda']})" if meta.get("cuda") else ""),
            f"- cgbackend: {meta.get('cgbackend')}",
            *_run_lines(results),
-           f"- dtype {s.get('dtype')}, batch {s.get('batch')}, seq {s.get('seq')}, {s.get('batches')} "
+           ("- the last run's settings: " if len(_runs(results)) > 1 else "- ") + f"dtype {s.get('dtype')}, batch {s.get('batch')}, seq {s.get('seq')}, {s.get('batches')} "
            f"distinct batches, {s.get('warmup')} warm-up + {s.get('iters')} timed calls, size "
            f"{s.get('size')} {s.get('size_overrides') or ''}".rstrip(),
            f"- timing: {meta.get('timing')}; ratios are median / reference median (below 1 is faster)",
            ""]
     for title, rows in _groups(results["rows"]):
         run = rows[0].get("run")
-        out.append(f"## {title}" + (f" (run {run})" if run is not None and len(_runs(results)) > 1 else ""))
+        out.append(f"## {title}" + (f" (run {_letter(run)})" if run is not None and len(_runs(results)) > 1 else ""))
         out.append("")
         out.append(f"Eager kernel-time floor: {fmt(rows[0]['floor_ms'])} ms/step. "
                    f"Best stock contender: {rows[0].get('best_stock') or '-'}.")

@@ -181,20 +181,28 @@ def _shown_equal(text: str, value: float) -> bool:
 
 def test_readme_results_table_quotes_latest_json():
     """Each row of the README's results table is a row of benchmarks/results/latest.json, with its
-    median and ratios as rounded there, and the table names that file's device and command."""
+    median and ratios as rounded there, and the text names the device and date of that file's runs
+    (RESULTS.md, rendered from it, names each run's command)."""
     readme = (ROOT / "README.md").read_text()
     results = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
     section = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
-    assert results["meta"]["device"] in section and results["meta"]["command"] in section
-    rows = {(r["model"], r["mode"], r["contender"]): r for r in results["rows"]}
+    runs = results["meta"].get("runs") or [results["meta"]]
+    for run in runs:
+        assert run["device"] in section and run["date"][:10] in section, run
+    rows = {(r["model"], r["mode"], r["contender"], r.get("tokens")): r for r in results["rows"]}
     quoted = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| model ")]
     assert quoted
     for line in quoted:
-        model, mode, contender, median, x_eager, x_ro = [c.strip().strip("`") for c in line.strip("|").split("|")]
-        row = rows.get((model, mode, contender))
+        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        model, mode, tokens, contender, median, x_eager, x_ro, x_grouped = cells
+        row = rows.get((model, mode, contender, None if tokens == "-" else int(tokens)))
         assert row is not None, f"README quotes a row latest.json does not hold: {line}"
-        for text, key in ((median, "median_ms"), (x_eager, "ratio_to_eager"), (x_ro, "ratio_to_reduce_overhead")):
-            assert _shown_equal(text, row[key]), (line, key, row[key])
+        for text, key in ((median, "median_ms"), (x_eager, "ratio_to_eager"),
+                          (x_ro, "ratio_to_reduce_overhead"), (x_grouped, "ratio_to_grouped")):
+            if text == "-":
+                assert row.get(key) is None, (line, key, row.get(key))
+            else:
+                assert _shown_equal(text, row[key]), (line, key, row[key])
 
 
 def test_results_md_is_rendered_from_latest_json():

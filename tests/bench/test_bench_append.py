@@ -30,8 +30,8 @@ def test_append_keeps_other_rows_and_replaces_the_same_ones():
     assert by_key[("dense", "cgbackend", None)]["median_ms"] == 0.4 and by_key[("dense", "cgbackend", None)]["run"] == 2
     assert by_key[("dense", "eager", None)]["run"] == 0 and len(merged["rows"]) == 4
     text = render_markdown(merged)
-    assert "1. d2, GPU, torch 2.11: `bench --models moe-128e`" in text
-    assert "## moe-128e / infer / 512 tokens (run 1)" in text and "## dense / infer (run 0)" in text
+    assert "B. d2, GPU, torch 2.11: `bench --models moe-128e`" in text
+    assert "## moe-128e / infer / 512 tokens (run B)" in text and "## dense / infer (run A)" in text
 
 
 def test_a_run_replacing_every_row_leaves_one_run():

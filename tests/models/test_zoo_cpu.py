@@ -239,7 +239,11 @@ def test_hugging_face_dynamic_batch_is_padded(name):
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
 def test_hugging_face_dynamic_batch_on_gpu(name):
     import cgbackend
-    compiled = _dynamic_batch_run(name, "cuda", calls=14)
+    compiled = _dynamic_batch_run(name, "cuda", calls=14)  # default options
     st = cgbackend.stats(compiled)
     assert st["replays"] > 0 and not st["capture_failures"]
-    assert cgbackend.report(compiled).summary["bucketed_regions"] >= 1
+    if name != "mixtral":
+        assert cgbackend.report(compiled).summary["bucketed_regions"] >= 1
+    # Mixtral under static dispatch (the default) is one region per layer keyed on exact sizes (the
+    # rewritten dispatch is not padded); its padded regions with the dispatch as written:
+    # test_hugging_face_dynamic_batch_is_padded
