@@ -88,7 +88,7 @@ class Config:
     capture=False, warmup=0); "inductor"; or "eager" (eager's kernels, results bitwise equal to
     eager: the bitwise mode). Compiled lazily, per region, before its last warm-up call; a region
     Inductor fails on runs eager's kernels (counted in stats()["inner_fallbacks"]). See
-    cgbackend/inner.py."""
+    cgbackend/runtime/inner.py."""
 
     dynamic_ops: tuple[str, ...] = ()
     """Operator names ("mylib::op", "torch.nonzero", "Tensor.item") always kept out of graphs. Each
@@ -125,7 +125,7 @@ class Config:
     profile: bool = False
     """Time every region call of the forward (CUDA events on a GPU, perf_counter otherwise), split
     into graph replays and eager calls; shown in cgbackend.report(compiled) and its HTML page
-    (profile.py). Costs two event records per region call."""
+    (runtime/timing.py). Costs two event records per region call."""
 
     simulate_graphs: bool = False
     """Test aid for machines without a GPU: "capture" runs the region once into static buffers and

@@ -19,7 +19,7 @@ from .settings import Settings
 @dataclasses.dataclass
 class Case:
     """One model x mode (x token count): the seed weights (on CPU), the inputs and the references
-    (eager in the run dtype; float64 with ``--reference fp64``, see bench_accuracy)."""
+    (eager in the run dtype; float64 with ``--reference fp64``, see bench/accuracy.py)."""
 
     model_name: str
     mode: str

@@ -109,7 +109,7 @@ STOCK_CONTENDERS = ("eager", "inductor", "reduce-overhead", "reduce-overhead-dyn
 GROUPED_CONTENDERS = ("grouped-reduce-overhead", "hf-grouped-mm-reduce-overhead")
 
 
-"""The hand-written grouped-GEMM forms (bench_contenders) that ``ratio_to_grouped`` divides by."""
+"""The hand-written grouped-GEMM forms (this module) that ``ratio_to_grouped`` divides by."""
 
 
 def register_contender(contender: Contender) -> Contender:

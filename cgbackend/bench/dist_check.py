@@ -209,7 +209,7 @@ def rank_main(rank: int, world: int, backend: str, port: int, scenarios: list, o
             torch._dynamo.reset()
             results.append(run_scenario(sc, rank, world, device, dtype=dtype, simulate=backend == "gloo",
                                         time_steps=time_steps))
-    except Exception as exc:  # written for the parent, then raised so the rank fails
+    except Exception:  # written for the parent, then raised so the rank fails
         import traceback
         error = traceback.format_exc()
         raise

@@ -91,7 +91,7 @@ class Settings:
     """Inference: every contender runs on one device copy of the weights (contenders that rebuild the
     model view it), for models too large for one copy per contender."""
     explicit: frozenset = frozenset()
-    """Settings given on the command line: a model's own defaults (bench_models) never override them."""
+    """Settings given on the command line: a model's own defaults (bench/models.py) never override them."""
 
     def to_meta(self) -> dict[str, Any]:
         return {

@@ -1,7 +1,7 @@
 """The partition report: plain dataclasses filled from the analyses, rendered by one function.
 
 JSON schema ``cgbackend.report/1`` (stable; fields are only added). The machine-readable schema is
-``cgbackend/reporting/report.schema.json`` (checked against real reports by tests/test_report_schema.py;
+``cgbackend/reporting/report.schema.json`` (checked against real reports by tests/reporting/test_report_schema.py;
 ``cgbackend.reporting.schema.validate_report(report)`` checks one); in short:
 
 ``{"schema", "config", "notes": [str], "graph_breaks": [{"reason", "source"}],
@@ -60,7 +60,7 @@ region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``r
 of reserved memory while its held graphs were captured), ``bucketed`` (the padded symbol),
 ``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``; with the option
 ``profile``, ``timing``: ``{region name: {"replay" | "eager": {"calls", "total_ms", "mean_ms"}}}``
-(profile.py).
+(runtime/timing.py).
 """
 
 from __future__ import annotations

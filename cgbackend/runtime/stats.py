@@ -92,7 +92,7 @@ class Counters:
     bwd_graphs: int = 0
     replays: int = 0
     fast_replays: int = 0
-    """Inference replays that took the fast path (region.RegionRunner._replay_fast): the entry
+    """Inference replays that took the fast path (runtime/fast.py, FastPath.replay): the entry
     replayed last, its key checked part by part instead of built. Included in ``replays``."""
     fwd_replays: int = 0
     bwd_replays: int = 0
