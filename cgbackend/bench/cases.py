@@ -272,7 +272,8 @@ def empty_row(case: Case, contender: Contender, settings: Settings) -> dict[str,
 
 STATS_KEYS = ("graphs_captured", "static_regions", "dynamic_regions", "replays", "eager_calls",
                "capture_time_s", "capture_failures", "pool_bytes", "nothing_captured_reason",
-               "handout_graphs", "handout_replays", "outputs_handed", "output_clones", "fast_replays")
+               "handout_graphs", "handout_replays", "outputs_handed", "output_clones", "fast_replays",
+               "dispatch_forms")
 
 
 def skip_reason(contender: Contender, spec: Any, settings: Settings) -> Optional[str]:

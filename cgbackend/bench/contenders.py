@@ -93,8 +93,20 @@ def _cgbackend(**options: Any) -> Callable[[nn.Module], Callable[..., Any]]:
 
 
 def _cgbackend_stats(compiled: Any) -> Optional[dict]:
+    """cgbackend's counters, and ``dispatch_forms``: how many dispatch units static dispatch
+    rewrote into each form, how many it declined (the report says why), and the first rewrite's
+    reason (the cost model's estimate where it chose)."""
     import cgbackend
-    return cgbackend.stats(compiled)
+    stats = dict(cgbackend.stats(compiled))
+    forms: dict[str, int] = {}
+    declined, why = 0, None
+    for graph in cgbackend.report(compiled).graphs:
+        for rewrite in graph.dispatch.get("rewrites", ()):
+            forms[rewrite["form"]] = forms.get(rewrite["form"], 0) + 1
+            why = why or rewrite.get("why")
+        declined += len(graph.dispatch.get("skipped", ()))
+    stats["dispatch_forms"] = {"forms": forms, "declined": declined, "why": why}
+    return stats
 
 
 CONTENDERS: dict[str, Contender] = {}
