@@ -26,7 +26,7 @@ SIZE_FLAGS = {"d_model": "d_model", "layers": "n_layers", "heads": "n_heads", "e
 
 
 SMOKE_DEFAULTS = dict(size="tiny", batch=2, seq=16, batches=4, warmup=2, iters=3, acc_batches=2,
-                      contenders="eager,cgbackend,cgbackend-static-dispatch", device="cpu", floor_steps=2,
+                      contenders="eager,cgbackend", device="cpu", floor_steps=2,
                       threads=1)
 
 

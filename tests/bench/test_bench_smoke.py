@@ -14,7 +14,7 @@ from cgbackend.bench import cases, contenders, render, settings, timing
 
 MODELS = ("dense", "moe")
 MODES = ("infer", "train")
-CONTENDERS = ("eager", "cgbackend", "cgbackend-static-dispatch")
+CONTENDERS = ("eager", "cgbackend")  # cgbackend's defaults include static dispatch
 
 
 def _is_number(value) -> bool:
@@ -53,10 +53,9 @@ def test_smoke_run_writes_complete_results(tmp_path, capsys):
             cg = by_key[(model, mode, "cgbackend")]
             assert cg["graphs"] == 0  # nothing can be captured on CPU
             assert cg["backend_stats"]["nothing_captured_reason"] == "no_cuda"
-            sd = by_key[(model, mode, "cgbackend-static-dispatch")]["backend_stats"]
             if model == "moe":  # the dispatch loop was rewritten (the default): nothing dynamic is left
                 assert cg["backend_stats"]["dynamic_regions"] == 0 and cg["backend_stats"]["static_regions"] >= 1
-                assert sd["dynamic_regions"] == 0 and sd["static_regions"] >= 1
+                assert cg["backend_stats"]["dispatch_forms"]["forms"] == {"masked_dense": 8}
 
     printed = capsys.readouterr().out
     assert "dense / infer" in printed and "moe / train" in printed

@@ -301,6 +301,31 @@ def cli(*args, cwd=None, env=None):
                           timeout=300, cwd=cwd, env=full_env)
 
 
+def cli_here(*args, cwd=None):
+    """``python -m cgbackend ARGS`` run in this process (no interpreter start-up, no torch import):
+    the same ``main``; ``cwd`` is also put first on ``sys.path``, as ``python -m`` does."""
+    import contextlib
+    import io
+    import types
+
+    from cgbackend.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    old_cwd, old_path = os.getcwd(), list(sys.path)
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+            sys.path.insert(0, str(cwd))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args), prog="python -m cgbackend")
+            except SystemExit as exc:
+                code = exc.code
+    finally:
+        os.chdir(old_cwd)
+        sys.path[:] = old_path
+    return types.SimpleNamespace(returncode=code or 0, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def assert_one_line_error(proc):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()
@@ -312,7 +337,7 @@ def assert_one_line_error(proc):
 
 
 def test_cli_demo_moe_json():
-    proc = cli("explain", "--demo", "moe", "--json", "--option", "static_dispatch=off")
+    proc = cli_here("explain", "--demo", "moe", "--json", "--option", "static_dispatch=off")
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(proc.stdout)
     assert d["schema"] == "cgbackend.report/1"
@@ -321,7 +346,7 @@ def test_cli_demo_moe_json():
     dispatch = [r for r in regions_of(d) if r["kind"] == "dynamic"]
     assert all(r["role"] == "moe_dispatch" and r["reasons"][0]["op"] == "where" for r in dispatch)
     # By default the dispatch is rewritten into static code: one static region, nothing dynamic.
-    proc = cli("explain", "--demo", "moe", "--json")
+    proc = cli("explain", "--demo", "moe", "--json")  # and the module run as a program
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(proc.stdout)
     assert (d["summary"]["static_regions"], d["summary"]["dynamic_regions"]) == (1, 0)
@@ -330,7 +355,7 @@ def test_cli_demo_moe_json():
 
 
 def test_cli_demo_dense_text():
-    proc = cli("explain", "--demo", "dense")
+    proc = cli_here("explain", "--demo", "dense")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "static_op_fraction" in proc.stdout
     assert "static_op_fraction: 1.000" in proc.stdout
@@ -339,7 +364,7 @@ def test_cli_demo_dense_text():
 @pytest.mark.parametrize("spec", ["PATH:good", "MODULE:good"])
 def test_cli_factory(factories, spec):
     target = spec.replace("PATH", str(factories)).replace("MODULE", "cg_factories")
-    proc = cli("explain", target, "--json", cwd=factories.parent)
+    proc = cli_here("explain", target, "--json", cwd=factories.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(proc.stdout)
     assert d["summary"]["graphs"] == 1
