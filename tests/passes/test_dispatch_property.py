@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import cgbackend
 from cgbackend.models.layers import Expert
+from moe_helpers import top_k_routing
 from cgbackend.passes.dispatch.source import rewrite_function
 
 D, E, K, T = 8, 4, 2, 10
@@ -169,8 +170,7 @@ class _Base(nn.Module):
                 self.gate.weight[:, 0] = torch.tensor([-10.0, -10.0, 10.0, 10.0])
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w, ind = torch.topk(F.softmax(self.gate(h), -1), K)
-        return w / w.sum(-1, keepdim=True), ind
+        return top_k_routing(self.gate, h, K)
 
 
 def _model(case: Case) -> tuple[nn.Module, str]:

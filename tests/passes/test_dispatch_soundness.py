@@ -18,22 +18,16 @@ import torch.nn.functional as F
 
 import cgbackend
 from cgbackend.models.layers import Expert
+from moe_helpers import RoutedExperts
 
 D, FF, E, K = 8, 12, 4, 2
 ROUTED = [1, 3]
 """The experts every token goes to (``_skewed``); experts 0 and 2 receive none."""
 
 
-class _MoE(nn.Module):
+class _MoE(RoutedExperts):
     def __init__(self, n_experts: int = E, top_k: int = K) -> None:
-        super().__init__()
-        self.n_experts, self.top_k = n_experts, top_k
-        self.gate = nn.Linear(D, n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(D, FF) for _ in range(n_experts))
-
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w, ind = torch.topk(F.softmax(self.gate(h), -1), self.top_k)
-        return w / w.sum(-1, keepdim=True), ind
+        super().__init__(D, FF, n_experts, top_k)
 
 
 # ----------------------------------------------------------------------------- the user code
