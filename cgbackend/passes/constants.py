@@ -54,7 +54,7 @@ Complexity: O(N + W) for N nodes and W written storages.
 from __future__ import annotations
 
 import dataclasses
-import operator as _OP
+import operator
 from typing import Any, Optional
 
 import torch
@@ -84,7 +84,8 @@ CONVERSIONS: frozenset = frozenset({"to", "cuda", "cpu", "float", "double", "hal
 tensor: applied to a hoisted constant, their result is one too."""
 
 FOLDED_FUNCTIONS: frozenset = frozenset({
-    _OP.add, _OP.sub, _OP.mul, _OP.truediv, _OP.floordiv, _OP.pow, _OP.neg, _OP.mod,
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow, operator.neg,
+    operator.mod,
     torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.neg, torch.reciprocal,
     torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.outer, torch.cat,
     torch.stack, torch.clamp, torch.minimum, torch.maximum, torch.floor, torch.ceil, torch.round,
@@ -198,8 +199,7 @@ def _is_folded(node: torch.fx.Node, hoisted: set) -> bool:
     else:
         known = node.op == "call_method" and node.target in FOLDED_METHODS
     inputs = node.all_input_nodes
-    return (known and bool(inputs) and all(n in hoisted for n in inputs) and _python_args_constant(node)
-            and isinstance(fake_value(node), torch.Tensor))
+    return known and bool(inputs) and all(n in hoisted for n in inputs) and _python_args_constant(node)
 
 
 def make_constant(node: torch.fx.Node, made: Optional[dict] = None) -> torch.Tensor:
