@@ -250,5 +250,8 @@ def _layer_forward(compiled: Callable[..., Any], layer: nn.Module) -> Callable[.
         return compiled(layer, *args, **kwargs)
 
     # Dynamo, tracing the model's forward, stops at this call (a graph break) instead of inlining
-    # the layer; the compiled layer function it calls is compiled on its own, once for all layers.
-    return torch._dynamo.disable(forward, recursive=False)
+    # the layer; the compiled layer function it calls is compiled on its own, once for all layers
+    # (its own torch.compile context turns Dynamo back on inside). Disabled recursively: with
+    # recursive=False Dynamo looks at this wrapper's frame on every call, finds nothing to compile
+    # and skips it, about 0.4 ms of host time per layer call.
+    return torch._dynamo.disable(forward)

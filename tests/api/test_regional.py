@@ -166,3 +166,26 @@ def test_compile_time_is_flat_in_depth():
     deep, st24 = _first_call_seconds(24)
     assert st6["compiled_graphs"] == st24["compiled_graphs"] == 1
     assert deep <= 1.5 * shallow, (shallow, deep)
+
+
+def test_steady_calls_never_enter_dynamos_frame_conversion():
+    """Once compiled, a layer's call goes from the model's frame to the shared compiled layer without
+    Dynamo converting a frame on the way: a frame it has to look at on every call (and skip) costs
+    more host time than the layer's graph launch."""
+    import cProfile
+    import pstats
+    model = _moe(6, experts=4, dtype=torch.float32).eval()
+    compiled = cgbackend.compile(model, static_dispatch="auto", **SIM)
+    x = torch.randn(2, 8, 16)
+    with torch.no_grad():
+        for _ in range(5):
+            compiled(x)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(3):
+            compiled(x)
+        profile.disable()
+    entered = [f"{name}:{line}" for (path, line, name) in pstats.Stats(profile).stats
+               if path.replace("\\", "/").endswith("_dynamo/convert_frame.py")]
+    assert cgbackend.stats(compiled)["fast_replays"] > 0
+    assert cgbackend.report(compiled).regional and entered == [], entered
