@@ -347,6 +347,9 @@ def test_grouped_form_under_inductor_reads_the_expert_block_without_a_copy(monke
     assert result["stats"]["inner_compiled"] == 1 and not result["stats"]["inner_fallbacks"]
     assert seen  # compile_fx calls itself once more with its config patches applied
     assert all(stacked_view not in ops and torch.stack not in ops for ops in seen), seen
+    # The gathered rows that the gate and up products both read are made once (one clone), not
+    # once per product.
+    assert all(ops.count(torch.clone) == 1 for ops in seen), [ops.count(torch.clone) for ops in seen]
 
 
 # ----------------------------------------------------------------------------- GPU
