@@ -12,7 +12,6 @@ import torch
 
 from . import opaque
 from .passes.dispatch.forwards import LoopForwards
-from .passes.dispatch.blockreads import BlockReads
 from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
@@ -100,7 +99,6 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         instance.loops = loops.records
         if instance.config.static_dispatch in ("auto", "grouped"):
             instance.relayouts = stack_expert_params(model)
-            instance.block_reads = BlockReads(model)  # swapped in around each no-grad call
     elif isinstance(model, torch.nn.Module):
         instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
     if is_module:
@@ -108,14 +106,13 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     overrides = Overrides(regional_overrides(stacks, instance, dynamic=dynamic,
                                              forward_of=lambda layer: loops.function_of(layer) or type(layer).forward))
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
-    reads = instance.block_reads or contextlib.nullcontext()
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward
         whole = WholeGraphUnderDDP if is_ddp(model) else contextlib.nullcontext
 
         @functools.wraps(traced_forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
-            with whole(), overrides, reads:
+            with whole(), overrides:
                 return loops.call(_call_tracing_dynamic_ops, instance, traced_forward, args, kwargs)
 
         compiled.forward = forward

@@ -80,8 +80,6 @@ class CGBackend:
         """Stacks of identical layers cgbackend.compile compiles once each (regional.py)."""
         self.relayouts: list = []
         """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
-        self.block_reads: Any = None
-        """Expert lists read from their blocks in no-grad calls (passes/dispatch/blockreads.py)."""
         self.trace_fallback: Optional[str] = None
         """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
         self.switch_per_call = False
@@ -250,8 +248,6 @@ class CGBackend:
             report.notes.append(f"{r.module or 'model'}: the {r.experts} experts' {', '.join(r.params)} laid out "
                                 f"as one block each ({r.bytes / 2 ** 20:.1f} MiB), read by the grouped form "
                                 "without a copy")
-        if self.block_reads is not None:
-            report.notes.extend(self.block_reads.notes())
         if self.trace_fallback is not None:
             report.notes.append(self.trace_fallback)
         missed = self.shared.counters.trace_scope_missed
