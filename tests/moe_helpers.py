@@ -28,3 +28,15 @@ class RoutedExperts(nn.Module):
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return top_k_routing(self.gate, h, self.top_k)
+
+
+class SqrtExpert(nn.Module):
+    """An expert that is not finite on a row with a feature below -3: the soundness tests route it
+    only rows it is finite on, so running it on rows it was not sent would show as NaN."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w1(torch.sqrt(x + 3))

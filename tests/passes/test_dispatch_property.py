@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import cgbackend
 from cgbackend.models.layers import Expert
-from moe_helpers import top_k_routing
+from moe_helpers import SqrtExpert, top_k_routing
 from cgbackend.passes.dispatch.source import rewrite_function
 
 D, E, K, T = 8, 4, 2, 10
@@ -143,23 +143,12 @@ class LinearExpert(nn.Module):
         return self.w1(x)
 
 
-class SqrtExpert(nn.Module):
-    """Not finite on a token with a feature below -3; the sign routing never sends it one."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(D, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w1(torch.sqrt(x + 3))
-
-
 class _Base(nn.Module):
     def __init__(self, case: Case) -> None:
         super().__init__()
         self.gate = nn.Linear(D, E, bias=False)
         make = {"swiglu": lambda e: Expert(D, 12), "linear": lambda e: LinearExpert(),
-                "sqrt": lambda e: SqrtExpert() if e >= E // 2 else Expert(D, 12)}[case.expert]
+                "sqrt": lambda e: SqrtExpert(D) if e >= E // 2 else Expert(D, 12)}[case.expert]
         self.experts = nn.ModuleList(make(e) for e in range(E))
         with torch.no_grad():
             if case.routing == "skewed":  # every token to experts 1 and 3

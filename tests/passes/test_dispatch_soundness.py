@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import cgbackend
 from cgbackend.models.layers import Expert
-from moe_helpers import RoutedExperts
+from moe_helpers import RoutedExperts, SqrtExpert
 
 D, FF, E, K = 8, 12, 4, 2
 ROUTED = [1, 3]
@@ -116,24 +116,13 @@ class ReadsAccumulator(_MoE):
         return h.reshape(x.shape)
 
 
-class SqrtExpert(nn.Module):
-    """Not finite on a token with a feature below -3 (never routed here, see ``SignRouted``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Linear(D, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w(torch.sqrt(x + 3))
-
-
 class SignRouted(nn.Module):
     """Tokens with a positive first feature go to the sqrt expert (1), the others to a SwiGLU (0)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = nn.Linear(D, 2, bias=False)
-        self.experts = nn.ModuleList([Expert(D, FF), SqrtExpert()])
+        self.experts = nn.ModuleList([Expert(D, FF), SqrtExpert(D)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.reshape(-1, D)
