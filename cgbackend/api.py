@@ -95,7 +95,7 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         instance.opaque = opaque.install(model)
     loops: Any = _NO_LOOPS
     if instance.config.static_dispatch != "off" and is_module:
-        loops = LoopForwards(model)  # installed only around each compiled call (forwards.py)
+        loops = LoopForwards(model, fold=instance.config.static_dispatch in ("auto", "grouped"))
         instance.loops = loops.records
         if instance.config.static_dispatch in ("auto", "grouped"):
             instance.relayouts = stack_expert_params(model)

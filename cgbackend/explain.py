@@ -158,7 +158,7 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
         instance.opaque = opaque.install(model)
     forwards: Optional[LoopForwards] = None
     if config.static_dispatch != "off" and isinstance(model, torch.nn.Module) and not by_name:
-        forwards = LoopForwards(model)  # the rewritten forwards, on the modules only while traced
+        forwards = LoopForwards(model, fold=config.static_dispatch in ("auto", "grouped"))  # on the modules only while traced
         instance.loops = forwards.records
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()

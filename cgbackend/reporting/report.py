@@ -435,12 +435,17 @@ def _opaque_modules_text(opaque: dict[str, Any], summary: dict[str, Any]) -> lis
 def _loop_rewrites_text(loops: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in loops:
+        fold = r.get("fold", "")
+        if fold:
+            lines.append(f"  dispatch loop at {r['source']}: " + (
+                "folded (Dynamo traces one expert; the grouped form runs them all)" if fold == "folded"
+                else f"traced unrolled, not folded: {fold}"))
         if r["form"]:
             kept = r.get("kept_skips", 0)
             lines.append(f"  dispatch loop rewritten before tracing: {r['form']} at {r['source']} "
                          "(now a fixed-length loop over every expert)"
                          + (f"; {kept} unit(s) left dynamic keep its skip" if kept else ""))
-        else:
+        elif r["reason"]:
             lines.append(f"  dispatch loop left as written at {r['source']}: {r['reason']}")
     return lines
 

@@ -46,6 +46,7 @@ import torch.fx
 
 from ...fx_utils import fake_value, module_path, source_location
 from .cost import FORMS, MODES, choose_form, choose_layer_form
+from .fold_graph import fold_layers
 from .grouped import build_grouped, find_layers, layer_is_native
 from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
 from .graph import _Builder
@@ -144,7 +145,9 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence
         return result
     if mode not in MODES:
         raise ValueError(f"static_dispatch must be one of {', '.join(MODES)}, got {mode!r}")
+    folded = fold_layers(gm, mode, result)
     changed, decided = _grouped_layers(gm, mode, result) if mode in ("grouped", "auto") else (False, {})
+    changed = changed or folded
     cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):

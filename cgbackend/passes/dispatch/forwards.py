@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import fold as _fold
 from .source import LoopRewrite, rewrite_function
 
 __all__ = ["LoopForwards", "survey", "UNROUTED_GRADS_WARNING"]
@@ -83,6 +84,43 @@ def survey(model: torch.nn.Module) -> list[LoopRewrite]:
     return records
 
 
+def _read(module: torch.nn.Module, expr: str) -> Any:
+    """``self.a.b`` read on ``module``."""
+    obj: Any = module
+    for part in expr.split(".")[1:]:
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _enable_fold(record: LoopRewrite, modules: list[torch.nn.Module], fold: bool) -> None:
+    """Switch the fold of ``record``'s loop on when every module that runs it holds experts of
+    one structure (fold.spec_of) and tensors where it reads rows; else say why on the record."""
+    why, spec, owners = "", None, []
+    if not fold:
+        why = "static_dispatch is not auto or grouped"
+    for module in modules:
+        experts, *tables = record.fold_reads
+        for t in tables:
+            if not isinstance(_read(module, t), torch.Tensor):
+                why = why or f"{t} is not a tensor"
+        mine, reason = (_fold.spec_of(_read(module, experts)) if experts else (_fold.Spec(), ""))
+        if experts:
+            owners.append(_read(module, experts))
+        why = why or reason
+        if spec is not None and mine != spec:
+            why = why or "the modules that run this loop hold experts of different structures"
+        spec = mine
+    if not modules:
+        why = why or "no module runs this loop"
+    if why or spec is None:
+        _fold.disable(record.fold_key, why)
+        record.fold = why
+    else:
+        _fold.enable(record.fold_key, spec, owners)
+        if not _fold.enabled(record.fold_key):
+            record.fold = _fold.REASONS[record.fold_key]
+
+
 class LoopForwards:
     """The rewritten forwards of ``model``'s modules, installed only inside ``with self:``.
 
@@ -90,12 +128,14 @@ class LoopForwards:
     module whose instance already has its own ``forward`` (set by the user or another wrapper) is
     left alone, at compile time and at every call."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, fold: bool = False) -> None:
         self.records: list[LoopRewrite] = []
         self._dicts: list[dict] = []
         """The ``__dict__`` of each module that gets a rewritten forward, and that bound method."""
         self._bound: list[types.MethodType] = []
         cache: dict[Any, Optional[Callable]] = {}
+        folds: dict[int, list[torch.nn.Module]] = {}  # fold key -> the modules that run its loop
+        folded: dict[Any, list[int]] = {}
         for module, cls, fn, eager in _forwards(model):
             if "forward" in module.__dict__:
                 continue
@@ -105,9 +145,15 @@ class LoopForwards:
                     new = _experts_dispatch(new, cls.forward)
                 cache[fn] = new
                 self.records.extend(recs)
+                folded[fn] = [r.fold_key for r in recs if r.fold_key]
             if cache[fn] is not None:
                 self._dicts.append(module.__dict__)
                 self._bound.append(types.MethodType(cache[fn], module))
+                for key in folded[fn]:
+                    folds.setdefault(key, []).append(module)
+        for r in self.records:
+            if r.fold_key:
+                _enable_fold(r, folds.get(r.fold_key, []), fold)
         for r in self.records:
             if r.form:
                 log.info("cgbackend: %s loop at %s rewritten to a fixed-length loop", r.form, r.source)
@@ -116,7 +162,7 @@ class LoopForwards:
         self._lock = threading.Lock()
         self._depth = 0
         self._installed: list[dict] = []
-        self._warned = not self._dicts
+        self._warned = not any(r.form for r in self.records)  # only skipping loops change gradients
 
     def __bool__(self) -> bool:
         return bool(self._dicts)

@@ -63,10 +63,11 @@ class Layer:
     stack_bytes: int                   # bytes torch.stack copies per call (per-module experts)
     gathers: dict[torch.fx.Node, torch.fx.Node]  # unit-0 gather node -> gathered tensor
     index: torch.fx.Node                         # unit 0's selected token coordinate
+    n_experts: int = 0                           # a folded loop's experts (fold_graph.py): one plan for all
 
     @property
     def experts(self) -> int:
-        return len(self.plans)
+        return self.n_experts or len(self.plans)
 
     @property
     def units(self) -> list[WhereUnit]:

@@ -73,6 +73,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import fold as _fold
+from .fold_syntax import FOLD, fold_loop
 from .proof import body_reason, tensor_uses, unchanged_between
 
 __all__ = ["LoopRewrite", "rewrite_function"]
@@ -86,12 +88,19 @@ class LoopRewrite:
     source: str
     form: str = ""
     reason: str = ""
+    fold: str = ""
+    """"folded" where, while traced, the loop runs one expert for all (fold.py); else why not."""
+    fold_key: int = dataclasses.field(default=0, repr=False)
+    fold_reads: tuple = dataclasses.field(default=(), repr=False)
+    """What the folded loop reads by expert id: the expert list's expression ('' without one), then
+    the parameter tables' (``self.experts``, ``self.w1``)."""
     filename: str = dataclasses.field(default="", repr=False)
     lines: tuple[int, int] = dataclasses.field(default=(0, 0), repr=False)
     """The loop's file and first and last line: where the graph's nodes of its body come from."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"function": self.function, "source": self.source, "form": self.form, "reason": self.reason}
+        return {"function": self.function, "source": self.source, "form": self.form, "reason": self.reason,
+                "fold": _fold.REASONS.get(self.fold_key) or self.fold}
 
     def holds(self, filename: str, line: int) -> bool:
         """Whether ``filename:line`` lies in the loop."""
@@ -291,10 +300,19 @@ class _Rewriter:
         self.fn = fn
         self.where = where
         self.records: list[tuple[str, ast.stmt, str, str]] = []  # (source, loop, form, reason)
+        self.folds: dict[int, tuple[str, int, tuple]] = {}  # id(loop) -> ("folded" or why not, key, reads)
         self.counter = 0
 
     def note(self, at: ast.AST, loop: ast.stmt, form: str, reason: str = "") -> None:
         self.records.append((self.where(at), loop, form, reason))
+
+    def fold(self, loop: ast.For, record: ast.stmt, proven: bool) -> Optional[ast.stmt]:
+        """The statement that folds ``loop`` while traced (fold_syntax.py), or None; noted on
+        ``record`` (the loop as written)."""
+        key = _fold.new_key()
+        stmt, why, reads = fold_loop(self.fn, loop, key, _COMPILING, _selections(loop.body), proven)
+        self.folds[id(record)] = ("folded", key, reads) if stmt is not None else (why, 0, ())
+        return stmt
 
     # -- hit_loop
     def hit_loop(self, parent: list[ast.stmt], i: int) -> bool:
@@ -370,17 +388,20 @@ class _Rewriter:
         test = ast.Compare(left=ast.Call(func=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="dim",
                                                             ctx=ast.Load()), args=[], keywords=[]),
                            ops=[ast.Eq()], comparators=[ast.Constant(1)])
-        branch = ast.If(test=test, body=[new_loop], orelse=[old_loop])
-        for node in keep + [new_loop, skip, old_loop, branch]:
+        for node in [new_loop, skip, old_loop]:
+            ast.copy_location(node, loop)
+        folded = self.fold(new_loop, loop, proven=True)
+        branch = ast.If(test=test, body=[folded or new_loop], orelse=[old_loop])
+        for node in keep + [branch]:
             ast.copy_location(node, loop)
         parent[i:i + 1] = keep + [branch]
         self.note(loop, loop, "hit_loop")
         return True
 
     # -- count_skip
-    def count_skip(self, loop: ast.For) -> None:
+    def count_skip(self, loop: ast.For) -> bool:
         if not isinstance(loop.target, ast.Name) or not loop.body:
-            return
+            return False
         var = loop.target.id
         first = loop.body[0]
         if not (isinstance(first, ast.If) and not first.orelse and len(first.body) == 1
@@ -441,6 +462,7 @@ class _Rewriter:
                                      orelse=[])
                     stmts[stmts.index(count)] = ast.copy_location(guarded, count)
         self.note(first, loop, "count_skip")
+        return True
 
     def run(self) -> None:
         def visit(stmts: list[ast.stmt]) -> None:
@@ -448,10 +470,19 @@ class _Rewriter:
             while i < len(stmts):
                 s = stmts[i]
                 if isinstance(s, ast.For):
-                    self.count_skip(s)
+                    counted = self.count_skip(s)
                     n = len(stmts)
                     if self.hit_loop(stmts, i):
                         i += 1 + len(stmts) - n
+                        continue
+                    plain = not counted and _selections(s.body) and isinstance(s.iter, ast.Call) \
+                        and _call_name(s.iter) == "range"
+                    folded = self.fold(s, s, proven=bool(counted)) if counted or plain else None
+                    if plain:
+                        self.note(s, s, "")  # a loop over range(E) as written: listed for its fold
+                    if folded is not None:
+                        stmts[i] = folded
+                        i += 1
                         continue
                 for field in ("body", "orelse", "finalbody"):
                     inner = getattr(s, field, None)
@@ -476,9 +507,10 @@ def _private_name(fdef: ast.FunctionDef) -> Optional[str]:
 
 
 def _closed_over(fdef: ast.FunctionDef) -> ast.Module:
-    """``def __cgb_make(__cgb_compiling): <fdef>; return <name>``, at the function's own lines."""
+    """``def __cgb_make(__cgb_compiling, __cgb_fold): <fdef>; return <name>``, at the function's own lines."""
     maker = ast.FunctionDef(
-        name="__cgb_make", args=ast.arguments(posonlyargs=[], args=[ast.arg(arg=_COMPILING)], vararg=None,
+        name="__cgb_make", args=ast.arguments(posonlyargs=[], args=[ast.arg(arg=_COMPILING), ast.arg(arg=FOLD)],
+                                              vararg=None,
                                               kwonlyargs=[], kw_defaults=[], kwarg=None, defaults=[]),
         body=[fdef, ast.Return(value=ast.Name(id=fdef.name, ctx=ast.Load()))], decorator_list=[], returns=None,
         type_comment=None)
@@ -506,7 +538,7 @@ def rewrite_function(fn: Callable, is_compiling: Callable[[], bool] = torch.comp
     except (OSError, TypeError):
         return None, []
     text = textwrap.dedent("".join(lines))
-    if "nonzero" not in text and "tolist" not in text:
+    if "nonzero" not in text and "tolist" not in text and "where(" not in text:
         return None, []
     try:
         tree = ast.parse(text)
@@ -523,7 +555,9 @@ def rewrite_function(fn: Callable, is_compiling: Callable[[], bool] = torch.comp
     rw.run()
     records = [LoopRewrite(name, s, form=f, reason=r, filename=filename, lines=(loop.lineno, loop.end_lineno))
                for s, loop, f, r in rw.records]
-    if not any(r.form for r in records):
+    for rec, (_, loop, _, _) in zip(records, rw.records):
+        rec.fold, rec.fold_key, rec.fold_reads = rw.folds.get(id(loop), ("", 0, ()))
+    if not any(r.form or r.fold_key for r in records):
         return None, records
     refusal = ("the function has a closure (super() or free variables)" if fn.__closure__ else
                f"the function uses {private}, a name Python mangles only inside its class" if private else "")
@@ -531,13 +565,15 @@ def rewrite_function(fn: Callable, is_compiling: Callable[[], bool] = torch.comp
         for r in records:
             if r.form:
                 r.reason, r.form = refusal + "; left as it is", ""
+            if r.fold_key:
+                r.fold, r.fold_key = refusal, 0
         return None, records
     fdef.decorator_list = []
     module = _closed_over(fdef)
     ast.fix_missing_locations(module)
     namespace: dict[str, Any] = {}
     exec(compile(module, filename, "exec"), fn.__globals__, namespace)
-    new = namespace["__cgb_make"](is_compiling)
+    new = namespace["__cgb_make"](is_compiling, _fold)
     new.__defaults__ = fn.__defaults__
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__

@@ -1,0 +1,190 @@
+"""The graph side of folded expert loops (see fold.py): the one traced expert between the markers
+becomes the grouped form over every expert the loop runs.
+
+For each ``begin(K)`` ... ``end(K, runs, params)`` pair of the graph: exactly one where-loop unit
+lies between them, its routing is ``one_hot(ids)[0]`` / ``ids == 0`` (the first expert), the
+experts run are ``0..n-1``, and every per-expert value the unit reads (a parameter of the traced
+expert, one of ``params``' first entries, or a table row ``row(T, 0)``) is used only as the weight
+or bias of a linear layer or matrix product in the unit's row computation. Then the unit is
+replaced by the grouped form with the weights of all n experts (``params`` stacked, or the table).
+Anything else switches the fold off and restarts the trace (fold.decline): the loop is then
+traced unrolled and rewritten, or left, as any other.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+from ...fx_utils import fake_value, module_path, source_location
+from . import fold
+from .cost import choose_layer_form
+from .graph import _shape
+from .grouped import Layer, _Linear, _routing, build_grouped, layer_is_native
+from .layout import consecutive
+from .match import _match_where, _removable, read_while_written
+from .records import DispatchResult, DispatchRewrite, _Skip
+
+__all__ = ["fold_layers"]
+
+
+def _is_marker(node: torch.fx.Node, fn: Any) -> bool:
+    return node.op == "call_function" and node.target is fn
+
+
+def _pairs(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(begin, end) pairs in graph order; an unpaired marker (a graph break inside the traced
+    iteration) declines its fold."""
+    open_: list[torch.fx.Node] = []
+    pairs = []
+    for node in gm.graph.nodes:
+        if _is_marker(node, fold.begin):
+            open_.append(node)
+        elif _is_marker(node, fold.end):
+            if not open_ or open_[-1].args[0] != node.args[0]:
+                fold.decline(node.args[0], "the folded loop's trace was cut by a graph break")
+            pairs.append((open_.pop(), node))
+    if open_:
+        fold.decline(open_[-1].args[0], "the folded loop's trace was cut by a graph break")
+    return pairs
+
+
+def _rows_as_getitem(gm: torch.fx.GraphModule) -> None:
+    """``row(T, e)`` -> ``T[e]``, the form the grouped pass reads as an indexed table."""
+    for node in list(gm.graph.nodes):
+        if _is_marker(node, fold.row):
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(operator.getitem, node.args)
+            new.meta = dict(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+
+
+def _layer(gm: torch.fx.GraphModule, begin: torch.fx.Node, end: torch.fx.Node, order: dict) -> Layer:
+    key, runs, params = end.args[0], end.args[1], end.args[2]
+    why = fold.recheck(key)
+    if why:
+        raise _Skip(why)
+    if not isinstance(runs, (list, tuple)) or not runs or list(runs) != list(range(len(runs))):
+        raise _Skip(f"the loop runs experts {runs}, not 0..n-1")
+    n = len(runs)
+    region = [nd for nd in gm.graph.nodes if order[begin] < order[nd] < order[end]]
+    plans, why = [], "no dispatch unit"
+    for node in region:
+        if node.op in ("call_function", "call_method"):
+            try:
+                plan = _match_where(node, order)
+            except _Skip as exc:
+                why = str(exc)
+                continue
+            if plan is not None:
+                plans.append(plan)
+    if len(plans) != 1:
+        raise _Skip(f"the traced expert's iteration holds {len(plans)} dispatch units ({why})")
+    plan = plans[0]
+    unit = plan.unit
+    r = _routing(unit) if unit is not None else None
+    if r is None or r[2] != 0:
+        raise _Skip("the traced expert's selection is not one_hot(ids)[e] or ids == e")
+    ids, perm, _ = r
+    if len(unit.grid) not in (1, 2):
+        raise _Skip("the routing grid is not tokens (x slots)")
+    k = 1 if len(unit.grid) == 1 else unit.grid[1 - unit.tok_axis]
+    if not isinstance(k, int):
+        raise _Skip("the number of routed slots per token is not a constant")
+    _removable(plan)
+    reads = unit.rows.inputs() + ([unit.weight.table] if unit.weight is not None else [])
+    start = min(unit.sources, key=order.__getitem__)
+    clash = read_while_written(list(dict.fromkeys(reads)), start, unit.sink.next)
+    if clash is not None:
+        raise _Skip(f"the expert reads {clash[0].name}, which {clash[1].name} writes: expert e's input would "
+                    "depend on the earlier experts' outputs")
+    per_expert: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for group in params or ():
+        group = list(group)
+        if len(group) != n:
+            raise _Skip(f"the loop runs {n} experts but the list holds {len(group)}")
+        per_expert[group[0]] = group
+    for node in region:
+        if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0 \
+                and node.args[0].op in ("placeholder", "get_attr") and node.meta.get("cgb_row"):
+            per_expert[node] = [node]
+    body = set(unit.rows.body)
+    linears: dict[torch.fx.Node, _Linear] = {}
+    for leaf, weights in per_expert.items():
+        for user in leaf.users:
+            if user is end:
+                continue
+            pos = [i for i, a in enumerate(user.args) if a is leaf]
+            name = getattr(user.target, "__name__", str(user.target))
+            kind = "linear" if name == "linear" else "matmul" if name in ("matmul", "mm") else ""
+            if user not in body or not kind or user.kwargs or any(p not in ((1, 2) if kind == "linear" else (1,))
+                                                                  for p in pos) or len(pos) != 1:
+                raise _Skip(f"a per-expert value ({leaf.name}) is used by {user.name}, not as the weight of a "
+                            "linear layer or matrix product of the expert's rows")
+            if len(_shape(user.args[0])) != 2:
+                raise _Skip(f"{user.name} multiplies a {len(_shape(user.args[0]))}-D tensor (rows x features expected)")
+            lin = linears.setdefault(user, _Linear(user, kind, [], None))
+            if pos[0] == 1:
+                lin.weights = weights
+            else:
+                lin.biases = weights
+    if not linears or any(not lin.weights for lin in linears.values()):
+        raise _Skip("the traced expert has no per-expert weight")
+    flops, stack = 0, 0
+    for lin in linears.values():
+        shape = _shape(lin.weights[0])
+        flops += 2 * int(shape[0]) * int(shape[1])
+        if len(lin.weights) > 1 and not consecutive([fake_value(w) for w in lin.weights]):
+            stack += n * int(shape[0]) * int(shape[1]) * fake_value(lin.weights[0]).element_size()
+    return Layer([plan], ids, perm, k, unit.grid[unit.tok_axis], list(linears.values()), flops, stack,
+                 {g: src for g, (src, _) in unit.sources.items()}, unit.index, n_experts=n)
+
+
+def fold_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> bool:
+    """Rewrite every folded loop of ``gm`` into the grouped form (in place); True when any was.
+    Raises fold.FoldDeclined (Dynamo traces again, unrolled) where one cannot be."""
+    if not any(_is_marker(n, fold.begin) or _is_marker(n, fold.end) for n in gm.graph.nodes):
+        return False
+    for node in gm.graph.nodes:
+        if _is_marker(node, fold.row):
+            node.meta["cgb_row"] = True
+    _rows_as_getitem(gm)
+    pairs = _pairs(gm)
+    for begin, end in pairs:
+        key = end.args[0]
+        order = {nd: i for i, nd in enumerate(gm.graph.nodes)}
+        try:
+            layer = _layer(gm, begin, end, order)
+            dead = _removable(layer.plans[0])
+            native = layer_is_native(layer)
+            value = fake_value(layer.units[0].rows.out)
+            form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native)
+            if form != "grouped":
+                # the folded trace has only the grouped form to give; the unrolled one has them all
+                raise _Skip(f"the cost model picks {form or 'no static form'} here ({why})")
+            new = build_grouped(gm, layer)
+        except _Skip as exc:
+            fold.decline(key, str(exc))
+        except Exception as exc:  # a shape the fake run rejects
+            fold.decline(key, f"the grouped form does not trace ({type(exc).__name__}: {exc})")
+        sink = layer.plans[0].sink
+        source, code = source_location(sink)
+        figures["folded"] = f"one expert traced for {layer.experts}"
+        figures["grouped_mm"] = "torch._grouped_mm" if native else "per-row weight gather + bmm (equivalent)"
+        result.rewrites.append(DispatchRewrite(
+            "where_loop", source, code, module_path(sink), form="grouped",
+            why=f"{why}; folded loop: one expert traced, the grouped form runs all {layer.experts}",
+            experts=layer.experts, removed_ops=sum(1 for d in dead if d.op in ("call_function", "call_method")),
+            figures=figures))
+        sink.replace_all_uses_with(new)
+        for nd in reversed(list(gm.graph.nodes)):
+            if (nd in dead or nd is begin or nd is end) and not nd.users:
+                gm.graph.erase_node(nd)
+    for nd in reversed(list(gm.graph.nodes)):  # table rows the traced expert read
+        if nd.meta.get("cgb_row") and not nd.users:
+            gm.graph.erase_node(nd)
+    return True

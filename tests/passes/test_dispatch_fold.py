@@ -1,0 +1,251 @@
+"""Folded expert loops (passes/dispatch/fold*.py): Dynamo traces one expert of a proven loop and the
+grouped form runs all of them; every loop it cannot prove is traced unrolled, as before.
+
+Each test checks outputs (and, in training, every gradient) against the model run eagerly on
+varied batches, and what Dynamo traced: the number of selections (``torch.where``) in the graph
+that reaches the static-dispatch pass, one per layer when folded and one per expert when not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cgbackend
+import cgbackend.passes.pipeline as pipeline
+from cgbackend.models.layers import Expert
+from cgbackend.passes.dispatch import fold
+
+from moe_helpers import RoutedExperts
+
+D, FF, E, K = 16, 24, 8, 2
+
+pytestmark = pytest.mark.skipif(not fold.supported(), reason="this torch cannot restart a trace from a backend")
+
+
+class LoopLayer(RoutedExperts):
+    """Mixtral's eager loop over every expert, as user code."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, selected = self.route(h)
+        final = torch.zeros_like(h)
+        mask = F.one_hot(selected, num_classes=self.n_experts).permute(2, 1, 0)
+        for e in range(self.n_experts):
+            idx, top_x = torch.where(mask[e])
+            out = self.experts[e](h[top_x]) * weights[top_x, idx, None]
+            final.index_add_(0, top_x, out)
+        return final.reshape(x.shape)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, layer: type = LoopLayer, **kw) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layer(D, FF, E, K, **kw) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class TableLayer(nn.Module):
+    """transformers' form: the experts' weights as tables read by expert id, a loop over the hit
+    experts with a sentinel expert skipped by id."""
+
+    def __init__(self, d: int, ff: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.gate = nn.Linear(d, n_experts, bias=False)
+        self.up = nn.Parameter(torch.randn(n_experts, ff, d) / d ** 0.5)
+        self.down = nn.Parameter(torch.randn(n_experts, d, ff) / ff ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        w, ind = torch.topk(F.softmax(self.gate(h), -1), self.top_k)
+        final = torch.zeros_like(h)
+        with torch.no_grad():
+            mask = F.one_hot(ind, num_classes=self.n_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            e = e[0]
+            if e == self.n_experts:
+                continue
+            pos, tok = torch.where(mask[e])
+            cur = F.linear(F.gelu(F.linear(h[tok], self.up[e])), self.down[e])
+            final.index_add_(0, tok, cur * w[tok, pos, None])
+        return final.reshape(x.shape)
+
+
+def _wheres(monkeypatch) -> list[int]:
+    """The number of torch.where nodes of each graph that reaches static dispatch."""
+    seen: list[int] = []
+    real = pipeline.rewrite_static_dispatch
+
+    def counting(gm, mode, loops=()):
+        seen.append(sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.where))
+        return real(gm, mode, loops)
+    monkeypatch.setattr(pipeline, "rewrite_static_dispatch", counting)
+    return seen
+
+
+def _batches(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 6 if i < n - 1 else 9, D, generator=g, dtype=torch.float64) for i in range(n)]
+
+
+def _check(model: nn.Module, train: bool, replays: bool = True, **options):
+    """Compile ``model``, run varied batches; outputs (and gradients) equal eager's, and the calls
+    after warm-up replay graphs. Returns the report."""
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped", **options)
+    for x in _batches(4, seed=3):
+        with torch.set_grad_enabled(train):
+            want = model(x)
+            if train:
+                want.square().sum().backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                model.zero_grad(set_to_none=True)
+            got = compiled(x)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+            if train:
+                got.square().sum().backward()
+                for p, g in zip(model.parameters(), grads):
+                    torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-10)
+                model.zero_grad(set_to_none=True)
+    assert cgbackend.stats(compiled)["replays"] >= 1 or not replays
+    return cgbackend.report(compiled)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_folded_loop_traces_one_expert_and_equals_eager(monkeypatch, train):
+    torch.manual_seed(0)
+    model = TwoLayers().double()
+    wheres = _wheres(monkeypatch)
+    report = _check(model, train)
+    assert set(wheres) == {2}, wheres  # one expert per layer traced, not 2 x 8 (a graph per batch shape)
+    assert [r["fold"] for r in report.loop_rewrites] == ["folded"]
+    rewrites = [r for g in report.to_dict()["graphs"] for r in g["dispatch"]["rewrites"]]
+    assert len(rewrites) >= 2 and {(r["form"], r["experts"]) for r in rewrites} == {("grouped", E)}
+    assert all("one expert traced for 8" == r["figures"]["folded"] for r in rewrites)
+
+
+def test_parameter_tables_and_a_skipped_sentinel_fold(monkeypatch):
+    torch.manual_seed(1)
+    model = nn.Sequential(TableLayer(D, FF, E, K)).double()
+    wheres = _wheres(monkeypatch)
+    report = _check(model, train=True)
+    assert set(wheres) == {1}, wheres
+    assert [(r["form"], r["fold"]) for r in report.loop_rewrites] == [("hit_loop", "folded")]
+
+
+class ScaledExpert(Expert):
+    """An expert whose parameter scales its output: not the weight of a linear layer."""
+
+    def __init__(self, d: int, ff: int) -> None:
+        super().__init__(d, ff)
+        self.scale = nn.Parameter(torch.rand(1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class ScaledLayer(LoopLayer):
+    def __init__(self, d: int, ff: int, n_experts: int, top_k: int) -> None:
+        super().__init__(d, ff, n_experts, top_k)
+        self.experts = nn.ModuleList(ScaledExpert(d, ff) for _ in range(n_experts))
+
+
+def test_a_fold_the_graph_pass_cannot_build_is_traced_unrolled(monkeypatch):
+    """The per-expert scale is not a linear weight: the pass declines, Dynamo traces again with the
+    loop unrolled, and the result is still eager's."""
+    torch.manual_seed(2)
+    model = TwoLayers(ScaledLayer).double()
+    wheres = _wheres(monkeypatch)
+    report = _check(model, train=True)
+    assert wheres[0] == 2 and set(wheres[1:]) == {2 * E}, wheres  # folded, declined, traced unrolled
+    (loop,) = report.loop_rewrites
+    assert "scale" in loop["fold"] and "not as the weight of a linear layer" in loop["fold"], loop
+
+
+class CountingExpert(Expert):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(x)
+
+
+class TemperedExpert(Expert):
+    def __init__(self, d: int, ff: int, t: float) -> None:
+        super().__init__(d, ff)
+        self.t = t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / self.t
+
+
+class ListLayer(LoopLayer):
+    def __init__(self, d: int, ff: int, n_experts: int, top_k: int, make=None) -> None:
+        super().__init__(d, ff, n_experts, top_k)
+        self.experts = nn.ModuleList(make(e) for e in range(n_experts))
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda e: CountingExpert(D, FF), "writes self.calls"),
+    (lambda e: TemperedExpert(D, FF, 1.0 + e), "other attribute values"),
+    (lambda e: TemperedExpert(D, FF, 2.0) if e else Expert(D, FF), "differ"),
+], ids=["side-effect", "attribute", "class"])
+def test_experts_that_are_not_one_structure_are_not_folded(monkeypatch, make, reason):
+    torch.manual_seed(3)
+    model = TwoLayers(ListLayer, make=make).double()
+    wheres = _wheres(monkeypatch)
+    report = _check(model, train=False, replays=not reason.startswith("writes"))
+    assert set(wheres) == {2 * E}, wheres
+    (loop,) = report.loop_rewrites
+    assert reason in loop["fold"], loop
+
+
+class IdLayer(LoopLayer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, selected = self.route(h)
+        final = torch.zeros_like(h)
+        mask = F.one_hot(selected, num_classes=self.n_experts).permute(2, 1, 0)
+        for e in range(self.n_experts):
+            idx, top_x = torch.where(mask[e])
+            out = self.experts[e](h[top_x]) * weights[top_x, idx, None] * (e + 1)
+            final.index_add_(0, top_x, out)
+        return final.reshape(x.shape)
+
+
+def test_a_loop_that_uses_the_expert_id_as_a_number_is_not_folded(monkeypatch):
+    torch.manual_seed(4)
+    model = TwoLayers(IdLayer).double()
+    wheres = _wheres(monkeypatch)
+    report = _check(model, train=False)
+    assert set(wheres) == {2 * E}, wheres
+    assert "uses e otherwise" in report.loop_rewrites[0]["fold"]
+
+
+def test_a_hook_on_an_expert_is_honoured(monkeypatch):
+    """A forward hook on one expert (set before compiling) keeps the loop unrolled, so it runs."""
+    torch.manual_seed(5)
+    model = TwoLayers().double()
+    calls = []
+    model.layers[0].experts[5].register_forward_hook(lambda m, a, out: calls.append(1))
+    wheres = _wheres(monkeypatch)
+    report = _check(model, train=False, replays=False)  # the hook's Python effect runs eagerly
+    assert set(wheres) == {2 * E} and "expert 5's module has hooks" in report.loop_rewrites[0]["fold"], (
+        wheres, report.loop_rewrites)
+    assert calls
+
+
+def test_static_dispatch_masked_dense_never_folds(monkeypatch):
+    torch.manual_seed(6)
+    model = TwoLayers().double()
+    wheres = _wheres(monkeypatch)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="masked_dense")
+    with torch.no_grad():
+        for x in _batches(2, seed=7):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
+    assert wheres and set(wheres) == {2 * E}
+    assert "not auto or grouped" in cgbackend.report(compiled).loop_rewrites[0]["fold"]
