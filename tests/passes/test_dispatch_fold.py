@@ -206,15 +206,13 @@ def test_experts_that_are_not_one_structure_are_not_folded(monkeypatch, make, re
 
 class IdLayer(LoopLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.reshape(-1, x.shape[-1])
-        weights, selected = self.route(h)
-        final = torch.zeros_like(h)
-        mask = F.one_hot(selected, num_classes=self.n_experts).permute(2, 1, 0)
-        for e in range(self.n_experts):
-            idx, top_x = torch.where(mask[e])
-            out = self.experts[e](h[top_x]) * weights[top_x, idx, None] * (e + 1)
-            final.index_add_(0, top_x, out)
-        return final.reshape(x.shape)
+        h = x.reshape(-1, D)
+        w, sel = self.route(h)
+        acc = torch.zeros_like(h)
+        for e in range(E):
+            t, i = torch.where(sel == e)
+            acc.index_add_(0, t, self.experts[e](h[t]) * w[t, i, None] * (e + 1))
+        return acc.reshape(x.shape)
 
 
 def test_a_loop_that_uses_the_expert_id_as_a_number_is_not_folded(monkeypatch):
