@@ -247,3 +247,22 @@ def test_static_dispatch_masked_dense_never_folds(monkeypatch):
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
     assert wheres and set(wheres) == {2 * E}
     assert "not auto or grouped" in cgbackend.report(compiled).loop_rewrites[0]["fold"]
+
+
+class BreakingExpert(Expert):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return super().forward(x)
+
+
+def test_a_graph_break_inside_the_traced_expert_runs_the_loop_as_written():
+    """Dynamo gives up on a frame with a graph break inside a loop and runs it eagerly: the loop then
+    runs as written. (The fold helper asked from that eager frame would itself be traced by Dynamo as
+    a frame of its own and say "fold": the folded branch then ran one expert, eagerly.)"""
+    torch.manual_seed(7)
+    model = TwoLayers(ListLayer, make=lambda e: BreakingExpert(D, FF)).double()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped")
+    with torch.no_grad():
+        for x in _batches(3, seed=8):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
+    assert cgbackend.stats(compiled)["replays"] >= 1  # the experts' own frames are compiled and captured

@@ -13,7 +13,8 @@ folded when its body selects rows with ``torch.where`` / ``nonzero`` and uses ``
 
 and passes proof.body_reason (an iteration leaves nothing behind). It becomes::
 
-    __cgb_fold_in_K = __cgb_fold.inputs(K, self.<list>)      # None unless traced with the fold on
+    __cgb_fold_in_K = __cgb_fold.inputs(K, self.<list>) if __cgb_compiling() else None  # None unless
+                                                  # this frame is traced with the fold on
     if __cgb_fold_in_K is not None:
         __cgb_fold_runs_K = [e for e in range(N) if not (<leading skip tests>)]
         __cgb_fold.begin(K)
@@ -157,7 +158,11 @@ def fold_loop(fn: ast.FunctionDef, loop: ast.For, key: int, compiling: str,
     expr = ast.parse(experts, mode="eval").body if experts else ast.Constant(None)
     stmt = ast.If(test=ast.Compare(left=ast.Name(id=fin, ctx=ast.Load()), ops=[ast.IsNot()],
                                    comparators=[ast.Constant(None)]), body=folded, orelse=[loop])
-    setup = ast.Assign(targets=[ast.Name(id=fin, ctx=ast.Store())], value=_fold_call("inputs", ast.Constant(key), expr))
+    # Asked only from a frame Dynamo traces: a frame it gives up on runs eagerly, and there the
+    # helper, called from eager code, would be a frame of its own that Dynamo traces (and answers).
+    setup = ast.Assign(targets=[ast.Name(id=fin, ctx=ast.Store())], value=ast.IfExp(
+        test=ast.Call(func=ast.Name(id=compiling, ctx=ast.Load()), args=[], keywords=[]),
+        body=_fold_call("inputs", ast.Constant(key), expr), orelse=ast.Constant(None)))
     block = ast.If(test=ast.Constant(True), body=[setup, stmt], orelse=[])
     for node in ast.walk(block):
         if node is not loop and not hasattr(node, "lineno") and isinstance(node, (ast.stmt, ast.expr)):
