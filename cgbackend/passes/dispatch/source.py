@@ -478,7 +478,7 @@ class _Rewriter:
                     plain = not counted and _selections(s.body) and isinstance(s.iter, ast.Call) \
                         and _call_name(s.iter) == "range"
                     folded = self.fold(s, s, proven=bool(counted)) if counted or plain else None
-                    if plain:
+                    if plain and not any(loop is s for _, loop, _, _ in self.records):
                         self.note(s, s, "")  # a loop over range(E) as written: listed for its fold
                     if folded is not None:
                         stmts[i] = folded
