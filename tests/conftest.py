@@ -16,6 +16,27 @@ import cgbackend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist, each worker's torch (and every process a test starts: fresh interpreters,
+    spawned gloo ranks, which inherit the environment) uses the cores left to it, not all of them.
+    torch's default is one OpenMP thread per core in every process: two workers on two cores ran
+    four threads, and an OpenMP parallel region waits for all of its threads, so each op that
+    splits its work waited for a thread the other worker's process held (a scheduler time slice).
+    The tests' tiny models gain nothing from a second thread; the runtime tests took 4x longer
+    that way, and the gloo ranks' steps 50x (1-3 s per step of a one-layer model). A thread count
+    set by the caller (OMP_NUM_THREADS) is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_one_core_per_worker()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "multigpu: needs 2 CUDA GPUs (skipped without them)")

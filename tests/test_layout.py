@@ -151,6 +151,17 @@ failed = []
 # importing the package; each other module after the package alone.
 import cgbackend
 by_package = {m for m in sys.modules if m == "cgbackend" or m.startswith("cgbackend.")}
+# Each module below imports the package again. Its bytecode is compiled once and kept here: with
+# PYTHONDONTWRITEBYTECODE (no .pyc) every import compiled every module's source anew, 0.3 s a time.
+import importlib.machinery
+_compiled, _get_code = {}, importlib.machinery.SourceFileLoader.get_code
+def _get_code_once(loader, fullname):
+    if fullname.partition(".")[0] != "cgbackend":
+        return _get_code(loader, fullname)
+    if fullname not in _compiled:
+        _compiled[fullname] = _get_code(loader, fullname)
+    return _compiled[fullname]
+importlib.machinery.SourceFileLoader.get_code = _get_code_once
 for name in [n for n in sys.argv[1:] if n not in by_package]:
     for loaded in [m for m in sys.modules if m == "cgbackend" or m.startswith("cgbackend.")]:
         del sys.modules[loaded]

@@ -173,17 +173,45 @@ def test_every_option_has_help(make):
     assert not missing
 
 
+_HELP_ARGS = [["serve-bench", "--help"], ["bench", "--help"], ["explain", "--help"]]
+
+# ``python -m cgbackend ARGS`` for each of _HELP_ARGS in one fresh interpreter: runpy runs the
+# package's __main__ as -m does (a fresh __main__ each time), with sys.argv as -m sets it.
+_HELP_DRIVER = """
+import contextlib, io, json, runpy, sys
+results = []
+for args in json.loads(sys.argv[1]):
+    sys.argv = [sys.argv[0]] + args
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("cgbackend", run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            code = exc.code or 0
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+sys.stdout.write(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def help_runs():
+    proc = subprocess.run([sys.executable, "-c", _HELP_DRIVER, json.dumps(_HELP_ARGS)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {" ".join(args): run for args, run in zip(_HELP_ARGS, json.loads(proc.stdout))}
+
+
 @pytest.mark.parametrize("args, prog", [
     (["-m", "cgbackend", "serve-bench", "--help"], "usage: python -m cgbackend serve-bench"),
     (["-m", "cgbackend", "bench", "--help"], "usage: python -m cgbackend bench"),
     (["-m", "cgbackend", "explain", "--help"], "usage: python -m cgbackend explain"),
 ])
-def test_help_uses_the_program_name(args, prog):
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith(prog), proc.stdout[:200]
+def test_help_uses_the_program_name(args, prog, help_runs):
+    proc = help_runs[" ".join(args[2:])]
+    assert proc["returncode"] == 0, proc["stderr"][-2000:]
+    assert proc["stdout"].startswith(prog), proc["stdout"][:200]
     if "serve-bench" in " ".join(args):
-        assert "batch sizes are drawn uniformly" in proc.stdout  # the options have help text
+        assert "batch sizes are drawn uniformly" in proc["stdout"]  # the options have help text
 
 
 @pytest.mark.parametrize("argv, prog", [(["serve-bench", "--help"], "usage: cgbackend serve-bench"),
