@@ -24,6 +24,12 @@ D, FF, E, K = 8, 12, 4, 2
 pytestmark = pytest.mark.skipif(not fold.supported(), reason="this torch cannot restart a trace from a backend")
 
 
+@pytest.fixture(autouse=True)
+def fold_small_loops(monkeypatch):
+    """Models of 4 experts, folded as loops of 16 and more are by default."""
+    monkeypatch.setattr(fold, "MIN_EXPERTS", 2)
+
+
 class LoopLayer(RoutedExperts):
     """Mixtral's eager loop over every expert, as user code."""
 
@@ -235,6 +241,15 @@ def test_a_hook_on_an_expert_is_honoured(monkeypatch):
     assert set(wheres) == {2 * E} and "expert 3's module has hooks" in report.loop_rewrites[0]["fold"], (
         wheres, report.loop_rewrites)
     assert calls
+
+
+def test_loops_over_few_experts_are_traced_unrolled(monkeypatch):
+    torch.manual_seed(9)
+    monkeypatch.setattr(fold, "MIN_EXPERTS", E + 1)
+    model = TwoLayers().double()
+    wheres = _wheres(monkeypatch)
+    report = _check(model, train=False)
+    assert set(wheres) == {2 * E} and "4 experts: below 5" in report.loop_rewrites[0]["fold"]
 
 
 def test_static_dispatch_masked_dense_never_folds(monkeypatch):

@@ -112,6 +112,13 @@ def _enable_fold(record: LoopRewrite, modules: list[torch.nn.Module], fold: bool
         spec = mine
     if not modules:
         why = why or "no module runs this loop"
+    for module in modules:
+        experts, *tables = record.fold_reads
+        n = len(_read(module, experts)) if experts else min((int(_read(module, t).shape[0]) for t in tables
+                                                              if isinstance(_read(module, t), torch.Tensor)), default=0)
+        if n < _fold.MIN_EXPERTS:
+            why = why or (f"{n} experts: below {_fold.MIN_EXPERTS} the unrolled trace is cheap and leaves every "
+                          "form to the cost model")
     if why or spec is None:
         _fold.disable(record.fold_key, why)
         record.fold = why
