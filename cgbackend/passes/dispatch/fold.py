@@ -137,10 +137,6 @@ def disable(key: int, why: str) -> None:
     REASONS[key] = why
 
 
-def enabled(key: int) -> bool:
-    return _ENABLED.get(key, False)
-
-
 # ----------------------------------------------------------------------------- the experts' structure
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype)

@@ -23,8 +23,7 @@ from ...fx_utils import fake_value, module_path, source_location
 from . import fold
 from .cost import choose_layer_form
 from .graph import _shape
-from .grouped import Layer, _Linear, _routing, build_grouped, layer_is_native
-from .layout import consecutive
+from .grouped import Layer, _Linear, _routing, build_grouped, costs, layer_is_native, slots
 from .match import _match_where, _removable, read_while_written
 from .records import DispatchResult, DispatchRewrite, _Skip
 
@@ -58,7 +57,7 @@ def _rows_as_getitem(gm: torch.fx.GraphModule) -> None:
         if _is_marker(node, fold.row):
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(operator.getitem, node.args)
-            new.meta = dict(node.meta)
+            new.meta = dict(node.meta, cgb_row=True)  # a row the traced expert read
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
 
@@ -90,11 +89,7 @@ def _layer(gm: torch.fx.GraphModule, begin: torch.fx.Node, end: torch.fx.Node, o
     if r is None or r[2] != 0:
         raise _Skip("the traced expert's selection is not one_hot(ids)[e] or ids == e")
     ids, perm, _ = r
-    if len(unit.grid) not in (1, 2):
-        raise _Skip("the routing grid is not tokens (x slots)")
-    k = 1 if len(unit.grid) == 1 else unit.grid[1 - unit.tok_axis]
-    if not isinstance(k, int):
-        raise _Skip("the number of routed slots per token is not a constant")
+    k = slots(unit)
     _removable(plan)
     reads = unit.rows.inputs() + ([unit.weight.table] if unit.weight is not None else [])
     start = min(unit.sources, key=order.__getitem__)
@@ -134,13 +129,8 @@ def _layer(gm: torch.fx.GraphModule, begin: torch.fx.Node, end: torch.fx.Node, o
                 lin.biases = weights
     if not linears or any(not lin.weights for lin in linears.values()):
         raise _Skip("the traced expert has no per-expert weight")
-    flops, stack = 0, 0
-    for lin in linears.values():
-        shape = _shape(lin.weights[0])
-        flops += 2 * int(shape[0]) * int(shape[1])
-        if len(lin.weights) > 1 and not consecutive([fake_value(w) for w in lin.weights]):
-            stack += n * int(shape[0]) * int(shape[1]) * fake_value(lin.weights[0]).element_size()
-    return Layer([plan], ids, perm, k, unit.grid[unit.tok_axis], list(linears.values()), flops, stack,
+    lins = list(linears.values())
+    return Layer([plan], ids, perm, k, unit.grid[unit.tok_axis], lins, *costs(lins),
                  {g: src for g, (src, _) in unit.sources.items()}, unit.index, n_experts=n)
 
 
@@ -149,9 +139,6 @@ def fold_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> 
     Raises fold.FoldDeclined (Dynamo traces again, unrolled) where one cannot be."""
     if not any(_is_marker(n, fold.begin) or _is_marker(n, fold.end) for n in gm.graph.nodes):
         return False
-    for node in gm.graph.nodes:
-        if _is_marker(node, fold.row):
-            node.meta["cgb_row"] = True
     _rows_as_getitem(gm)
     pairs = _pairs(gm)
     for begin, end in pairs:

@@ -94,38 +94,37 @@ def _read(module: torch.nn.Module, expr: str) -> Any:
 
 def _enable_fold(record: LoopRewrite, modules: list[torch.nn.Module], fold: bool) -> None:
     """Switch the fold of ``record``'s loop on when every module that runs it holds experts of
-    one structure (fold.spec_of) and tensors where it reads rows; else say why on the record."""
-    why, spec, owners = "", None, []
-    if not fold:
-        why = "static_dispatch is not auto or grouped"
+    one structure (fold.spec_of), at least fold.MIN_EXPERTS of them, and tensors where it reads
+    rows; else record why (fold.REASONS, which the record's report shows)."""
+    why = "" if fold else "static_dispatch is not auto or grouped"
+    spec, owners = None, []
+    experts, *tables = record.fold_reads
     for module in modules:
-        experts, *tables = record.fold_reads
-        for t in tables:
-            if not isinstance(_read(module, t), torch.Tensor):
+        rows = [_read(module, t) for t in tables]
+        for t, value in zip(tables, rows):
+            if not isinstance(value, torch.Tensor):
                 why = why or f"{t} is not a tensor"
-        mine, reason = (_fold.spec_of(_read(module, experts)) if experts else (_fold.Spec(), ""))
         if experts:
-            owners.append(_read(module, experts))
+            owner = _read(module, experts)
+            owners.append(owner)
+            mine, reason = _fold.spec_of(owner)
+            n = len(owner) if isinstance(owner, torch.nn.ModuleList) else 0
+        else:
+            mine, reason = _fold.Spec(), ""
+            n = min((int(v.shape[0]) for v in rows if isinstance(v, torch.Tensor)), default=0)
         why = why or reason
         if spec is not None and mine != spec:
             why = why or "the modules that run this loop hold experts of different structures"
         spec = mine
-    if not modules:
-        why = why or "no module runs this loop"
-    for module in modules:
-        experts, *tables = record.fold_reads
-        n = len(_read(module, experts)) if experts else min((int(_read(module, t).shape[0]) for t in tables
-                                                              if isinstance(_read(module, t), torch.Tensor)), default=0)
         if n < _fold.MIN_EXPERTS:
             why = why or (f"{n} experts: below {_fold.MIN_EXPERTS} the unrolled trace is cheap and leaves every "
                           "form to the cost model")
+    if not modules:
+        why = why or "no module runs this loop"
     if why or spec is None:
         _fold.disable(record.fold_key, why)
-        record.fold = why
     else:
         _fold.enable(record.fold_key, spec, owners)
-        if not _fold.enabled(record.fold_key):
-            record.fold = _fold.REASONS[record.fold_key]
 
 
 class LoopForwards:

@@ -197,6 +197,28 @@ def _inputs_before_outputs(plans: list[_Plan], order: dict) -> None:
                     "between the experts): expert e's input depends on the earlier experts' outputs")
 
 
+def slots(unit: WhereUnit) -> int:
+    """The routed slots per token of a unit whose routing grid is tokens (x slots)."""
+    if len(unit.grid) not in (1, 2):
+        raise _Skip("the routing grid is not tokens (x slots)")
+    k = 1 if len(unit.grid) == 1 else unit.grid[1 - unit.tok_axis]
+    if not isinstance(k, int):
+        raise _Skip("the number of routed slots per token is not a constant")
+    return k
+
+
+def costs(linears: list[_Linear]) -> tuple[int, int]:
+    """(multiply-adds x2 per routed row, bytes torch.stack copies per call) of a layer's linears."""
+    flops = stack = 0
+    for lin in linears:
+        shape = _shape(lin.weights[0])
+        flops += 2 * int(shape[0]) * int(shape[1])
+        kind, _ = _leaf_stack(lin.weights)
+        if kind == "params" and not consecutive([fake_value(w) for w in lin.weights]):
+            stack += len(lin.weights) * int(shape[0]) * int(shape[1]) * fake_value(lin.weights[0]).element_size()
+    return flops, stack
+
+
 def find_layers(plans: list[_Plan], order: dict) -> tuple[list[Layer], list[tuple[list[_Plan], str]]]:
     """Group where-loop plans into layers that can take the grouped form. Returns the layers and,
     for groups that cannot, (their plans, why)."""
@@ -226,27 +248,14 @@ def find_layers(plans: list[_Plan], order: dict) -> tuple[list[Layer], list[tupl
                 if u.grid != u0.grid or u.tok_axis != u0.tok_axis or not same_w or u.rows_first != u0.rows_first \
                         or [c.target for c in u.casts] != [c.target for c in u0.casts]:
                     raise _Skip("the experts are weighted or laid out differently")
-            if len(u0.grid) not in (1, 2):
-                raise _Skip("the routing grid is not tokens (x slots)")
+            k = slots(u0)
             closure = set()
             for p in ps:
                 closure |= _removable(p)
             _acc_chain(ps, order, closure)
             _inputs_before_outputs(ps, order)
             linears = _correspond([p.unit for p in ps])
-            k = 1 if len(u0.grid) == 1 else u0.grid[1 - u0.tok_axis]
-            if not isinstance(k, int):
-                raise _Skip("the number of routed slots per token is not a constant")
-            flops = 0
-            stack = 0
-            for lin in linears:
-                shape = _shape(lin.weights[0])
-                flops += 2 * int(shape[0]) * int(shape[1])
-                kind, _ = _leaf_stack(lin.weights)
-                if kind == "params" and not consecutive([fake_value(w) for w in lin.weights]):
-                    item = fake_value(lin.weights[0]).element_size()
-                    stack += len(lin.weights) * int(shape[0]) * int(shape[1]) * item
-            layers.append(Layer(ps, ids, perm, k, u0.grid[u0.tok_axis], linears, flops, stack,
+            layers.append(Layer(ps, ids, perm, k, u0.grid[u0.tok_axis], linears, *costs(linears),
                                 {g: src for g, (src, _) in u0.sources.items()}, u0.index))
         except _Skip as exc:
             rejected.append((ps, str(exc)))
