@@ -206,12 +206,14 @@ def _needs_grouped_form(spec: Any) -> Optional[str]:
 
 def _hf_grouped_convert(base: nn.Module, device: torch.device) -> nn.Module:
     model = copy.deepcopy(base).to(device)
-    model.set_experts_implementation("grouped_mm")
+    # the transformers model itself, or the one a bench wrapper holds (its parameter names are kept)
+    hf = next(m for m in model.modules() if hasattr(m, "set_experts_implementation"))
+    hf.set_experts_implementation("grouped_mm")
     return model
 
 
 def _needs_hf_moe(spec: Any) -> Optional[str]:
-    if spec.family == "decode" and spec.moe:
+    if spec.family in ("decode", "zoo") and spec.moe:
         return None
     return f"{spec.name} is not a transformers MoE model"
 
@@ -226,6 +228,7 @@ register_contender(Contender(
 
 register_contender(Contender(
     "hf-grouped-mm-reduce-overhead", _reduce_overhead_on_cuda, stock=False, mark_step=True,
-    convert=_hf_grouped_convert, applies_to=_needs_hf_moe, unsupported=_grouped_unsupported, modes=("decode",),
+    convert=_hf_grouped_convert, applies_to=_needs_hf_moe, unsupported=_grouped_unsupported,
+    modes=("decode", "infer", "train"),
     description='transformers experts with set_experts_implementation("grouped_mm"), same weights, under '
                 'torch.compile(mode="reduce-overhead") (CPU: backend="eager")'))

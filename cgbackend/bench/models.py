@@ -7,6 +7,9 @@ Families:
   ``--tokens`` (a sweep gives one row group per token count, same model name).
 - ``decode``: transformers models from small configs, greedy decode with a StaticCache
   (``decode.py``).
+- ``zoo``: transformers MoE models from the zoo's small configs (``benchmarks/zoo.py``) with
+  ``set_experts_implementation("eager")``, inference and a training step on ``--batch`` x ``--seq``
+  token ids (``--scale tiny``: a smaller config for CPU checks).
 """
 
 from __future__ import annotations
@@ -209,4 +212,83 @@ register_model(_decode("hf-mixtral-eager-experts",
                         "hf-grouped-mm-reduce-overhead"), True,
                        'transformers Mixtral, 4 layers, hidden 512, 8 experts top-2, '
                        'set_experts_implementation("eager")'))
+
+# ---------------------------------------------------------------------------------- zoo (infer, train)
+
+ZOO_SHAPES: dict[str, dict[str, Any]] = {
+    "full": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, experts=8, expert_ffn=128),
+    "tiny": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, experts=4, expert_ffn=24),
+}
+_ZOO_TOP_K = 2
+
+
+class LogitsAndRouting(nn.Module):
+    """A transformers MoE causal LM returning ``(logits, top-k expert ids of its first MoE layer)``.
+    The ids come from a forward hook on that layer's router (``output_router_logits=True`` would
+    collect them through transformers' output hooks, which break the graph under torch.compile)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.routing: Optional[torch.Tensor] = None
+        model.model.layers[0].mlp.gate.register_forward_hook(self._keep_routing)
+
+    def _keep_routing(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.routing = out[2]  # (router logits, scores, expert ids)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(input_ids=ids).logits
+        routing, self.routing = self.routing, None
+        return logits, routing
+
+
+def build_hf_moe(family: str, scale: str, seed: int, dtype: torch.dtype, experts: str = "eager") -> nn.Module:
+    """The zoo's transformers MoE model ``family`` (mixtral, qwen2_moe, olmoe) at ``scale``, random
+    weights from ``seed``, on CPU in ``dtype``, experts implementation ``experts``."""
+    import transformers
+    shape = dict(ZOO_SHAPES[scale])
+    e, ffn = shape.pop("experts"), shape.pop("expert_ffn")
+    torch.manual_seed(seed)
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=e, num_experts_per_tok=_ZOO_TOP_K, **shape)
+        cls = transformers.MixtralForCausalLM
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(num_experts=e, num_experts_per_tok=_ZOO_TOP_K, moe_intermediate_size=ffn,
+                                          shared_expert_intermediate_size=ffn, decoder_sparse_step=1, **shape)
+        cls = transformers.Qwen2MoeForCausalLM
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(num_experts=e, num_experts_per_tok=_ZOO_TOP_K, **shape)
+        cls = transformers.OlmoeForCausalLM
+    else:
+        raise ValueError(f"no transformers MoE family {family!r}")
+    cfg._attn_implementation = "sdpa"
+    model = cls(cfg)
+    model.set_experts_implementation(experts)
+    return LogitsAndRouting(model.to(dtype=dtype).eval())
+
+
+def _zoo_moe(family: str) -> BenchModel:
+    def inputs(base: nn.Module, s: Any, tokens: Optional[int]) -> list:
+        gen = torch.Generator().manual_seed(s.seed + 1)
+        vocab = base.model.config.vocab_size
+        return [torch.randint(0, vocab, (s.batch, s.seq), generator=gen).to(s.device) for _ in range(s.batches)]
+
+    def loss(out: Any, x: torch.Tensor) -> torch.Tensor:
+        logits = upcast_float(out[0][:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+    return BenchModel(
+        name=f"zoo-{family.replace('_', '-')}-eager-experts", family="zoo", modes=("infer", "train"),
+        build=lambda s: build_hf_moe(family, s.scale, s.seed, s.dtype), inputs=inputs, loss=loss,
+        output=lambda out: out[0], routing=lambda out: out[1],
+        contenders=("eager", "cgbackend", "hf-grouped-mm-reduce-overhead"), moe=True,
+        defaults=dict(batches=8, warmup=6, iters=40, acc_batches=2, time_budget=3.0),
+        description=f'transformers {family} (the zoo\'s config: hidden 128, 8 experts top-2, 2 layers), '
+                    'set_experts_implementation("eager")')
+
+
+for _name in ("mixtral", "qwen2_moe", "olmoe"):
+    register_model(_zoo_moe(_name))
 del _name

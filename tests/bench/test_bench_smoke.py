@@ -419,6 +419,12 @@ def test_cuda_tiny_scale_every_new_path(tmp_path):
                        "eager,reduce-overhead,cgbackend,cgbackend-static-dispatch,hf-grouped-mm-reduce-overhead",
                        *common]) == 0
     rows += json.loads(out.read_text())["rows"]
+    assert bench.main(["--models", "zoo-mixtral-eager-experts,zoo-qwen2-moe-eager-experts", "--contenders",
+                       "eager,cgbackend,hf-grouped-mm-reduce-overhead", *common]) == 0
+    zoo = json.loads(out.read_text())["rows"]
+    assert all(r["backend_stats"]["static_regions"] == 1 and r["backend_stats"]["dynamic_regions"] == 0
+               for r in zoo if r["contender"] == "cgbackend"), [r["backend_stats"] for r in zoo]
+    rows += zoo
     for r in rows:
         expected_skip = r["contender"].endswith("grouped-reduce-overhead") and r["model"] == "dense-llama8b-shape" \
             or r["contender"] == "hf-grouped-mm-reduce-overhead" and r["model"] == "hf-llama"
@@ -429,5 +435,29 @@ def test_cuda_tiny_scale_every_new_path(tmp_path):
         assert r["median_ms"] > 0 and r["peak_mem_bytes"] > 0
         assert r["accuracy_rule"] == "fp64"
     grouped = [r for r in rows if r["contender"] in contenders.GROUPED_CONTENDERS and not r["skip_reason"]]
-    assert len(grouped) == 5 and all(r["accuracy_ok"] for r in grouped)
+    assert len(grouped) == 9 and all(r["accuracy_ok"] for r in grouped)
     assert all(r["graphs"] >= 1 for r in grouped)  # reduce-overhead recorded CUDA graphs
+
+
+def test_zoo_moe_family_infer_and_train(tmp_path):
+    """The zoo's transformers MoE models with eager experts (tiny scale) in inference and a training
+    step: cgbackend with default options makes each one static region (the expert loop rewritten),
+    judged by the float64 rule, with routing flips counted from the first router; transformers'
+    grouped_mm experts under reduce-overhead run from the same weights where torch._grouped_mm can."""
+    pytest.importorskip("transformers")
+    from cgbackend.models.realsize import grouped_mm_unsupported
+    reason = grouped_mm_unsupported("cpu", torch.float32)
+    _, rows = _run(tmp_path, "--models", "zoo-olmoe-eager-experts", "--modes", "infer,train", "--scale", "tiny",
+                   "--contenders", "eager,cgbackend,hf-grouped-mm-reduce-overhead", "--batch", "2", "--seq", "8",
+                   "--batches", "2", "--acc-batches", "2", "--warmup", "2", "--iters", "3")
+    for mode in ("infer", "train"):
+        row = rows[("zoo-olmoe-eager-experts", mode, "cgbackend", None)]
+        assert row["error"] is None and row["accuracy_ok"], (mode, row["error"], row.get("ref64_err"))
+        st = row["backend_stats"]
+        assert (st["static_regions"], st["dynamic_regions"]) == (1, 0), (mode, st)
+        assert row["routing_flip_frac"] is not None and 0.0 <= row["routing_flip_frac"] <= 1.0, row
+        grouped = rows[("zoo-olmoe-eager-experts", mode, "hf-grouped-mm-reduce-overhead", None)]
+        if reason is not None:
+            assert grouped["skip_reason"] == reason
+        else:
+            assert grouped["error"] is None and grouped["accuracy_ok"], (mode, grouped["error"])
