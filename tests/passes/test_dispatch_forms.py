@@ -291,15 +291,23 @@ def test_transformers_every_token_on_one_expert(kind):
     _one_static_region(_hf_same(model, batches, static_dispatch="grouped"), "grouped")
 
 
-def test_transformers_without_static_dispatch_keeps_its_graph_break():
+@pytest.fixture(scope="module")
+def mixtral_without_static_dispatch() -> dict:
+    """transformers' Mixtral compiled with static_dispatch="off", run (outputs and gradients equal to
+    eager's) on two batches; shared by the tests of that setting (each trace of the model with its
+    graph breaks takes about 10 s on the CPU)."""
+    g = torch.Generator().manual_seed(5)
+    return _hf_same(_hf("mixtral"), [torch.randint(0, 64, (2, 7), generator=g) for _ in range(2)],
+                    static_dispatch="off")
+
+
+def test_transformers_without_static_dispatch_keeps_its_graph_break(mixtral_without_static_dispatch):
     """static_dispatch off: the model is left as written (Dynamo breaks the graph at the loop)."""
-    model = _hf("mixtral")
-    ids = torch.randint(0, 64, (2, 7))
-    result = _hf_same(model, [ids], static_dispatch="off")
-    assert result["report"].loop_rewrites == [] and result["report"].graph_breaks
+    report = mixtral_without_static_dispatch["report"]
+    assert report.loop_rewrites == [] and report.graph_breaks
 
 
-def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites():
+def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites(mixtral_without_static_dispatch):
     """Without static dispatch, the graph break at transformers' loop over the hit experts gets a
     hint naming static_dispatch="auto" (the loop rewrite proves this loop); a loop it cannot prove
     gets the range(E) hint with the rewrite's reason."""
@@ -310,12 +318,9 @@ def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites():
     assert len(loop) == 1 and loop[0]["option"] == {"option": "static_dispatch", "value": "auto"}, report.hints
     assert "hit_loop" in loop[0]["message"] and not list(model.modules())[0].__dict__.get("forward")
     # The same hint in the report of a model compiled without static dispatch, after it ran.
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="off")
-    with torch.no_grad():
-        for _ in range(2):
-            compiled(torch.randint(0, 64, (2, 7)))
-    after = [h for h in cgbackend.report(compiled).hints if h["kind"] == "data_dependent_loop"]
-    assert [h["option"] for h in after] == [{"option": "static_dispatch", "value": "auto"}] and cgbackend.report(compiled).loop_rewrites == []
+    after_run = mixtral_without_static_dispatch["report"]
+    after = [h for h in after_run.hints if h["kind"] == "data_dependent_loop"]
+    assert [h["option"] for h in after] == [{"option": "static_dispatch", "value": "auto"}] and after_run.loop_rewrites == []
     torch.manual_seed(0)
     with torch.no_grad():
         report = cgbackend.explain(HitLoopTensorUse().double(), _batches(1, seed=2)[0],
