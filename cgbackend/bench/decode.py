@@ -36,7 +36,7 @@ from .cases import Case, empty_row, skip_reason
 from .contenders import CONTENDERS
 from .measure import cleanup, error_text, log, memory_baseline, sync
 from .models import DECODE_SHAPES
-from .timing import TIMING_ROUNDS, Tally, block_share, put_counts, put_times, read_peak
+from .timing import TIMING_ROUNDS, Tally, block_share, put_counts, put_times, read_held, read_peak
 
 __all__ = ["DecodeStep", "make_static_cache", "run_decode"]
 
@@ -355,6 +355,7 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
                 row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device))
                 row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
                 row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - row["mem_baseline_bytes"]
+                read_held(row, device)
             else:
                 read_peak(row, case, device)
 

@@ -110,14 +110,20 @@ def acc(row: dict[str, Any]) -> str:
 
 
 _COLUMNS = ("contender", "median ms", "p10", "p90", "x eager", "x best stock", "x floor", "accuracy",
-            "peak MiB", "compile s", "graphs", "breaks", "error")
+            "peak / held MiB", "compile s", "graphs", "breaks", "error")
+
+
+def _memory(row: dict[str, Any]) -> str:
+    """Peak memory, and what the contender holds between calls or steps over its start (rows of
+    older runs have no held figure)."""
+    return f"{mib(row['peak_mem_bytes'])} / {mib(row.get('held_mem_over_baseline_bytes'))}"
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     name = row["contender"] + (" *" if row.get("beats_best_stock") else "")
     return [name, fmt(row["median_ms"]), fmt(row["p10_ms"]), fmt(row["p90_ms"]),
             fmt(row["ratio_to_eager"], "ratio"), fmt(row["ratio_to_best_stock"], "ratio"),
-            fmt(row["ratio_to_floor"], "ratio"), acc(row), mib(row["peak_mem_bytes"]),
+            fmt(row["ratio_to_floor"], "ratio"), acc(row), _memory(row),
             fmt(row["compile_s"], ".2f"), fmt(row["graphs"]), fmt(row["graph_breaks"]),
             (row["error"] or "")[:80]]
 
@@ -199,7 +205,7 @@ def render_markdown(results: dict[str, Any]) -> str:
                    f"Best stock contender: {rows[0].get('best_stock') or '-'}.")
         out.append("")
         header = ["contender", "median ms", "p10 / p90 ms", "x eager", "x best stock", "x floor", "accuracy",
-                  "peak MiB", "compile s", "graphs", "graph breaks", "error"]
+                  "peak / held MiB", "compile s", "graphs", "graph breaks", "error"]
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join("---" for _ in header) + "|")
         for r in rows:
@@ -207,7 +213,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             err = (r["error"] or "").replace("|", "\\|")[:120]
             cells = [name, fmt(r["median_ms"]), f"{fmt(r['p10_ms'])} / {fmt(r['p90_ms'])}",
                      fmt(r["ratio_to_eager"], "ratio"), fmt(r["ratio_to_best_stock"], "ratio"),
-                     fmt(r["ratio_to_floor"], "ratio"), acc(r), mib(r["peak_mem_bytes"]),
+                     fmt(r["ratio_to_floor"], "ratio"), acc(r), _memory(r),
                      fmt(r["compile_s"], ".2f"), fmt(r["graphs"]), fmt(r["graph_breaks"]), err]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")

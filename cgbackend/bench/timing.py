@@ -5,6 +5,7 @@ percentiles, counts and memory."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
 import traceback
@@ -168,12 +169,24 @@ def prepare_contender(case: Case, contender: Contender, settings: Settings,
 
 def read_peak(row: dict[str, Any], case: Case, device: torch.device) -> None:
     """Peak memory since this contender's start, less what earlier contenders of the case still
-    held then (``case.mem_baseline``: what the first one started with)."""
+    held then (``case.mem_baseline``: what the first one started with); and what it holds now,
+    between calls or steps (``read_held``)."""
     held = row["mem_baseline_bytes"] - (case.mem_baseline if case.mem_baseline is not None
                                         else row["mem_baseline_bytes"])
     row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device)) - held
     row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device)) - held
     row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - (row["mem_baseline_bytes"] - held)
+    read_held(row, device)
+
+
+def read_held(row: dict[str, Any], device: torch.device) -> None:
+    """``held_mem_over_baseline_bytes``: the memory this contender holds between calls or steps, over
+    what was allocated before its model was made: its weights, gradients and optimizer state, what
+    its compiled code keeps allocated (CUDA-graph buffers, saved activations), and anything else
+    it leaves alive. Read after a finished call or step, with garbage collected first."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    row["held_mem_over_baseline_bytes"] = int(torch.cuda.memory_allocated(device)) - row["mem_baseline_bytes"]
 
 
 def _time_block(pending: _Pending, n: int, settings: Settings) -> None:

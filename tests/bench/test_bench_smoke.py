@@ -45,7 +45,7 @@ def test_smoke_run_writes_complete_results(tmp_path, capsys):
                 assert _is_number(row["ratio_to_best_stock"])
                 # No kernel-time floor without CUDA, so no ratio to it.
                 assert row["floor_ms"] is None and row["ratio_to_floor"] is None
-                assert row["peak_mem_bytes"] is None
+                assert row["peak_mem_bytes"] is None and row["held_mem_over_baseline_bytes"] is None
                 assert _is_number(row["compile_s"]) and row["compile_s"] >= 0
                 assert row["accuracy_ok"] is True, (row["accuracy_err"], row["accuracy_worst"])
                 assert row["graph_breaks"] == 0
@@ -433,6 +433,8 @@ def test_cuda_tiny_scale_every_new_path(tmp_path):
             continue
         assert r["error"] is None, (r["model"], r["mode"], r["contender"], r["error"])
         assert r["median_ms"] > 0 and r["peak_mem_bytes"] > 0
+        # held between steps: at least the contender's own copy of the weights, at most its peak
+        assert 0 < r["held_mem_over_baseline_bytes"] <= r["peak_mem_over_baseline_bytes"], r
         assert r["accuracy_rule"] == "fp64"
     grouped = [r for r in rows if r["contender"] in contenders.GROUPED_CONTENDERS and not r["skip_reason"]]
     assert len(grouped) == 9 and all(r["accuracy_ok"] for r in grouped)
