@@ -138,6 +138,8 @@ class CompiledGraph:
         self.shared = shared
         self.index = index
         self.config = shared.config
+        self._layout_checks = tuple(analysis.dispatch.layout_checks)
+        """Run before every call: expert parameters read from one block still are its slices."""
         gm = analysis.gm
         partition = analysis.partition
         self.training_graph = analysis.classification.training
@@ -328,6 +330,8 @@ class CompiledGraph:
             self._mirror.begin(self.shared.counters)
         self.shared.counters.graph_calls += 1
         self.calls += 1
+        for check in self._layout_checks:
+            check()
         if self.shared.handed:
             self.shared.reclaim_handed()
         training = self.training_graph and torch.is_grad_enabled()

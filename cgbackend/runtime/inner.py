@@ -79,21 +79,23 @@ def _example_inputs(module: torch.fx.GraphModule) -> list[Any]:
     return [fake_value(n) for n in module.graph.nodes if n.op == "placeholder"]
 
 
-def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[tuple[Callable, list[int]]]]:
+def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[tuple[Callable, list]]]:
     """Take the no-copy views of the region's inputs out of what Inductor compiles.
 
     ``stacked_view(w_0, ..., w_{E-1})`` (dispatch/layout.py) is a view of one block only for real
     tensors; traced with fake ones it is a ``torch.stack``, and Inductor would copy every expert's
-    weights on every call. Each such call whose arguments are all inputs of the region becomes a
-    new input, computed (a view, no kernel) by the caller. Returns the module to compile (a copy
-    when anything was hoisted) and, per new input, (function, indices of the inputs it takes)."""
-    from ..passes.dispatch.layout import stacked_view
+    weights on every call. ``block_view(w_0, E)`` reads past ``w_0``'s own elements, which Inductor
+    does not expect of an input. Each such call whose tensor arguments are all inputs of the region
+    becomes a new input, computed (a view, no kernel) by the caller. Returns the module to compile
+    (a copy when anything was hoisted) and, per new input, (function, its arguments: an input's
+    index, or a constant as ``(value,)``)."""
+    from ..passes.dispatch.layout import block_view, stacked_view
 
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
     hoist = [n for n in module.graph.nodes
-             if n.op == "call_function" and n.target is stacked_view and not n.kwargs
-             and all(isinstance(a, torch.fx.Node) and a in index for a in n.args)
+             if n.op == "call_function" and n.target in (stacked_view, block_view) and not n.kwargs
+             and all(a in index if isinstance(a, torch.fx.Node) else isinstance(a, int) for a in n.args)
              and fake_value(n) is not None]
     if not hoist:
         return module, []
@@ -109,7 +111,7 @@ def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModu
         env[n].replace_all_uses_with(new)
         graph.erase_node(env[n])
         last = new
-        views.append((n.target, [index[a] for a in n.args]))
+        views.append((n.target, [index[a] if isinstance(a, torch.fx.Node) else (a,) for a in n.args]))
     graph.output(out).meta = dict(next(iter(reversed(module.graph.nodes))).meta)
     return torch.fx.GraphModule(module, graph), views
 
@@ -215,7 +217,7 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
 
     def run(*args: Any) -> Any:
         if views:
-            args = args + tuple(fn(*[args[i] for i in idx]) for fn, idx in views)
+            args = args + tuple(fn(*[args[a] if isinstance(a, int) else a[0] for a in spec]) for fn, spec in views)
         with no_donated_buffers():  # parts of AOT compile on first call
             return compiled(*args)
 

@@ -283,3 +283,50 @@ def test_a_graph_break_inside_the_traced_expert_runs_the_loop_as_written():
         for x in _batches(3, seed=8):
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
     assert cgbackend.stats(compiled)["replays"] >= 1  # the experts' own frames are compiled and captured
+
+
+def _inputs_and_checks(monkeypatch) -> list[tuple[int, int]]:
+    """Per graph that reaches static dispatch: (graph inputs, layout checks the pass registered)."""
+    seen: list[tuple[int, int]] = []
+    real = pipeline.rewrite_static_dispatch
+
+    def counting(gm, mode, loops=()):
+        result = real(gm, mode, loops)
+        seen.append((sum(1 for n in gm.graph.nodes if n.op == "placeholder"), len(result.layout_checks)))
+        return result
+    monkeypatch.setattr(pipeline, "rewrite_static_dispatch", counting)
+    return seen
+
+
+@pytest.mark.skipif(not fold.FIRST_ONLY, reason="this torch keeps no real value of a graph input")
+def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(monkeypatch, caplog):
+    """Without gradients the graph takes each expert parameter of expert 0 only (3 per layer, not
+    3 x E) and reads the others from its block; a parameter's data or object replaced after the
+    compile is seen at the next call (laid out as one block again, logged), and results stay eager's.
+    With gradients every expert's parameter is an input (autograd accumulates each one's gradient)."""
+    torch.manual_seed(8)
+    model = TwoLayers().double()
+    seen = _inputs_and_checks(monkeypatch)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped")
+    xs = _batches(6, seed=9)
+    with torch.no_grad():
+        for x in xs[:2]:
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
+        # x, and per layer: the gate, and expert 0's w1, w2, w3
+        assert seen == [(1 + 2 * (1 + 3), 2 * 3)], seen
+        expert = model.layers[0].experts[3]
+        expert.w2.weight.data = torch.randn_like(expert.w2.weight)  # .data replaced
+        torch.testing.assert_close(compiled(xs[2]), model(xs[2]), rtol=1e-10, atol=1e-10)
+        model.layers[1].experts[2].w1.weight = nn.Parameter(torch.randn_like(expert.w1.weight))  # object replaced
+        torch.testing.assert_close(compiled(xs[3]), model(xs[3]), rtol=1e-10, atol=1e-10)
+        model.layers[1].experts[0].w3.weight.data = torch.randn_like(expert.w3.weight)  # expert 0's own
+        torch.testing.assert_close(compiled(xs[4]), model(xs[4]), rtol=1e-10, atol=1e-10)
+    assert sum("no longer one block" in r.getMessage() for r in caplog.records) == 3
+    assert len(seen) == 1  # no new trace: the checks caught every change
+    with torch.no_grad():
+        model.layers[0].experts[1].w1.weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="no longer share one shape"):
+            compiled(xs[5])
+    seen.clear()
+    _check(TwoLayers().double(), train=True)
+    assert seen and all(inputs == 1 + 2 * (1 + 3 * E) and checks == 0 for inputs, checks in seen), seen

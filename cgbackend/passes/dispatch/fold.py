@@ -18,9 +18,11 @@ What is proven, and where:
   same classes, the same plain attributes, parameters of one shape each, no buffers, no instance
   forwards, and forwards that write no Python state;
 * again at every trace, by the graph pass (:func:`recheck`), with no hook set on any expert or
-  globally. Dynamo guards each expert's parameters (graph inputs), not their modules' other state:
-  a change to an expert's plain attributes or hooks after a trace is seen at the next trace, as
-  torch.compile itself does not guard module hooks;
+  globally. Dynamo guards the parameters it is handed (graph inputs), not their modules' other
+  state: a change to an expert's plain attributes or hooks after a trace is seen at the next trace,
+  as torch.compile itself does not guard module hooks. Inference traces take expert 0's
+  parameters only (:func:`inputs`); the runtime checks the others before every call
+  (layout.LayoutCheck);
 * by the graph pass: the one traced unit matches the grouped form, and each expert parameter is
   used only as a linear layer's weight or bias. Otherwise the fold is switched off for that loop and
   Dynamo restarts the trace (:func:`decline`), which then unrolls the loop as before.
@@ -240,23 +242,58 @@ def _global_hooks() -> bool:
 
 def inputs(key: int, experts: Any) -> Optional[tuple]:
     """While Dynamo traces a folded loop: the experts' parameters, one tuple per parameter of the
-    spec holding every expert's (Dynamo passes each as a graph input and guards it); ``()`` for a
-    loop without an expert list. None when the fold is off or the loop is not traced: the loop then
-    runs unrolled, or as written."""
+    spec; ``()`` for a loop without an expert list. None when the fold is off or the loop is not
+    traced: the loop then runs unrolled, or as written.
+
+    With gradients on, each tuple holds every expert's parameter (Dynamo passes each as a graph
+    input: autograd accumulates each expert's gradient into its own). Without, only expert 0's:
+    the graph reads all E from its block (layout.block_view), so a call fetches, guards and keys
+    one parameter per name instead of E, and the runtime checks on each call that the other
+    experts' parameters still are the block's slices (fold_graph.LayoutCheck)."""
     if not torch.compiler.is_compiling() or not _ENABLED.get(key, False):
         return None
     if experts is None:
         return ()
+    which = experts if torch.is_grad_enabled() or not FIRST_ONLY else [experts[0]]
     out = []
     for parts, name in _SPECS[key].params:
-        group = []
-        for expert in experts:
-            m = expert
-            for part in parts:
-                m = getattr(m, part)
-            group.append(getattr(m, name))
-        out.append(tuple(group))
+        out.append(tuple(param_of(expert, parts, name) for expert in which))
     return tuple(out)
+
+
+def _grapharg_examples() -> bool:
+    """Dynamo records each graph input's real value on its placeholder (``meta["grapharg"].example``):
+    the graph pass finds the expert list of a folded loop traced for expert 0 only through it."""
+    try:
+        from torch._dynamo.variables.builder import GraphArg
+    except ImportError:
+        return False
+    return isinstance(getattr(GraphArg, "example", None), property)
+
+
+FIRST_ONLY = _grapharg_examples()
+"""Inference traces of a folded loop take expert 0's parameters only (see :func:`inputs`)."""
+
+
+def real_input(node: Any) -> Any:
+    """The real value Dynamo traced placeholder ``node`` with (None when it kept none)."""
+    arg = getattr(node, "meta", {}).get("grapharg")
+    try:
+        return arg.example if arg is not None else None
+    except Exception:
+        return None
+
+
+def owners(key: int) -> list:
+    """The expert lists loop ``key`` runs over that are still alive."""
+    return [o for o in (ref() for ref in _OWNERS.get(key, ())) if o is not None]
+
+
+def param_of(expert: torch.nn.Module, parts: tuple[str, ...], name: str) -> torch.Tensor:
+    m = expert
+    for part in parts:
+        m = getattr(m, part)
+    return getattr(m, name)
 
 
 def recheck(key: int) -> str:

@@ -24,6 +24,7 @@ from . import fold
 from .cost import choose_layer_form
 from .graph import _shape
 from .grouped import Layer, _Linear, _routing, build_grouped, costs, layer_is_native, slots
+from .layout import LayoutCheck, block_view, consecutive
 from .match import _match_where, _removable, read_while_written
 from .records import DispatchResult, DispatchRewrite, _Skip
 
@@ -62,7 +63,37 @@ def _rows_as_getitem(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
-def _layer(gm: torch.fx.GraphModule, begin: torch.fx.Node, end: torch.fx.Node, order: dict) -> Layer:
+def _block_row(gm: torch.fx.GraphModule, key: int, i: int, w0: torch.fx.Node, n: int, begin: torch.fx.Node,
+               inside: set, checks: list) -> torch.fx.Node:
+    """Parameter ``i`` of the spec, given for expert 0 only (fold.inputs in an inference trace): the
+    expert list it belongs to, found by Dynamo's real value of ``w0``, must hold its n experts'
+    parameters as the consecutive slices of one block. The traced expert's uses of ``w0`` then read
+    ``block_view(w0, n)[0]``, a table row like ``row(T, 0)``, and the runtime checks the layout
+    before each call (layout.LayoutCheck, appended to ``checks``)."""
+    real = fold.real_input(w0) if w0.op == "placeholder" else None
+    if not isinstance(real, torch.Tensor):
+        raise _Skip("Dynamo kept no value of expert 0's parameter")
+    parts, name = fold._SPECS[key].params[i]
+    lists = [o for o in fold.owners(key) if len(o) == n and fold.param_of(o[0], parts, name) is real]
+    if len(lists) != 1:
+        raise _Skip(f"expert 0's {'.'.join(parts + (name,))} belongs to {len(lists)} expert lists of {n}")
+    params = [fold.param_of(expert, parts, name) for expert in lists[0]]
+    if not consecutive([p.data for p in params]):
+        raise _Skip(f"the experts' {'.'.join(parts + (name,))} are not the slices of one block")
+    fake = fake_value(w0)
+    with gm.graph.inserting_before(begin):
+        block = gm.graph.call_function(block_view, (w0, n))
+        row = gm.graph.call_function(operator.getitem, (block, 0))
+    block.meta = {"val": block_view(fake, n), "cgb_row": True}
+    row.meta = {"val": block.meta["val"][0], "cgb_row": True}
+    w0.replace_all_uses_with(row, delete_user_cb=lambda user: user in inside)
+    checks.append(LayoutCheck(lists[0], lambda experts: [fold.param_of(ex, parts, name) for ex in experts],
+                              f"{'.'.join(parts + (name,))} of {n} experts"))
+    return row
+
+
+def _layer(gm: torch.fx.GraphModule, begin: torch.fx.Node, end: torch.fx.Node, order: dict,
+           checks: list) -> Layer:
     key, runs, params = end.args[0], end.args[1], end.args[2]
     why = fold.recheck(key)
     if why:
@@ -98,8 +129,13 @@ def _layer(gm: torch.fx.GraphModule, begin: torch.fx.Node, end: torch.fx.Node, o
         raise _Skip(f"the expert reads {clash[0].name}, which {clash[1].name} writes: expert e's input would "
                     "depend on the earlier experts' outputs")
     per_expert: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for group in params or ():
+    inside = set(region)
+    for i, group in enumerate(params or ()):
         group = list(group)
+        if len(group) == 1 and n > 1:  # an inference trace: expert 0's parameter, the rest in its block
+            row = _block_row(gm, key, i, group[0], n, begin, inside, checks)
+            per_expert[row] = [row]
+            continue
         if len(group) != n:
             raise _Skip(f"the loop runs {n} experts but the list holds {len(group)}")
         per_expert[group[0]] = group
@@ -145,7 +181,7 @@ def fold_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> 
         key = end.args[0]
         order = {nd: i for i, nd in enumerate(gm.graph.nodes)}
         try:
-            layer = _layer(gm, begin, end, order)
+            layer = _layer(gm, begin, end, order, result.layout_checks)
             dead = _removable(layer.plans[0])
             native = layer_is_native(layer)
             value = fake_value(layer.units[0].rows.out)

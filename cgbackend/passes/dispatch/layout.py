@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["stack_expert_params", "stacked_view", "consecutive"]
+__all__ = ["stack_expert_params", "stacked_view", "block_view", "relayout", "consecutive", "LayoutCheck"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,27 @@ def stacked_view(*ws: torch.Tensor) -> torch.Tensor:
     return torch.stack(ws)
 
 
+def block_view(w0: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``[n, *w0.shape]`` block whose slice 0 is ``w0``: ``n`` consecutive slices of ``w0``'s
+    storage from ``w0`` on (a view, no copy). For inference graphs of folded loops, which take expert
+    0's parameter only; that the other experts' parameters are the other slices is checked when the
+    graph is made and on every call (fold_graph.LayoutCheck). Only graphs that run without
+    gradients use it (autograd cannot take a view past ``w0``'s own elements back to ``w0``)."""
+    return w0.as_strided((n,) + tuple(w0.shape), (w0.numel(),) + tuple(w0.stride()), w0.storage_offset())
+
+
+def relayout(params: Sequence[torch.Tensor]) -> int:
+    """Move ``params`` (one shape, dtype and device) into one new contiguous block, values kept:
+    ``p.data = block[e]``. Returns the block's bytes."""
+    p0 = params[0]
+    with torch.no_grad():
+        block = torch.empty((len(params),) + tuple(p0.shape), dtype=p0.dtype, device=p0.device)
+        for e, p in enumerate(params):
+            block[e].copy_(p.data)
+            p.data = block[e]
+    return block.numel() * block.element_size()
+
+
 def stack_expert_params(model: torch.nn.Module) -> list[Relayout]:
     """Lay out the parameters of each ModuleList of identical experts as slices of one block: lists
     whose name contains "expert" (``experts``, ``local_experts``) and that hold no list themselves.
@@ -115,20 +137,90 @@ def stack_expert_params(model: torch.nn.Module) -> list[Relayout]:
         if not groups:
             continue
         moved, nbytes = [], 0
-        with torch.no_grad():
-            for name, params in groups:
-                if consecutive([p.data for p in params]):
-                    continue
-                block = torch.empty((len(params),) + tuple(params[0].shape), dtype=params[0].dtype,
-                                    device=params[0].device)
-                for e, p in enumerate(params):
-                    block[e].copy_(p.data)
-                    p.data = block[e]
+        for name, params in groups:
+            if not consecutive([p.data for p in params]):
+                nbytes += relayout(params)
                 moved.append(name)
-                nbytes += block.numel() * block.element_size()
         if moved:
             done.append(Relayout(path, len(module), moved, nbytes))
             log.info("cgbackend: %s: the %d experts' %s laid out as one block each (%.1f MiB), so the grouped "
                      "form reads them without a copy", path or "model", len(module), ", ".join(moved),
                      nbytes / 2 ** 20)
     return done
+
+
+_ptrs_equal: Optional[Callable[[list, list, list], bool]] = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal",
+                                                                    None)
+"""PyTorch's C++ comparison of tensors' addresses with a list (CUDA builds; feature-tested)."""
+
+
+_REGISTRATIONS = [0]
+"""Parameters registered on any module since import (``setattr`` of a Parameter, ``register_parameter``,
+``load_state_dict(assign=True)``), counted by a global registration hook installed with the first
+LayoutCheck: a replaced parameter object is seen at the next call."""
+
+
+def _count_registration(module: torch.nn.Module, name: str, param: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+def _watch_registrations() -> None:
+    if not getattr(_watch_registrations, "done", False):
+        torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+        _watch_registrations.done = True  # type: ignore[attr-defined]
+
+
+class LayoutCheck:
+    """Before each call of a graph that reads E experts' parameters from expert 0's block
+    (:func:`block_view`): are the other experts' parameters still that block's slices? One C++
+    comparison of the E addresses with those of the last call; where one changed (a parameter's
+    ``.data`` replaced, the model moved), the parameters are checked again and, when they no longer
+    are one block, laid out as one again (:func:`relayout`, a copy; counted in ``relayouts`` and
+    logged) before the graph runs, so it never reads a replaced parameter's old values. A parameter
+    object replaced on its module (any registration since the last call) is looked up again first.
+    Not seen: writes straight into a module's private ``_parameters`` dict.
+
+    ``resolve()`` -> the experts' parameters now. They are held until their expert list is garbage
+    collected."""
+
+    def __init__(self, owner: torch.nn.Module, resolve: Callable[[torch.nn.Module], list], where: str) -> None:
+        _watch_registrations()
+        self.owner = weakref.ref(owner)
+        self.resolve = resolve
+        self.params = resolve(owner)
+        self.where = where
+        self.idx = list(range(len(self.params)))
+        self.ptrs = [p.data_ptr() for p in self.params]
+        self.seen = _REGISTRATIONS[0]
+        self.relayouts = 0
+        weakref.finalize(owner, self.params.clear)
+
+    def __call__(self) -> None:
+        ps = self.params
+        if self.seen != _REGISTRATIONS[0]:
+            self.seen = _REGISTRATIONS[0]
+            owner = self.owner()
+            if owner is not None:
+                now = self.resolve(owner)
+                if len(now) != len(ps) or any(a is not b for a, b in zip(now, ps)):
+                    ps[:] = now
+                    self.ptrs = []
+        if not ps:
+            return
+        if _ptrs_equal is not None and len(self.ptrs) == len(ps):
+            if _ptrs_equal(ps, self.ptrs, self.idx):
+                return
+        elif [p.data_ptr() for p in ps] == self.ptrs:
+            return
+        if not consecutive([p.data for p in ps]):
+            p0 = ps[0]
+            if any(p.shape != p0.shape or p.dtype != p0.dtype or p.device != p0.device for p in ps):
+                raise RuntimeError(
+                    f"cgbackend: {self.where}: the experts' parameters no longer share one shape, dtype and "
+                    "device, which the compiled graph reads them as; compile the model again "
+                    "(torch.compiler.reset(), then cgbackend.compile)")
+            nbytes = relayout(ps)
+            self.relayouts += 1
+            log.warning("cgbackend: %s: the experts' parameters were no longer one block (one was replaced); "
+                        "laid out as one again (%.1f MiB copied) before the call", self.where, nbytes / 2 ** 20)
+        self.ptrs = [p.data_ptr() for p in ps]

@@ -43,6 +43,9 @@ class DispatchResult:
     mode: str = "off"
     rewrites: list[DispatchRewrite] = dataclasses.field(default_factory=list)
     skipped: list[DispatchSkipped] = dataclasses.field(default_factory=list)
+    layout_checks: list = dataclasses.field(default_factory=list)
+    """Checks the runtime makes before each call of the graph (layout.LayoutCheck): the expert
+    parameters an inference graph reads from one block still are that block's slices."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "rewrites": [r.to_dict() for r in self.rewrites],
