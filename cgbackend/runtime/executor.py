@@ -331,7 +331,7 @@ class CompiledGraph:
         self.shared.counters.graph_calls += 1
         self.calls += 1
         for check in self._layout_checks:
-            check()
+            check(args)
         if self.shared.handed:
             self.shared.reclaim_handed()
         training = self.training_graph and torch.is_grad_enabled()

@@ -299,21 +299,25 @@ def _inputs_and_checks(monkeypatch) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not fold.FIRST_ONLY, reason="this torch keeps no real value of a graph input")
-def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(monkeypatch, caplog):
+@pytest.mark.parametrize("regional", [0, 2], ids=["whole", "per-layer"])
+def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(monkeypatch, caplog, regional):
     """Without gradients the graph takes each expert parameter of expert 0 only (3 per layer, not
     3 x E) and reads the others from its block; a parameter's data or object replaced after the
-    compile is seen at the next call (laid out as one block again, logged), and results stay eager's.
-    With gradients every expert's parameter is an input (autograd accumulates each one's gradient)."""
+    compile is seen at the next call (laid out as one block again, logged), and results stay eager's,
+    also where one compiled layer serves both layers (regional compilation: the check follows the
+    layer whose parameters the call gets). With gradients every expert's parameter is an input
+    (autograd accumulates each one's gradient)."""
     torch.manual_seed(8)
     model = TwoLayers().double()
     seen = _inputs_and_checks(monkeypatch)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped")
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped",
+                                 regional_min_layers=regional)
     xs = _batches(6, seed=9)
     with torch.no_grad():
         for x in xs[:2]:
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
-        # x, and per layer: the gate, and expert 0's w1, w2, w3
-        assert seen == [(1 + 2 * (1 + 3), 2 * 3)], seen
+        # x, and per layer: the gate, and expert 0's w1, w2, w3 (one layer's graph when regional)
+        assert seen == ([(1 + 2 * (1 + 3), 2 * 3)] if not regional else [(1 + 1 + 3, 3)]), seen
         expert = model.layers[0].experts[3]
         expert.w2.weight.data = torch.randn_like(expert.w2.weight)  # .data replaced
         torch.testing.assert_close(compiled(xs[2]), model(xs[2]), rtol=1e-10, atol=1e-10)
@@ -327,6 +331,8 @@ def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(mon
         model.layers[0].experts[1].w1.weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
         with pytest.raises(RuntimeError, match="no longer share one shape"):
             compiled(xs[5])
+    if regional:
+        return
     seen.clear()
     _check(TwoLayers().double(), train=True)
     assert seen and all(inputs == 1 + 2 * (1 + 3 * E) and checks == 0 for inputs, checks in seen), seen

@@ -14,7 +14,7 @@ traced unrolled and rewritten, or left, as any other.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx
@@ -74,12 +74,20 @@ def _block_row(gm: torch.fx.GraphModule, key: int, i: int, w0: torch.fx.Node, n:
     if not isinstance(real, torch.Tensor):
         raise _Skip("Dynamo kept no value of expert 0's parameter")
     parts, name = fold._SPECS[key].params[i]
-    lists = [o for o in fold.owners(key) if len(o) == n and fold.param_of(o[0], parts, name) is real]
-    if len(lists) != 1:
-        raise _Skip(f"expert 0's {'.'.join(parts + (name,))} belongs to {len(lists)} expert lists of {n}")
-    params = [fold.param_of(expert, parts, name) for expert in lists[0]]
-    if not consecutive([p.data for p in params]):
-        raise _Skip(f"the experts' {'.'.join(parts + (name,))} are not the slices of one block")
+    what = f"{'.'.join(parts + (name,))} of {n} experts"
+
+    def find(w: torch.Tensor) -> Optional[torch.nn.Module]:
+        lists = [o for o in fold.owners(key) if len(o) == n and fold.param_of(o[0], parts, name) is w]
+        return lists[0] if len(lists) == 1 else None
+
+    def resolve(experts: torch.nn.Module) -> list:
+        return [fold.param_of(expert, parts, name) for expert in experts]
+
+    owner = find(real)
+    if owner is None:
+        raise _Skip(f"expert 0's {what} belongs to no one expert list of the loop")
+    if not consecutive([p.data for p in resolve(owner)]):
+        raise _Skip(f"the {what} are not the slices of one block")
     fake = fake_value(w0)
     with gm.graph.inserting_before(begin):
         block = gm.graph.call_function(block_view, (w0, n))
@@ -87,8 +95,8 @@ def _block_row(gm: torch.fx.GraphModule, key: int, i: int, w0: torch.fx.Node, n:
     block.meta = {"val": block_view(fake, n), "cgb_row": True}
     row.meta = {"val": block.meta["val"][0], "cgb_row": True}
     w0.replace_all_uses_with(row, delete_user_cb=lambda user: user in inside)
-    checks.append(LayoutCheck(lists[0], lambda experts: [fold.param_of(ex, parts, name) for ex in experts],
-                              f"{'.'.join(parts + (name,))} of {n} experts"))
+    position = [nd for nd in gm.graph.nodes if nd.op == "placeholder"].index(w0)
+    checks.append(LayoutCheck(position, find, resolve, what))
     return row
 
 

@@ -170,47 +170,66 @@ def _watch_registrations() -> None:
         _watch_registrations.done = True  # type: ignore[attr-defined]
 
 
+class _Block:
+    """One expert list's parameters of one name, as the last call saw them."""
+
+    __slots__ = ("owner", "params", "idx", "ptrs", "seen", "__weakref__")
+
+    def __init__(self, owner: torch.nn.Module, params: list) -> None:
+        self.owner = weakref.ref(owner)
+        self.params = params
+        self.idx = list(range(len(params)))
+        self.ptrs = [p.data_ptr() for p in params]
+        self.seen = _REGISTRATIONS[0]
+        weakref.finalize(owner, params.clear)
+
+
 class LayoutCheck:
     """Before each call of a graph that reads E experts' parameters from expert 0's block
-    (:func:`block_view`): are the other experts' parameters still that block's slices? One C++
-    comparison of the E addresses with those of the last call; where one changed (a parameter's
-    ``.data`` replaced, the model moved), the parameters are checked again and, when they no longer
-    are one block, laid out as one again (:func:`relayout`, a copy; counted in ``relayouts`` and
-    logged) before the graph runs, so it never reads a replaced parameter's old values. A parameter
-    object replaced on its module (any registration since the last call) is looked up again first.
-    Not seen: writes straight into a module's private ``_parameters`` dict.
+    (:func:`block_view`; expert 0's parameter is graph input ``position``): are the other experts'
+    parameters still that block's slices? The expert list is the one whose expert 0 holds that
+    input (``find``; a graph compiled once for a stack of layers serves each layer's list), and its
+    parameters are ``resolve(experts)``. One C++ comparison of the E addresses with those of the
+    list's last call; where one changed (a parameter's ``.data`` replaced, the model moved), the
+    parameters are checked again and, when they no longer are one block, laid out as one again
+    (:func:`relayout`, a copy; counted in ``relayouts`` and logged) before the graph runs, so it
+    never reads a replaced parameter's old values. A parameter object replaced on its module (any
+    registration since the list's last call) is looked up again first. Not seen: writes straight
+    into a module's private ``_parameters`` dict. Parameters are held until their expert list is
+    garbage collected."""
 
-    ``resolve()`` -> the experts' parameters now. They are held until their expert list is garbage
-    collected."""
-
-    def __init__(self, owner: torch.nn.Module, resolve: Callable[[torch.nn.Module], list], where: str) -> None:
+    def __init__(self, position: int, find: Callable[[torch.Tensor], Optional[torch.nn.Module]],
+                 resolve: Callable[[torch.nn.Module], list], where: str) -> None:
         _watch_registrations()
-        self.owner = weakref.ref(owner)
+        self.position = position
+        self.find = find
         self.resolve = resolve
-        self.params = resolve(owner)
         self.where = where
-        self.idx = list(range(len(self.params)))
-        self.ptrs = [p.data_ptr() for p in self.params]
-        self.seen = _REGISTRATIONS[0]
+        self.blocks: dict[int, tuple[Any, _Block]] = {}
+        """id(expert 0's parameter) -> (a weak reference to it, its list's block)."""
         self.relayouts = 0
-        weakref.finalize(owner, self.params.clear)
 
-    def __call__(self) -> None:
-        ps = self.params
-        if self.seen != _REGISTRATIONS[0]:
-            self.seen = _REGISTRATIONS[0]
-            owner = self.owner()
+    def __call__(self, args: Sequence[Any]) -> None:
+        w0 = args[self.position]
+        entry = self.blocks.get(id(w0))
+        if entry is None or entry[0]() is not w0:
+            entry = self._add(w0)
+        block = entry[1]
+        ps = block.params
+        if block.seen != _REGISTRATIONS[0]:
+            block.seen = _REGISTRATIONS[0]
+            owner = block.owner()
             if owner is not None:
                 now = self.resolve(owner)
                 if len(now) != len(ps) or any(a is not b for a, b in zip(now, ps)):
                     ps[:] = now
-                    self.ptrs = []
+                    block.ptrs = []
         if not ps:
             return
-        if _ptrs_equal is not None and len(self.ptrs) == len(ps):
-            if _ptrs_equal(ps, self.ptrs, self.idx):
+        if _ptrs_equal is not None and len(block.ptrs) == len(ps):
+            if _ptrs_equal(ps, block.ptrs, block.idx):
                 return
-        elif [p.data_ptr() for p in ps] == self.ptrs:
+        elif [p.data_ptr() for p in ps] == block.ptrs:
             return
         if not consecutive([p.data for p in ps]):
             p0 = ps[0]
@@ -223,4 +242,14 @@ class LayoutCheck:
             self.relayouts += 1
             log.warning("cgbackend: %s: the experts' parameters were no longer one block (one was replaced); "
                         "laid out as one again (%.1f MiB copied) before the call", self.where, nbytes / 2 ** 20)
-        self.ptrs = [p.data_ptr() for p in ps]
+        block.ptrs = [p.data_ptr() for p in ps]
+
+    def _add(self, w0: torch.Tensor) -> tuple[Any, _Block]:
+        owner = self.find(w0)
+        if owner is None:
+            raise RuntimeError(f"cgbackend: {self.where}: the parameter the graph reads the experts' block from "
+                               "belongs to no expert list it was compiled for; compile the model again "
+                               "(torch.compiler.reset(), then cgbackend.compile)")
+        entry = (weakref.ref(w0), _Block(owner, self.resolve(owner)))
+        self.blocks[id(w0)] = entry
+        return entry
