@@ -17,6 +17,7 @@ import cgbackend.passes.pipeline as pipeline
 from cgbackend.models.layers import Expert
 from cgbackend.passes.dispatch import fold
 
+from log_helpers import records_of
 from moe_helpers import RoutedExperts
 
 D, FF, E, K = 8, 12, 4, 2
@@ -300,7 +301,7 @@ def _inputs_and_checks(monkeypatch) -> list[tuple[int, int]]:
 
 @pytest.mark.skipif(not fold.FIRST_ONLY, reason="this torch keeps no real value of a graph input")
 @pytest.mark.parametrize("regional", [0, 2], ids=["whole", "per-layer"])
-def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(monkeypatch, caplog, regional):
+def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(monkeypatch, regional):
     """Without gradients the graph takes each expert parameter of expert 0 only (3 per layer, not
     3 x E) and reads the others from its block; a parameter's data or object replaced after the
     compile is seen at the next call (laid out as one block again, logged), and results stay eager's,
@@ -313,7 +314,7 @@ def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(mon
     compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped",
                                  regional_min_layers=regional)
     xs = _batches(6, seed=9)
-    with torch.no_grad():
+    with torch.no_grad(), records_of("cgbackend.passes.dispatch.layout") as logged:
         for x in xs[:2]:
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
         # x, and per layer: the gate, and expert 0's w1, w2, w3 (one layer's graph when regional)
@@ -325,7 +326,7 @@ def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(mon
         torch.testing.assert_close(compiled(xs[3]), model(xs[3]), rtol=1e-10, atol=1e-10)
         model.layers[1].experts[0].w3.weight.data = torch.randn_like(expert.w3.weight)  # expert 0's own
         torch.testing.assert_close(compiled(xs[4]), model(xs[4]), rtol=1e-10, atol=1e-10)
-    assert sum("no longer one block" in r.getMessage() for r in caplog.records) == 3
+    assert sum("no longer one block" in r.getMessage() for r in logged) == 3
     assert len(seen) == 1  # no new trace: the checks caught every change
     with torch.no_grad():
         model.layers[0].experts[1].w1.weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
