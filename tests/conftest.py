@@ -6,6 +6,13 @@ import gc
 import os
 import sys
 
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1) > 1:
+    # Inductor compiles kernels in a pool of worker processes (one per core: each a fresh interpreter
+    # importing torch) in every process that compiles; with every core taken by a test worker that
+    # pool only adds interpreters. Set before torch's Inductor config is first imported (it reads
+    # the variable then); processes the tests start inherit it. A value set by the caller is kept.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import pytest
 import torch
 
