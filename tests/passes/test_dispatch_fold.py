@@ -299,7 +299,7 @@ def _inputs_and_checks(monkeypatch) -> list[tuple[int, int]]:
     return seen
 
 
-@pytest.mark.skipif(not fold.FIRST_ONLY, reason="this torch keeps no real value of a graph input")
+@pytest.mark.skipif(not fold.first_only(), reason="this torch keeps no real value of a graph input")
 @pytest.mark.parametrize("regional", [0, 2], ids=["whole", "per-layer"])
 def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(monkeypatch, regional):
     """Without gradients the graph takes each expert parameter of expert 0 only (3 per layer, not

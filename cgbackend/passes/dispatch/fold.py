@@ -129,6 +129,7 @@ def enable(key: int, spec: "Spec", owners: list) -> None:
     """Fold loop ``key``, whose expert lists (``owners``) all have structure ``spec``."""
     _SPECS[key] = spec
     _OWNERS[key] = [weakref.ref(o) for o in owners]
+    first_only()
     _ENABLED[key] = supported()
     if not supported():
         REASONS[key] = "this torch cannot restart a trace from a backend"
@@ -254,25 +255,28 @@ def inputs(key: int, experts: Any) -> Optional[tuple]:
         return None
     if experts is None:
         return ()
-    which = experts if torch.is_grad_enabled() or not FIRST_ONLY else [experts[0]]
+    which = experts if torch.is_grad_enabled() or not _FIRST_ONLY[0] else [experts[0]]
     out = []
     for parts, name in _SPECS[key].params:
         out.append(tuple(param_of(expert, parts, name) for expert in which))
     return tuple(out)
 
 
-def _grapharg_examples() -> bool:
+_FIRST_ONLY: list = [None]
+"""Whether inference traces of a folded loop take expert 0's parameters only (see :func:`inputs`):
+found by :func:`first_only` when a loop is enabled, not at import (it imports Dynamo)."""
+
+
+def first_only() -> bool:
     """Dynamo records each graph input's real value on its placeholder (``meta["grapharg"].example``):
     the graph pass finds the expert list of a folded loop traced for expert 0 only through it."""
-    try:
-        from torch._dynamo.variables.builder import GraphArg
-    except ImportError:
-        return False
-    return isinstance(getattr(GraphArg, "example", None), property)
-
-
-FIRST_ONLY = _grapharg_examples()
-"""Inference traces of a folded loop take expert 0's parameters only (see :func:`inputs`)."""
+    if _FIRST_ONLY[0] is None:
+        try:
+            from torch._dynamo.variables.builder import GraphArg
+            _FIRST_ONLY[0] = isinstance(getattr(GraphArg, "example", None), property)
+        except ImportError:
+            _FIRST_ONLY[0] = False
+    return _FIRST_ONLY[0]
 
 
 def real_input(node: Any) -> Any:
