@@ -111,9 +111,11 @@ def memory_baseline(device: torch.device, alone: bool, row: dict) -> None:
         cleanup(device)
     elif cuda:
         # Garbage of the contenders before (autograd cycles holding activations) would count in
-        # this one's baseline and be freed during its calls (1 MiB of peak memory seen that way).
+        # this one's baseline and be freed during its calls (1 MiB of peak memory seen that way);
+        # so would their cuBLAS workspaces, which a later clear frees (held memory below zero).
         gc.collect()
         torch.cuda.synchronize(device)
+        clear_blas_workspaces()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..runtime.capture import clear_blas_workspaces
 from .cases import Case, Runner, STATS_KEYS, empty_row, judge_row, new_model, skip_reason, timed_iterations
 from .contenders import CONTENDERS, Contender, GROUPED_CONTENDERS, STOCK_CONTENDERS
 from .measure import (by_first_line, cleanup, counter, cudagraph_tree_counts, error_text, graph_breaks, log,
@@ -183,9 +184,11 @@ def read_held(row: dict[str, Any], device: torch.device) -> None:
     """``held_mem_over_baseline_bytes``: the memory this contender holds between calls or steps, over
     what was allocated before its model was made: its weights, gradients and optimizer state, what
     its compiled code keeps allocated (CUDA-graph buffers, saved activations), and anything else
-    it leaves alive. Read after a finished call or step, with garbage collected first."""
+    it leaves alive. Read after a finished call or step, with garbage collected and cuBLAS's
+    workspaces (made again at the next product) dropped first, as before the baseline."""
     gc.collect()
     torch.cuda.synchronize(device)
+    clear_blas_workspaces()
     row["held_mem_over_baseline_bytes"] = int(torch.cuda.memory_allocated(device)) - row["mem_baseline_bytes"]
 
 
