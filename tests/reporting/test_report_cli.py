@@ -346,7 +346,7 @@ def test_cli_demo_moe_json():
     dispatch = [r for r in regions_of(d) if r["kind"] == "dynamic"]
     assert all(r["role"] == "moe_dispatch" and r["reasons"][0]["op"] == "where" for r in dispatch)
     # By default the dispatch is rewritten into static code: one static region, nothing dynamic.
-    proc = cli("explain", "--demo", "moe", "--json")  # and the module run as a program
+    proc = cli_here("explain", "--demo", "moe", "--json")  # (run as a program: test_cli_errors_are_one_line)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(proc.stdout)
     assert (d["summary"]["static_regions"], d["summary"]["dynamic_regions"]) == (1, 0)
