@@ -95,10 +95,11 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         instance.opaque = opaque.install(model)
     loops: Any = _NO_LOOPS
     if instance.config.static_dispatch != "off" and is_module:
+        if instance.config.static_dispatch in ("auto", "grouped"):
+            # first: a folded loop's inference traces read its experts from the blocks (fold.enable)
+            instance.relayouts = stack_expert_params(model)
         loops = LoopForwards(model, fold=instance.config.static_dispatch in ("auto", "grouped"))
         instance.loops = loops.records
-        if instance.config.static_dispatch in ("auto", "grouped"):
-            instance.relayouts = stack_expert_params(model)
     elif isinstance(model, torch.nn.Module):
         instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
     if is_module:

@@ -337,3 +337,14 @@ def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(mon
     seen.clear()
     _check(TwoLayers().double(), train=True)
     assert seen and all(inputs == 1 + 2 * (1 + 3 * E) and checks == 0 for inputs, checks in seen), seen
+
+
+def test_explain_folds_an_inference_trace_as_compile_does():
+    """explain moves no parameter: its inference trace hands over every expert's parameters (the
+    block path is for experts cgbackend.compile laid out as one block) and still folds."""
+    torch.manual_seed(10)
+    model = TwoLayers().double()
+    with torch.no_grad():
+        report = cgbackend.explain(model, _batches(1, seed=11)[0], options={"static_dispatch": "grouped"})
+    assert [r["fold"] for r in report.loop_rewrites] == ["folded"], report.loop_rewrites
+    assert (report.summary["static_regions"], report.summary["dynamic_regions"]) == (1, 0)

@@ -54,6 +54,8 @@ _keys = itertools.count(1)
 _ENABLED: dict[int, bool] = {}
 _SPECS: dict[int, "Spec"] = {}
 _OWNERS: dict[int, list] = {}
+_BLOCKED: dict[int, bool] = {}
+"""Loops whose experts' parameters were one block of each name when enabled (see :func:`enable`)."""
 REASONS: dict[int, str] = {}
 """Why a loop's fold was switched off (by the structure check or the graph pass), by key."""
 
@@ -127,9 +129,14 @@ def decline(key: int, why: str) -> None:
 
 def enable(key: int, spec: "Spec", owners: list) -> None:
     """Fold loop ``key``, whose expert lists (``owners``) all have structure ``spec``."""
+    from .layout import consecutive
     _SPECS[key] = spec
     _OWNERS[key] = [weakref.ref(o) for o in owners]
-    first_only()
+    # Inference traces read the experts from one block only where cgbackend.compile laid them out
+    # as one (explain does not move parameters: its traces take every expert's, as compile's did).
+    _BLOCKED[key] = first_only() and all(
+        consecutive([param_of(expert, parts, name).data for expert in experts])
+        for experts in owners for parts, name in spec.params)
     _ENABLED[key] = supported()
     if not supported():
         REASONS[key] = "this torch cannot restart a trace from a backend"
@@ -255,7 +262,7 @@ def inputs(key: int, experts: Any) -> Optional[tuple]:
         return None
     if experts is None:
         return ()
-    which = experts if torch.is_grad_enabled() or not _FIRST_ONLY[0] else [experts[0]]
+    which = experts if torch.is_grad_enabled() or not _BLOCKED.get(key, False) else [experts[0]]
     out = []
     for parts, name in _SPECS[key].params:
         out.append(tuple(param_of(expert, parts, name) for expert in which))
