@@ -257,7 +257,7 @@ def inputs(key: int, experts: Any) -> Optional[tuple]:
     input: autograd accumulates each expert's gradient into its own). Without, only expert 0's:
     the graph reads all E from its block (layout.block_view), so a call fetches, guards and keys
     one parameter per name instead of E, and the runtime checks on each call that the other
-    experts' parameters still are the block's slices (fold_graph.LayoutCheck)."""
+    experts' parameters still are the block's slices (layout.LayoutCheck)."""
     if not torch.compiler.is_compiling() or not _ENABLED.get(key, False):
         return None
     if experts is None:
@@ -270,8 +270,9 @@ def inputs(key: int, experts: Any) -> Optional[tuple]:
 
 
 _FIRST_ONLY: list = [None]
-"""Whether inference traces of a folded loop take expert 0's parameters only (see :func:`inputs`):
-found by :func:`first_only` when a loop is enabled, not at import (it imports Dynamo)."""
+"""Whether Dynamo keeps graph inputs' real values, which inference traces that take expert 0's
+parameters only need (see :func:`enable`): found by :func:`first_only` when a loop is enabled, not
+at import (it imports Dynamo)."""
 
 
 def first_only() -> bool:

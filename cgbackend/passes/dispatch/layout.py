@@ -90,7 +90,7 @@ def block_view(w0: torch.Tensor, n: int) -> torch.Tensor:
     """The ``[n, *w0.shape]`` block whose slice 0 is ``w0``: ``n`` consecutive slices of ``w0``'s
     storage from ``w0`` on (a view, no copy). For inference graphs of folded loops, which take expert
     0's parameter only; that the other experts' parameters are the other slices is checked when the
-    graph is made and on every call (fold_graph.LayoutCheck). Only graphs that run without
+    graph is made and on every call (:class:`LayoutCheck`). Only graphs that run without
     gradients use it (autograd cannot take a view past ``w0``'s own elements back to ``w0``)."""
     return w0.as_strided((n,) + tuple(w0.shape), (w0.numel(),) + tuple(w0.stride()), w0.storage_offset())
 
@@ -173,7 +173,7 @@ def _watch_registrations() -> None:
 class _Block:
     """One expert list's parameters of one name, as the last call saw them."""
 
-    __slots__ = ("owner", "params", "idx", "ptrs", "seen", "__weakref__")
+    __slots__ = ("owner", "params", "idx", "ptrs", "seen")
 
     def __init__(self, owner: torch.nn.Module, params: list) -> None:
         self.owner = weakref.ref(owner)
@@ -192,7 +192,7 @@ class LayoutCheck:
     parameters are ``resolve(experts)``. One C++ comparison of the E addresses with those of the
     list's last call; where one changed (a parameter's ``.data`` replaced, the model moved), the
     parameters are checked again and, when they no longer are one block, laid out as one again
-    (:func:`relayout`, a copy; counted in ``relayouts`` and logged) before the graph runs, so it
+    (:func:`relayout`, a copy, logged as a warning) before the graph runs, so it
     never reads a replaced parameter's old values. A parameter object replaced on its module (any
     registration since the list's last call) is looked up again first. Not seen: writes straight
     into a module's private ``_parameters`` dict. Parameters are held until their expert list is
@@ -207,7 +207,6 @@ class LayoutCheck:
         self.where = where
         self.blocks: dict[int, tuple[Any, _Block]] = {}
         """id(expert 0's parameter) -> (a weak reference to it, its list's block)."""
-        self.relayouts = 0
 
     def __call__(self, args: Sequence[Any]) -> None:
         w0 = args[self.position]
@@ -239,7 +238,6 @@ class LayoutCheck:
                     "device, which the compiled graph reads them as; compile the model again "
                     "(torch.compiler.reset(), then cgbackend.compile)")
             nbytes = relayout(ps)
-            self.relayouts += 1
             log.warning("cgbackend: %s: the experts' parameters were no longer one block (one was replaced); "
                         "laid out as one again (%.1f MiB copied) before the call", self.where, nbytes / 2 ** 20)
         block.ptrs = [p.data_ptr() for p in ps]
