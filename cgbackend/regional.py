@@ -16,13 +16,16 @@ CUDA graphs there, keyed by its parameters' addresses (runtime/graph_cache.py), 
 that count graphs and call slots scale by the number of layers sharing them
 (``RuntimeShared.layer_copies``).
 
-The layer's call is a graph break in the model's own forward: the forward is compiled up to the
-stack; a loop over the stack makes Dynamo run that frame as it is (the layers are still compiled,
-each a graph of its own). So below the threshold one whole-model graph is kept: it costs one graph
-launch per call, where a stack costs one per layer (tens of microseconds of host time each).
+The layer's call is a graph break in the model's own forward: an ``nn.Sequential``'s caller is
+compiled up to the stack and after it; the forward that loops over a ``ModuleList`` runs as it is
+(a graph break in a loop makes Dynamo give up the frame), and it gets that from the start, on a
+copy of its code (``_skipped_forward``: no trace that is thrown away, and no mark on the class's
+own code that would split every other compile of the class). So below the threshold one
+whole-model graph is kept: it costs one graph launch per call, where a stack costs one per layer
+(tens of microseconds of host time each).
 
-The layers' ``forward`` is set only while a call of the compiled model runs (Overrides) and
-restored after, so the user's modules are never changed outside the compiled model's calls.
+The layers' (and the loop's owner's) ``forward`` is set only while a call of the compiled model
+runs (Overrides) and restored after, so the user's modules are never changed outside the compiled model's calls.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import inspect
 import logging
 import textwrap
 import threading
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -66,6 +70,9 @@ class LayerStack:
     layers: list[nn.Module]
     key: str
     """A short hash of the layers' structure key."""
+    owner: Optional[nn.Module] = None
+    """The module whose forward loops over the layers (a ``ModuleList``'s); None for an
+    ``nn.Sequential``, whose own forward runs them."""
 
     @property
     def cls(self) -> str:
@@ -95,17 +102,19 @@ def find_layer_stacks(model: nn.Module, min_layers: int) -> list[LayerStack]:
         layers = list(container.children())
         if len(layers) < max(min_layers, 2):
             continue
+        owner = None
         if not isinstance(container, nn.Sequential):
             parent_path, _, attr = path.rpartition(".")
             if not path or not chained_loop(modules[parent_path], attr):
                 continue
+            owner = modules[parent_path]
         key = structure_key(layers[0])
         if any(type(layer) is not type(layers[0]) or structure_key(layer) != key for layer in layers[1:]):
             continue
         if "forward" in layers[0].__dict__ or type(layers[0]).forward is nn.Module.forward:
             continue  # a forward set on the instance, or none: not a plain layer
         digest = hashlib.sha1(repr(key).encode()).hexdigest()[:12]
-        stacks.append(LayerStack(path, layers, digest))
+        stacks.append(LayerStack(path, layers, digest, owner))
         for layer in layers:
             for sub in layer.modules():
                 taken.add(id(sub))
@@ -232,17 +241,51 @@ _MISSING = object()
 def regional_overrides(stacks: list[LayerStack], backend: Callable[..., Any], *, dynamic: Optional[bool],
                        forward_of: Callable[[nn.Module], Callable[..., Any]]) -> list[tuple[nn.Module, Callable[..., Any]]]:
     """For every layer of ``stacks``: (layer, the forward it gets during a call). ``forward_of``
-    gives the plain function a layer runs (its class's ``forward``, or a rewritten one); one
-    ``torch.compile`` per distinct function serves every layer running it."""
+    gives the plain function a module runs (its class's ``forward``, or a rewritten one); one
+    ``torch.compile`` per distinct function serves every layer running it. The owner of a stack
+    its forward loops over gets a forward too (:func:`_skipped_forward`)."""
     compiled: dict[Any, Callable[..., Any]] = {}
     pairs = []
+    owners: list[nn.Module] = []
     for stack in stacks:
+        if stack.owner is not None and all(stack.owner is not o for o in owners):
+            owners.append(stack.owner)
         for layer in stack.layers:
             fn = forward_of(layer)
             if fn not in compiled:
                 compiled[fn] = torch.compile(fn, backend=backend, dynamic=dynamic)
             pairs.append((layer, _layer_forward(compiled[fn], layer)))
+    for owner in owners:
+        skipped = _skipped_forward(forward_of(owner))
+        if skipped is not None:
+            pairs.append((owner, types.MethodType(skipped, owner)))
     return pairs
+
+
+def _skipped_forward(fn: Callable[..., Any]) -> Optional[Callable[..., Any]]:
+    """A copy of ``fn`` with a code object of its own, which Dynamo skips (runs as it is) while it
+    still compiles the frames it calls; None where this torch has no way to say so.
+
+    The owner's loop calls each layer through a graph break, and a graph break in a loop makes
+    Dynamo give up the whole frame: it would trace the forward up to the loop first (wrapping the
+    whole stack's modules: about 3 s for 48 MoE layers, in every process, cache or not), then mark
+    the forward's code to be skipped from then on. That mark is global, on the class's code
+    object: every other compile of that class in the process (``torch.compile`` of another copy
+    of the model) would then run that forward as it is too, one graph per layer, even where it
+    had already been compiled whole. On a copy of the code, the skip is decided up front and stays
+    with this compiled model."""
+    skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+    fn = getattr(fn, "__func__", fn)
+    if skip_code is None or not isinstance(fn, types.FunctionType):
+        return None
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    skip_code(copy.__code__)
+    copy._torchdynamo_disable = True  # type: ignore[attr-defined]  # a caller being traced breaks here
+    return copy
 
 
 def _layer_forward(compiled: Callable[..., Any], layer: nn.Module) -> Callable[..., Any]:

@@ -175,30 +175,11 @@ def test_every_option_has_help(make):
 
 _HELP_ARGS = [["serve-bench", "--help"], ["bench", "--help"], ["explain", "--help"]]
 
-# ``python -m cgbackend ARGS`` for each of _HELP_ARGS in one fresh interpreter: runpy runs the
-# package's __main__ as -m does (a fresh __main__ each time), with sys.argv as -m sets it.
-_HELP_DRIVER = """
-import contextlib, io, json, runpy, sys
-results = []
-for args in json.loads(sys.argv[1]):
-    sys.argv = [sys.argv[0]] + args
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            runpy.run_module("cgbackend", run_name="__main__", alter_sys=True)
-        except SystemExit as exc:
-            code = exc.code or 0
-    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
-sys.stdout.write(json.dumps(results))
-"""
-
-
 @pytest.fixture(scope="module")
 def help_runs():
-    proc = subprocess.run([sys.executable, "-c", _HELP_DRIVER, json.dumps(_HELP_ARGS)], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return {" ".join(args): run for args, run in zip(_HELP_ARGS, json.loads(proc.stdout))}
+    """``python -m cgbackend ARGS`` for each of _HELP_ARGS (tests/program_runs.py: one interpreter)."""
+    from program_runs import run_programs
+    return {" ".join(args): vars(run) for args, run in zip(_HELP_ARGS, run_programs(_HELP_ARGS))}
 
 
 @pytest.mark.parametrize("args, prog", [

@@ -189,3 +189,42 @@ def test_steady_calls_never_enter_dynamos_frame_conversion():
                if path.replace("\\", "/").endswith("_dynamo/convert_frame.py")]
     assert cgbackend.stats(compiled)["fast_replays"] > 0
     assert cgbackend.report(compiled).regional and entered == [], entered
+
+
+def test_the_owners_loop_is_not_traced_and_other_compiles_of_its_class_stay_whole():
+    """The owner's forward, whose loop calls each layer through a graph break, runs as it is from the
+    first call (Dynamo would trace it up to the loop, give the frame up and mark the class's code
+    to be skipped); another model of the same class, compiled after and before, is still traced
+    whole, as one graph, and keeps its compiled code across the regional model's calls."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+
+    def chain():
+        torch.manual_seed(0)
+        return _Chain([_Block() for _ in range(6)])
+
+    def whole_compile():
+        other = chain()
+        graphs = []
+        fn = torch.compile(other, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
+        return other, fn, graphs
+
+    first, first_fn, first_graphs = whole_compile()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        first_fn(x)
+        model = chain()
+        compiled = cgbackend.compile(model, regional_min_layers=6, **SIM)
+        frames = dict(counters["frames"])
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x))
+        new_frames = {k: counters["frames"][k] - frames.get(k, 0) for k in ("total", "ok")}
+        assert new_frames == {"total": 1, "ok": 1}, new_frames  # the shared layer only
+        second, second_fn, second_graphs = whole_compile()
+        torch.testing.assert_close(second_fn(x), second(x))
+        torch.testing.assert_close(first_fn(x), first(x))
+    # Each plain compile is one graph with all six layers; the first was not recompiled.
+    for graphs in (first_graphs, second_graphs):
+        assert len(graphs) == 1, len(graphs)
+        assert sum(n.target is torch.tanh for n in graphs[0].graph.nodes) == 6
+    assert cgbackend.report(compiled).regional

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -294,13 +293,6 @@ def factories(tmp_path_factory):
     return path
 
 
-def cli(*args, cwd=None, env=None):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("CGBACKEND_")}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "cgbackend", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd, env=full_env)
-
-
 def cli_here(*args, cwd=None):
     """``python -m cgbackend ARGS`` run in this process (no interpreter start-up, no torch import):
     the same ``main``; ``cwd`` is also put first on ``sys.path``, as ``python -m`` does."""
@@ -371,16 +363,28 @@ def test_cli_factory(factories, spec):
     assert d["summary"]["ops"] == 3
 
 
-@pytest.mark.parametrize("args, mentions", [
-    pytest.param(["explain", "nosuch:thing"], "nosuch", id="module_not_found"),
-    pytest.param(["explain", "FACTORIES:raises"], "RuntimeError", id="factory_raises"),
-    pytest.param(["explain", "FACTORIES:wrong_shape"], "(model, example_inputs)", id="factory_wrong_shape"),
-    pytest.param(["explain", "FACTORIES:broken_model"], "ValueError", id="forward_raises"),
-])
-def test_cli_errors_are_one_line(factories, args, mentions):
-    args = [a.replace("FACTORIES", str(factories)) for a in args]
-    line = assert_one_line_error(cli(*args))
-    assert mentions in line
+_PROGRAM_ERRORS = {
+    # forward_raises first: the one that traces, in the interpreter's fresh state
+    "forward_raises": (["explain", "FACTORIES:broken_model"], "ValueError"),
+    "module_not_found": (["explain", "nosuch:thing"], "nosuch"),
+    "factory_raises": (["explain", "FACTORIES:raises"], "RuntimeError"),
+    "factory_wrong_shape": (["explain", "FACTORIES:wrong_shape"], "(model, example_inputs)"),
+}
+
+
+@pytest.fixture(scope="module")
+def program_errors(factories):
+    """The commands of _PROGRAM_ERRORS run as programs (tests/program_runs.py: one interpreter)."""
+    from program_runs import run_programs
+    runs = run_programs([[a.replace("FACTORIES", str(factories)) for a in args]
+                         for args, _ in _PROGRAM_ERRORS.values()])
+    return dict(zip(_PROGRAM_ERRORS, runs))
+
+
+@pytest.mark.parametrize("case", list(_PROGRAM_ERRORS))
+def test_cli_errors_are_one_line(program_errors, case):
+    line = assert_one_line_error(program_errors[case])
+    assert _PROGRAM_ERRORS[case][1] in line
 
 
 # The same contract, checked in-process (faster) for the other ways a command can go wrong.
