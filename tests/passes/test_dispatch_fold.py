@@ -348,3 +348,38 @@ def test_explain_folds_an_inference_trace_as_compile_does():
         report = cgbackend.explain(model, _batches(1, seed=11)[0], options={"static_dispatch": "grouped"})
     assert [r["fold"] for r in report.loop_rewrites] == ["folded"], report.loop_rewrites
     assert (report.summary["static_regions"], report.summary["dynamic_regions"]) == (1, 0)
+
+
+@pytest.mark.skipif(not fold.first_only(), reason="this torch keeps no real value of a graph input")
+def test_the_graph_inductor_gets_from_an_inference_fold_is_cacheable(monkeypatch):
+    """Every node of the region that Inductor compiles passes AOTAutograd's cache check, the block's
+    rows included (a node without Dynamo's fake value made the cache bypass it: a second process
+    compiled every layer again). Inductor itself is not run: the spy hands the module back."""
+    autograd_cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
+    check = getattr(autograd_cache, "check_node_safe", None)
+    bypass = getattr(autograd_cache, "BypassAOTAutogradCache", None)
+    if check is None or bypass is None:
+        pytest.skip("this torch has no AOTAutograd cache check")
+    import torch._inductor.compile_fx as cfx
+    refused, rows = [], []
+
+    def spy(gm, example_inputs, **kw):
+        for node in gm.graph.nodes:
+            try:
+                check(node)
+            except bypass as exc:
+                refused.append(str(exc).splitlines()[0])
+            if node.op == "placeholder" and node.meta.get("cgb_row"):
+                rows.append(node.name)
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    torch.manual_seed(12)
+    model = TwoLayers().double()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped",
+                                 inner="inductor")
+    with torch.no_grad():
+        for x in _batches(3, seed=13):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
+    assert rows and not refused, (rows, refused)
+    assert cgbackend.stats(compiled)["inner_compiled"] >= 1

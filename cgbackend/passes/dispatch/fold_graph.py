@@ -92,8 +92,11 @@ def _block_row(gm: torch.fx.GraphModule, key: int, i: int, w0: torch.fx.Node, n:
     with gm.graph.inserting_before(begin):
         block = gm.graph.call_function(block_view, (w0, n))
         row = gm.graph.call_function(operator.getitem, (block, 0))
-    block.meta = {"val": block_view(fake, n), "cgb_row": True}
-    row.meta = {"val": block.meta["val"][0], "cgb_row": True}
+    # Fake values under Dynamo's key too: AOTAutograd's cache takes a method call only on a node
+    # that has one (else it bypasses the cache, and a second process compiles the layer again).
+    whole = block_view(fake, n)
+    block.meta = {"val": whole, "example_value": whole, "cgb_row": True}
+    row.meta = {"val": whole[0], "example_value": whole[0], "cgb_row": True}
     w0.replace_all_uses_with(row, delete_user_cb=lambda user: user in inside)
     position = [nd for nd in gm.graph.nodes if nd.op == "placeholder"].index(w0)
     checks.append(LayoutCheck(position, find, resolve, what))
