@@ -5,6 +5,7 @@
     cgbackend.explain(model, *inputs)                # ahead-of-time partition report
     cgbackend.stats(compiled_model)                  # counters
     print(cgbackend.summary(compiled_model))         # the counters as a short table, per region
+    cgbackend.warm_up(compiled_model, make_inputs, sizes=[1, 2, 4])  # capture sizes before serving
     help(cgbackend.Config), help(cgbackend.Report)   # every option; the report's fields
 """
 
@@ -19,6 +20,7 @@ from .marks import mark_dynamic
 from .notices import CGBackendWarning, NothingCapturedWarning
 from .reasons import Reason, Rule
 from .reporting.report import Report
+from .serve import WarmUp, warm_up
 from .stats_table import summary
 
 
@@ -27,4 +29,4 @@ _register_backend()  # torch.compile(backend="cgbackend") without installed meta
 
 __all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning",
            "Reason", "Report", "Rule", "backend", "compile", "explain", "find_backend", "mark_dynamic", "prepare",
-           "report", "reset", "stats", "summary", "__version__"]
+           "report", "reset", "stats", "summary", "warm_up", "WarmUp", "__version__"]

@@ -159,7 +159,7 @@ def stats(obj: Any = None) -> dict[str, Any]:
 def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     from .runtime.stats import Counters
     total = Counters().to_dict()
-    total.update(pending_forwards=0, nothing_captured_reason=None)
+    total.update(pending_forwards=0, nothing_captured_reason=None, captured_sizes={})
     for part in parts:
         for key, value in part.items():
             if isinstance(value, dict):

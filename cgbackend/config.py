@@ -64,6 +64,13 @@ class Config:
     need only as many graphs as buckets. Sizes above the largest are captured exactly; () turns
     bucketing off (``CGBACKEND_CAPTURE_SIZES=off``; an empty variable is an error)."""
 
+    max_capture_size: int = 0
+    """Serving: an inference call of a bucketed region (see ``capture_sizes``) whose size is above
+    this runs the region's compiled code without a graph (counted in eager_calls as
+    ``above_max_capture_size``) instead of being padded or captured at its exact size, so a rare
+    large batch costs no capture and no graph memory. Sizes up to it are padded as before. 0: no
+    limit."""
+
     max_pending_forwards: int = 4
     """Training: how many forwards of one region may wait for their backward at once, each with its
     own graphs and memory pool. A forward beyond that runs eagerly (counted)."""
@@ -155,6 +162,7 @@ class Config:
         _check_int(self, "max_pending_forwards", 1)
         _check_int(self, "handout_graphs", 0)
         _check_int(self, "regional_min_layers", 0)
+        _check_int(self, "max_capture_size", 0)
         if self.inner not in _INNER_COMPILERS:
             raise ConfigError(
                 f"cgbackend option inner={self.inner!r} is not one of {', '.join(_INNER_COMPILERS)}"

@@ -391,6 +391,8 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
             held = f" ({r['held']} held, {r['evicted']} evicted"
             held += f", {r['recaptured']} recaptured after newer graphs)" if r.get("recaptured") else ")"
         pad = f", padded along {r['bucketed']}" if r.get("bucketed") else ""
+        if r.get("captured_sizes"):
+            pad += f" (sizes {', '.join(map(str, r['captured_sizes']))} captured)"
         mib = f", pool {r['pool_bytes'] / 2**20:.1f} MiB" if r.get("pool_bytes") else ""
         handout = (f" + {r['handout_graphs']} handout graph(s) (outputs to the caller without a copy)"
                    if r.get("handout_graphs") else "")

@@ -110,10 +110,12 @@ class Entry:
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
                  "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds",
                  "param_addrs", "volatile_pos",
-                 "pad_block", "input_views", "handouts", "compact", "copy_dst")
+                 "pad_block", "input_views", "handouts", "compact", "copy_dst", "size")
 
     def __init__(self) -> None:
         self.graph = None
+        self.size: Optional[int] = None
+        """Bucketed entries: the capture size the call was padded to (stats' captured_sizes)."""
         self.compact: dict[int, tuple[int, ...]] = {}
         """Copied input position -> the dims its static buffer reads with stride 0 (an expanded
         input, runtime/layouts.py): a replay copies one slice along them."""

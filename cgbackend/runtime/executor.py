@@ -431,6 +431,7 @@ class CompiledGraph:
                          "recaptured": r.recaptured,
                          "pool_bytes": sum(e.nbytes for e in r.entries.values()),
                          "bucketed": r.bucket.symbol if r.bucket is not None else None,
+                         "captured_sizes": sorted({e.size for e in r.entries.values() if e.size is not None}),
                          "thrashing": r.thrashing,
                          "replays": r.replays, "eager_calls": dict(r.eager_calls),
                          "handout_graphs": sum(len(e.handouts or ()) for e in r.entries.values()),
@@ -445,6 +446,18 @@ class CompiledGraph:
             "pending_forwards": self.slots.pending(),
             "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
         }
+
+
+def captured_sizes(graphs: Any) -> dict[int, int]:
+    """Capture size -> pool bytes its held graphs added, over the bucketed regions of ``graphs``
+    (stats()["captured_sizes"]; 0 where nothing was reserved, as with simulated graphs)."""
+    sizes: dict[int, int] = {}
+    for g in graphs:
+        for r in g.runners:
+            for e in r.entries.values():
+                if e.size is not None:
+                    sizes[e.size] = sizes.get(e.size, 0) + e.nbytes
+    return dict(sorted(sizes.items()))
 
 
 def run_step(step: Step, ins: list, call: CallState) -> Any:

@@ -152,6 +152,12 @@ class GraphCache:
 
     # ------------------------------------------------------------------ bucketing
 
+    def above_limit(self, ins: list) -> bool:
+        """Is this inference call's bucketed size above ``max_capture_size`` (when one is set)?"""
+        limit = self.runner.config.max_capture_size
+        plan = self.runner.bucket
+        return bool(limit) and plan.bindings(ins)[plan.symbol] > limit
+
     def padding(self, ins: list) -> Optional[Pad]:
         """The sizes this inference call runs at, or None above the largest capture size."""
         runner = self.runner
@@ -271,6 +277,7 @@ class GraphCache:
     def replace(self, key: tuple, old: Entry, fresh: Entry) -> None:
         """``fresh``, captured again after newer graphs, takes ``old``'s place (counted)."""
         self.release(old)
+        fresh.size = old.size
         self.entries[key] = fresh
         self.recaptured += 1
         self.runner.shared.counters.graphs_recaptured += 1

@@ -173,7 +173,11 @@ class RegionRunner:
             # buffer in its layout can hold it (runtime/layouts.py).
             return self._fallback(ins, EagerReason.INPUT_LAYOUT)
         cache = self.cache
-        pad = cache.padding(ins) if self.bucket is not None and not grad_path else None
+        pad = None
+        if self.bucket is not None and not grad_path:
+            if cache.above_limit(ins):
+                return self._eager(ins, EagerReason.ABOVE_MAX_CAPTURE)  # by design, also under strict
+            pad = cache.padding(ins)
         if pad is None:
             key, shape_key = cache.keys(ins, grad_path, call.slot)
         else:
@@ -216,6 +220,8 @@ class RegionRunner:
             if self.recorder.failure is not None:
                 return self._after_failed_capture(ins, shape_key)
             return self._eager(ins, self.disabled or EagerReason.CAPTURE_FAILED)
+        if pad is not None:
+            entry.size = pad.padded[self.bucket.symbol]
         cache.entries[key] = entry
         if pad is None and not grad_path:
             self.fast.note(entry, ins)

@@ -31,6 +31,7 @@ class EagerReason:
     INPUT_VIEW = "input_view_output"
     CALL_RAISED = "call_raised"
     INPUT_LAYOUT = "input_layout"
+    ABOVE_MAX_CAPTURE = "above_max_capture_size"
 
     DESCRIPTIONS = {
         WARMUP: "eager warm-up call before capture (option warmup)",
@@ -69,6 +70,8 @@ class EagerReason:
         INPUT_LAYOUT: "the region's compiled code reads an input broadcast (stride 0 along a dim, as "
                       "Dynamo's example was expanded) and this call's tensor differs along that dim: it "
                       "cannot be copied into the compiled layout (runtime/layouts.py)",
+        ABOVE_MAX_CAPTURE: "an inference call of a bucketed region above max_capture_size: the region's "
+                           "code ran without a graph (no capture, no graph memory for that size)",
     }
 
 

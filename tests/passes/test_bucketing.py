@@ -275,3 +275,51 @@ def test_dynamic_true_pads_too(name):
     assert st["compiled_graphs"] == 1 and st["replays"] > 0
     assert set(st["eager_calls"]) == {"warmup"}
     assert cgbackend.report(compiled).summary["bucketed_regions"] >= 1
+
+
+def test_sizes_above_max_capture_size_run_the_compiled_code_without_a_graph():
+    """max_capture_size: a call above it runs without a capture (counted by its reason, also under
+    strict), one at or below it pads to its capture size as before; outputs equal eager's."""
+    sizes = [3, 3, 6, 6, 6, 5, 3, 9]  # capture sizes (4, 8): 3 -> 4 captured; 5, 6, 9 above 4
+    compiled = _serve("dense", sizes, capture_sizes=(4, 8), max_capture_size=4, strict=True)
+    st = cgbackend.stats(compiled)
+    regions = st["static_regions"]
+    assert st["graphs_captured"] == regions  # size 4 only
+    assert st["eager_calls"] == {"warmup": regions, "above_max_capture_size": 5 * regions}
+    assert st["captured_sizes"] == {4: 0}  # simulated graphs reserve nothing
+    runtime = cgbackend.report(compiled).graphs[0].runtime["regions"]
+    assert all(r["captured_sizes"] == [4] for r in runtime.values())
+    assert "(sizes 4 captured)" in cgbackend.report(compiled).to_text()
+
+
+def test_warm_up_captures_every_size_before_the_first_request():
+    """cgbackend.warm_up runs each size until it is captured and says what each took; the requests
+    after it replay those graphs only (no warm-up call, no capture), at sizes that pad to them."""
+    model = build_model("dense").eval()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=2, capture_sizes=(2, 4, 8))
+    vocab = model.tok_emb.num_embeddings
+    gen = torch.Generator().manual_seed(3)
+
+    def make(n):
+        x = torch.randint(0, vocab, (n, 16), generator=gen)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+
+    done = cgbackend.warm_up(compiled, make, sizes=[2, 4, 8])
+    st = cgbackend.stats(compiled)
+    regions = st["static_regions"]
+    assert [r["size"] for r in done.sizes] == [2, 4, 8] and all(r["graphs"] == regions for r in done.sizes)
+    assert done.graphs == st["graphs_captured"] == 3 * regions and done.pool_bytes == 0
+    assert sorted(st["captured_sizes"]) == [2, 4, 8]
+    assert "warm-up: 3 sizes" in str(done)
+    with torch.no_grad():
+        for n in (7, 2, 3, 8):  # (size 1 is a graph of its own: Dynamo specializes sizes 0 and 1)
+            (x,) = make(n)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    after = cgbackend.stats(compiled)
+    assert after["graphs_captured"] == st["graphs_captured"] and after["eager_calls"] == st["eager_calls"]
+    assert after["replays"] == st["replays"] + 4 * regions
+    with pytest.raises(ValueError, match="positive integers"):
+        cgbackend.warm_up(compiled, make, sizes=[0])
+    with pytest.raises(TypeError, match="tuple of arguments"):
+        cgbackend.warm_up(compiled, lambda n: make(n)[0], sizes=[2])
