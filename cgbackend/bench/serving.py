@@ -10,7 +10,10 @@ and contender, in one process:
    figure, and its ratio to eager's time over the same draws.
 
 Counters after both loops: graphs captured, graphs per static region, eager calls by reason,
-evictions, and the bound on graphs: (capture sizes hit) x (static regions).
+evictions, and the bound on graphs: (capture sizes hit) x (static regions). Every row has the
+latency of its first request (``first_request_ms``: a compile and warm-up for a compiled
+contender); ``cgbackend-warm-up`` captures every capture size up to ``--max-batch`` first
+(``cgbackend.warm_up``: ``warm_up_s``, ``graph_memory_bytes``), so its first request replays.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from ..models import build_model
 
 __all__ = ["main", "run"]
 
-CONTENDERS = ("eager", "cgbackend", "cgbackend-inductor", "cgbackend-exact", "cgbackend-entry-point",
-              "reduce-overhead")
+CONTENDERS = ("eager", "cgbackend", "cgbackend-warm-up", "cgbackend-inductor", "cgbackend-exact",
+              "cgbackend-entry-point", "reduce-overhead")
 
 
 def _make(name: str, model: torch.nn.Module) -> Callable[..., Any]:
@@ -45,7 +48,7 @@ def _make(name: str, model: torch.nn.Module) -> Callable[..., Any]:
         return model
     # cgbackend.compile: Dynamo traces the data-dependent dispatch into the graph (one graph per
     # forward; the same API as the `bench` contender cgbackend).
-    if name == "cgbackend":
+    if name in ("cgbackend", "cgbackend-warm-up"):  # the second: sizes captured before the loop
         return cgbackend.compile(model)
     if name == "cgbackend-inductor":
         return cgbackend.compile(model, inner="inductor")
@@ -66,6 +69,11 @@ def _draws(n: int, max_batch: int, seed: int) -> list[int]:
 def _inputs(sizes: list[int], seq: int, vocab: int, device: torch.device, seed: int) -> list[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randint(0, vocab, (n, seq), generator=g).to(device) for n in sizes]
+
+
+def _bucket(ladder: Sequence[int], n: int) -> int:
+    """The capture size a call of ``n`` rows pads to (``n`` itself above the ladder)."""
+    return next((b for b in ladder if b >= n), n)
 
 
 def _loop(fn: Callable[..., Any], xs: list[torch.Tensor], device: torch.device) -> float:
@@ -89,7 +97,7 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
     warm_xs = _inputs(warm_sizes, args.seq, vocab, device, args.seed)
     timed_xs = _inputs(timed_sizes, args.seq, vocab, device, args.seed + 1)
     ladder = Config().capture_sizes
-    buckets_hit = len({next((b for b in ladder if b >= n), n) for n in warm_sizes + timed_sizes})
+    buckets_hit = len({_bucket(ladder, n) for n in warm_sizes + timed_sizes})
     rows = []
     eager_s = None
     for position, name in enumerate(args.contenders, 1):
@@ -102,11 +110,23 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
                                len(set(warm_sizes + timed_sizes)), "capture_sizes_hit": buckets_hit}
         try:
             fn = _make(name, model)
+            if name == "cgbackend-warm-up":
+                sizes = [b for b in ladder if b <= max(_bucket(ladder, n) for n in warm_sizes + timed_sizes)]
+                done = cgbackend.warm_up(fn, lambda n: tuple(_inputs([n], args.seq, vocab, device, args.seed + 2)),
+                                         sizes)
+                row.update(warm_up_s=round(done.seconds, 3), warm_up_sizes=len(sizes),
+                           graph_memory_bytes=done.pool_bytes)
             worst, kept = 0.0, []
             start = time.perf_counter()
             with torch.no_grad():
                 for i, x in enumerate(warm_xs):
+                    if i == 0:
+                        sync(device)
+                        first = time.perf_counter()
                     out = fn(x)
+                    if i == 0:
+                        sync(device)
+                        row["first_request_ms"] = round(1e3 * (time.perf_counter() - first), 3)
                     if name != "eager":
                         ref = model(x)
                         worst = max(worst, rel_err(out, ref))
@@ -147,26 +167,29 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
 
 def render_markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
+    extra = any("first_request_ms" in r for r in results["rows"])  # (results written before it: without)
     lines = [f"# Serving loop: random batch sizes 1..{meta['max_batch']}", "",
              f"- device: {meta['device']}; torch {meta['torch']}; date {meta['date']}",
              f"- command: `{meta['command']}`",
              f"- {meta['calls']} warm calls (each checked against eager), then {meta['calls']} timed calls "
              f"with new draws; seq {meta['seq']}, dtype {meta['dtype']}, size {meta['size']}", "",
              "| model | contender | timed loop s | ms/call | vs eager | accuracy | graphs (bound) | "
-             "static regions | bucketed | eager calls | evicted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "static regions | bucketed | eager calls | evicted |" + (" first request ms | warm-up s (graph MiB) |" if extra else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if extra else "")]
     for r in results["rows"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['contender']} | failed: {r['error']} |" + " |" * 8)
+            lines.append(f"| {r['model']} | {r['contender']} | failed: {r['error']} |" + " |" * (10 if extra else 8))
             continue
         graphs = str(r.get("graphs_captured", "-"))
         if "graph_bound" in r:
             graphs += f" ({r['graph_bound']})"
         acc = "-" if r["contender"] == "eager" else f"{'ok' if r['accuracy_ok'] else 'FAIL'} {r['accuracy_err']:.1e}"
         eager_calls = ", ".join(f"{k} {v}" for k, v in r.get("eager_calls", {}).items()) or "-"
+        warm = (f"{r['warm_up_s']:.2f} ({r['graph_memory_bytes'] / 2**20:.1f})" if "warm_up_s" in r else "-")
         lines.append(f"| {r['model']} | {r['contender']} | {r['loop_s']:.3f} | {r['ms_per_call']:.3f} | "
                      f"{r.get('vs_eager', '-')} | {acc} | {graphs} | {r.get('static_regions', '-')} | "
-                     f"{r.get('bucketed_regions', '-')} | {eager_calls} | {r.get('graphs_evicted', '-')} |")
+                     f"{r.get('bucketed_regions', '-')} | {eager_calls} | {r.get('graphs_evicted', '-')} |"
+                     + (f" {r.get('first_request_ms', '-')} | {warm} |" if extra else ""))
     return "\n".join(lines) + "\n"
 
 

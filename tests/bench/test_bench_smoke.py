@@ -11,6 +11,7 @@ import torch
 
 from cgbackend import bench
 from cgbackend.bench import cases, contenders, render, settings, timing
+from cgbackend.config import Config
 
 MODELS = ("dense", "moe")
 MODES = ("infer", "train")
@@ -126,6 +127,13 @@ def test_serving_loop_smoke_on_cpu(tmp_path):
     assert all(r["accuracy_ok"] for r in rows if r["contender"] == "cgbackend")
     assert all(r["graph_bound"] >= r["graphs_captured"] for r in rows if r["contender"] == "cgbackend")
     assert out.exists() and "| dense | cgbackend |" in md.read_text()
+    assert all(r["first_request_ms"] > 0 for r in rows)
+    # capture up front: every capture size up to the largest one the draws pad to (1..3 -> 1, 2, 4)
+    warm = run(["--size", "tiny", "--calls", "3", "--max-batch", "3", "--seq", "8", "--dtype", "fp32",
+                "--models", "dense", "--contenders", "eager,cgbackend-warm-up", "--device", "cpu"])["rows"][1:]
+    assert len(warm) == 1 and "error" not in warm[0] and warm[0]["accuracy_ok"], warm
+    assert warm[0]["warm_up_sizes"] == len([b for b in Config().capture_sizes if b <= 4]) == 3
+    assert warm[0]["warm_up_s"] > 0 and warm[0]["graph_memory_bytes"] == 0  # no GPU: nothing captured
 
 
 def test_relative_error_never_hides_a_nan_or_a_shape_mismatch():
