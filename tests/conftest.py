@@ -14,9 +14,10 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1) > 1:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest
-import torch
 
-import cgbackend
+# torch (and cgbackend) are imported where a hook or fixture first needs them: under pytest-xdist
+# the controlling process loads this file too and runs no test, and importing torch there cost
+# about 3 s of CPU while the workers started on the same cores.
 
 # The shared helpers (fx_helpers.py, cuda_utils.py, log_helpers.py) live here; the tests live in folders that
 # mirror the package (tests/passes/, tests/runtime/, ...).
@@ -38,7 +39,8 @@ def _one_core_per_worker() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // workers)
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
+    if "torch" in sys.modules:  # else torch reads the variable when it is imported
+        sys.modules["torch"].set_num_threads(threads)
 
 
 _one_core_per_worker()
@@ -51,6 +53,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    import torch
     if "slow" not in (config.getoption("markexpr", "") or ""):  # slow tests run only when -m names them
         slow = [item for item in items if "slow" in item.keywords]
         if slow:
@@ -104,6 +107,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Every test starts with empty Dynamo caches and no default backend instance."""
+    import torch
+
+    import cgbackend
     torch._dynamo.reset()
     cgbackend.reset()
     yield
