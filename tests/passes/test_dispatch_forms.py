@@ -357,6 +357,43 @@ def test_grouped_form_under_inductor_reads_the_expert_block_without_a_copy(monke
     assert all(ops.count(torch.clone) == 1 for ops in seen), [ops.count(torch.clone) for ops in seen]
 
 
+def test_rows_indexed_as_transformers_does_are_gathered_straight_into_their_own_tensor(monkeypatch):
+    """``hidden[None, top_x].reshape(-1, hidden_dim)`` (transformers' form, and the real-size
+    models'): the grouped form gathers the rows as ``hidden[tokens]``, one tensor of their own that
+    the gate and up products both read. A view there, or a clone of it (Inductor drops the clone
+    as a no-op), is realized once per product: the rows written twice. Inductor is not run here:
+    the spy hands the module back; outputs still equal eager's."""
+    import operator
+
+    import torch._inductor.compile_fx as cfx
+    from cgbackend.models.realsize import RealConfig, RealModel
+
+    seen = []
+
+    def spy(gm, example_inputs, **kw):
+        seen.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    cfg = RealConfig(hidden=16, heads=2, kv_heads=1, head_dim=8, layers=1, ffn=8, experts=4, top_k=2, max_pos=64)
+    torch.manual_seed(3)
+    model = RealModel(cfg, return_routing=False).double().eval()
+    compiled = cgbackend.compile(model, static_dispatch="grouped", inner="inductor", simulate_graphs=True,
+                                 warmup=1)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 8, 16, generator=gen, dtype=torch.float64)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-9, atol=1e-9)
+    assert len(seen) == 1
+    nodes = list(seen[0].graph.nodes)
+    assert not [n for n in nodes if n.target is torch.clone]
+    # the rows: one 2-D gather read by both products (here the bmm stand-in: h.unsqueeze(1) twice)
+    rows = [n for n in nodes if n.target is operator.getitem and len(n.users) == 2
+            and all(u.op == "call_method" and u.target == "unsqueeze" for u in n.users)]
+    assert len(rows) == 1 and not isinstance(rows[0].args[1], tuple), rows
+
+
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.cuda
