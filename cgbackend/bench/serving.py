@@ -97,7 +97,8 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
     warm_xs = _inputs(warm_sizes, args.seq, vocab, device, args.seed)
     timed_xs = _inputs(timed_sizes, args.seq, vocab, device, args.seed + 1)
     ladder = Config().capture_sizes
-    buckets_hit = len({_bucket(ladder, n) for n in warm_sizes + timed_sizes})
+    hit = {_bucket(ladder, n) for n in warm_sizes + timed_sizes}
+    buckets_hit = len(hit)
     rows = []
     eager_s = None
     for position, name in enumerate(args.contenders, 1):
@@ -111,7 +112,7 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
         try:
             fn = _make(name, model)
             if name == "cgbackend-warm-up":
-                sizes = [b for b in ladder if b <= max(_bucket(ladder, n) for n in warm_sizes + timed_sizes)]
+                sizes = [b for b in ladder if b <= max(hit)]
                 done = cgbackend.warm_up(fn, lambda n: tuple(_inputs([n], args.seq, vocab, device, args.seed + 2)),
                                          sizes)
                 row.update(warm_up_s=round(done.seconds, 3), warm_up_sizes=len(sizes),

@@ -152,17 +152,17 @@ class GraphCache:
 
     # ------------------------------------------------------------------ bucketing
 
-    def above_limit(self, ins: list) -> bool:
-        """Is this inference call's bucketed size above ``max_capture_size`` (when one is set)?"""
+    def above_limit(self, actual: dict) -> bool:
+        """Is this inference call's bucketed size (``actual``: its size bindings) above
+        ``max_capture_size``, when one is set?"""
         limit = self.runner.config.max_capture_size
-        plan = self.runner.bucket
-        return bool(limit) and plan.bindings(ins)[plan.symbol] > limit
+        return bool(limit) and actual[self.runner.bucket.symbol] > limit
 
-    def padding(self, ins: list) -> Optional[Pad]:
-        """The sizes this inference call runs at, or None above the largest capture size."""
+    def padding(self, actual: dict) -> Optional[Pad]:
+        """The sizes an inference call with size bindings ``actual`` (``BucketPlan.bindings``) runs
+        at, or None above the largest capture size."""
         runner = self.runner
         plan = runner.bucket
-        actual = plan.bindings(ins)
         sizes = runner.config.capture_sizes
         i = bisect.bisect_left(sizes, actual[plan.symbol])
         if i == len(sizes):

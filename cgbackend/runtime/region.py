@@ -175,9 +175,10 @@ class RegionRunner:
         cache = self.cache
         pad = None
         if self.bucket is not None and not grad_path:
-            if cache.above_limit(ins):
+            actual = self.bucket.bindings(ins)
+            if cache.above_limit(actual):
                 return self._eager(ins, EagerReason.ABOVE_MAX_CAPTURE)  # by design, also under strict
-            pad = cache.padding(ins)
+            pad = cache.padding(actual)
         if pad is None:
             key, shape_key = cache.keys(ins, grad_path, call.slot)
         else:
