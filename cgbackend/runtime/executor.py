@@ -25,7 +25,7 @@ import torch
 import torch.fx
 
 from ..passes.pipeline import Analysis
-from ..fx_utils import fake_value
+from ..fx_utils import fake_value, storage_ids
 from ..opaque import opaque_info, region_hooks
 from .backward import QUEUE_CALLBACK
 from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, RuntimeShared, is_static_address
@@ -127,6 +127,20 @@ _profiler_enabled: Callable[[], bool] = getattr(getattr(torch._C, "_autograd", N
 """Is an autograd/Kineto profiler (or emit_nvtx) recording? One C call; feature-tested."""
 
 
+def _runs_twice_alike(analysis: Analysis) -> bool:
+    """Running the graph a second time on the same inputs gives the same outputs and leaves the
+    same state: it writes none of its inputs, draws no random number, touches no global state and
+    calls no opaque module (whose own state it cannot see)."""
+    effects = analysis.effects
+    if effects.random_nodes or effects.barriers:
+        return False
+    graph = analysis.gm.graph
+    if any(opaque_info(n) is not None for n in graph.nodes):
+        return False
+    written: set[int] = set().union(*effects.writes.values()) if effects.writes else set()
+    return not any(storage_ids(fake_value(n)) & written for n in graph.nodes if n.op == "placeholder")
+
+
 class CompiledGraph:
     """The callable cgbackend hands back to Dynamo for one graph."""
 
@@ -139,7 +153,11 @@ class CompiledGraph:
         self.index = index
         self.config = shared.config
         self._layout_checks = tuple(analysis.dispatch.layout_checks)
-        """Run before every call: expert parameters read from one block still are its slices."""
+        """Run at every call: expert parameters read from one block still are its slices."""
+        self._check_after_launch = bool(self._layout_checks) and _runs_twice_alike(analysis)
+        """The checks of a list seen before are made once the graph is launched, while the GPU runs
+        it (their hundreds of address comparisons were host time before each launch); a call whose
+        check finds a changed address runs again on the laid-out parameters."""
         gm = analysis.gm
         partition = analysis.partition
         self.training_graph = analysis.classification.training
@@ -330,11 +348,15 @@ class CompiledGraph:
             self._mirror.begin(self.shared.counters)
         self.shared.counters.graph_calls += 1
         self.calls += 1
-        for check in self._layout_checks:
-            check(args)
+        training = self.training_graph and torch.is_grad_enabled()
+        checks = self._layout_checks
+        check_after = (checks and self._check_after_launch and not training
+                       and all(check.settled(args) for check in checks))
+        if checks and not check_after:
+            for check in checks:
+                check(args)
         if self.shared.handed:
             self.shared.reclaim_handed()
-        training = self.training_graph and torch.is_grad_enabled()
         if training:
             acquired = self.slots.acquire()
             if acquired is None:
@@ -345,6 +367,15 @@ class CompiledGraph:
             call = CallState(0, 0, False, None)
         try:
             result = self._run(args, call)
+            if check_after and any([check(args) for check in checks]):  # a list: every check runs
+                # An address changed since the last call (a replaced parameter, laid out again
+                # now): what the launch read may be stale. Nothing it wrote is an input, so it
+                # runs again on the parameters as they are.
+                self.shared.counters.layout_reruns += 1
+                log.info("cgbackend: graph %d: an expert parameter's address changed; the call "
+                         "runs again on the laid-out parameters", self.index)
+                result = None
+                result = self._run(args, call)
         finally:
             if not training or call.tokens == 0:
                 call.release()

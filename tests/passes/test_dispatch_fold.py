@@ -328,6 +328,9 @@ def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(mon
         torch.testing.assert_close(compiled(xs[4]), model(xs[4]), rtol=1e-10, atol=1e-10)
     assert sum("no longer one block" in r.getMessage() for r in logged) == 3
     assert len(seen) == 1  # no new trace: the checks caught every change
+    # Expert 3's .data is checked after the launch (the call ran again); the replaced object (a
+    # registration) and expert 0's own .data (the address the graph reads the block from) before.
+    assert cgbackend.stats(compiled)["layout_reruns"] == 1
     with torch.no_grad():
         model.layers[0].experts[1].w1.weight = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
         with pytest.raises(RuntimeError, match="no longer share one shape"):
@@ -337,6 +340,40 @@ def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(mon
     seen.clear()
     _check(TwoLayers().double(), train=True)
     assert seen and all(inputs == 1 + 2 * (1 + 3 * E) and checks == 0 for inputs, checks in seen), seen
+
+
+class CountingLayers(TwoLayers):
+    """A graph that writes one of its inputs (a buffer counting calls): running it twice would count
+    twice, so its layout checks are made before the launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return super().forward(x) * self.calls
+
+
+@pytest.mark.skipif(not fold.first_only(), reason="this torch keeps no real value of a graph input")
+def test_a_graph_that_writes_an_input_checks_the_block_before_it_runs(monkeypatch):
+    torch.manual_seed(12)
+    seen = _inputs_and_checks(monkeypatch)
+    model = CountingLayers().double()
+    twin = CountingLayers().double()
+    twin.load_state_dict(model.state_dict())
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped")
+    xs = _batches(4, seed=13)
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            if i == 2:
+                for m in (model, twin):
+                    m.layers[1].experts[2].w2.weight.data = torch.full_like(m.layers[1].experts[2].w2.weight, 0.25)
+            torch.testing.assert_close(compiled(x), twin(x), rtol=1e-10, atol=1e-10)
+    assert model.calls.item() == twin.calls.item() == len(xs)
+    assert seen and all(checks == 2 * 3 for _, checks in seen), seen  # folded: the block is checked
+    st = cgbackend.stats(compiled)
+    assert st["layout_reruns"] == 0 and st["replays"] >= 1, st
 
 
 def test_explain_folds_an_inference_trace_as_compile_does():

@@ -21,7 +21,7 @@ What is proven, and where:
   globally. Dynamo guards the parameters it is handed (graph inputs), not their modules' other
   state: a change to an expert's plain attributes or hooks after a trace is seen at the next trace,
   as torch.compile itself does not guard module hooks. Inference traces take expert 0's
-  parameters only (:func:`inputs`); the runtime checks the others before every call
+  parameters only (:func:`inputs`); the runtime checks the others at every call
   (layout.LayoutCheck);
 * by the graph pass: the one traced unit matches the grouped form, and each expert parameter is
   used only as a linear layer's weight or bias. Otherwise the fold is switched off for that loop and

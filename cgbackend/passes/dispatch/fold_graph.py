@@ -69,7 +69,7 @@ def _block_row(gm: torch.fx.GraphModule, key: int, i: int, w0: torch.fx.Node, n:
     expert list it belongs to, found by Dynamo's real value of ``w0``, must hold its n experts'
     parameters as the consecutive slices of one block. The traced expert's uses of ``w0`` then read
     ``block_view(w0, n)[0]``, a table row like ``row(T, 0)``, and the runtime checks the layout
-    before each call (layout.LayoutCheck, appended to ``checks``)."""
+    at each call (layout.LayoutCheck, appended to ``checks``)."""
     real = fold.real_input(w0) if w0.op == "placeholder" else None
     if not isinstance(real, torch.Tensor):
         raise _Skip("Dynamo kept no value of expert 0's parameter")

@@ -196,7 +196,14 @@ class LayoutCheck:
     never reads a replaced parameter's old values. A parameter object replaced on its module (any
     registration since the list's last call) is looked up again first. Not seen: writes straight
     into a module's private ``_parameters`` dict. Parameters are held until their expert list is
-    garbage collected."""
+    garbage collected.
+
+    A call returns whether any address changed since the list's last call. The runtime makes the
+    check after launching a graph that can run twice alike (it writes no input, draws no random
+    number), while the GPU runs it, and runs the graph again when an address had changed
+    (runtime/executor.py): where :meth:`settled` holds, so that what the launch read was valid
+    memory (expert 0's parameter where the list's last call found it: its view of the block reads
+    the block's own storage) and no parameter was registered since."""
 
     def __init__(self, position: int, find: Callable[[torch.Tensor], Optional[torch.nn.Module]],
                  resolve: Callable[[torch.nn.Module], list], where: str) -> None:
@@ -208,7 +215,15 @@ class LayoutCheck:
         self.blocks: dict[int, tuple[Any, _Block]] = {}
         """id(expert 0's parameter) -> (a weak reference to it, its list's block)."""
 
-    def __call__(self, args: Sequence[Any]) -> None:
+    def settled(self, args: Sequence[Any]) -> bool:
+        w0 = args[self.position]
+        entry = self.blocks.get(id(w0))
+        if entry is None or entry[0]() is not w0:
+            return False
+        block = entry[1]
+        return block.seen == _REGISTRATIONS[0] and bool(block.ptrs) and block.ptrs[0] == w0.data_ptr()
+
+    def __call__(self, args: Sequence[Any]) -> bool:
         w0 = args[self.position]
         entry = self.blocks.get(id(w0))
         if entry is None or entry[0]() is not w0:
@@ -224,12 +239,12 @@ class LayoutCheck:
                     ps[:] = now
                     block.ptrs = []
         if not ps:
-            return
+            return False
         if _ptrs_equal is not None and len(block.ptrs) == len(ps):
             if _ptrs_equal(ps, block.ptrs, block.idx):
-                return
+                return False
         elif [p.data_ptr() for p in ps] == block.ptrs:
-            return
+            return False
         if not consecutive([p.data for p in ps]):
             p0 = ps[0]
             if any(p.shape != p0.shape or p.dtype != p0.dtype or p.device != p0.device for p in ps):
@@ -241,6 +256,7 @@ class LayoutCheck:
             log.warning("cgbackend: %s: the experts' parameters were no longer one block (one was replaced); "
                         "laid out as one again (%.1f MiB copied) before the call", self.where, nbytes / 2 ** 20)
         block.ptrs = [p.data_ptr() for p in ps]
+        return True
 
     def _add(self, w0: torch.Tensor) -> tuple[Any, _Block]:
         owner = self.find(w0)

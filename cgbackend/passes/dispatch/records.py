@@ -44,7 +44,7 @@ class DispatchResult:
     rewrites: list[DispatchRewrite] = dataclasses.field(default_factory=list)
     skipped: list[DispatchSkipped] = dataclasses.field(default_factory=list)
     layout_checks: list = dataclasses.field(default_factory=list)
-    """Checks the runtime makes before each call of the graph (layout.LayoutCheck): the expert
+    """Checks the runtime makes at each call of the graph (layout.LayoutCheck): the expert
     parameters an inference graph reads from one block still are that block's slices."""
 
     def to_dict(self) -> dict[str, Any]:
