@@ -361,11 +361,13 @@ def test_rows_indexed_as_transformers_does_are_gathered_straight_into_their_own_
     """``hidden[None, top_x].reshape(-1, hidden_dim)`` (transformers' form, and the real-size
     models'): the grouped form gathers the rows as ``hidden[tokens]``, one tensor of their own that
     the gate and up products both read. A view there, or a clone of it (Inductor drops the clone
-    as a no-op), is realized once per product: the rows written twice. Inductor is not run here:
-    the spy hands the module back; outputs still equal eager's."""
+    as a no-op), is realized once per product: the rows written twice. The rows per expert are
+    counted in int32. Inductor is not run here: the spy hands the module back; outputs still equal
+    eager's."""
     import operator
 
     import torch._inductor.compile_fx as cfx
+    from cgbackend.fx_utils import fake_value
     from cgbackend.models.realsize import RealConfig, RealModel
 
     seen = []
@@ -392,6 +394,10 @@ def test_rows_indexed_as_transformers_does_are_gathered_straight_into_their_own_
     rows = [n for n in nodes if n.target is operator.getitem and len(n.users) == 2
             and all(u.op == "call_method" and u.target == "unsqueeze" for u in n.users)]
     assert len(rows) == 1 and not isinstance(rows[0].args[1], tuple), rows
+    # the rows per expert are counted in int32: Inductor lowers that scatter_add into its own kernel
+    # on a GPU (Triton's atomic add has no int64; int64 counts ran ATen's scatter kernel)
+    counts = [n for n in nodes if n.target == "scatter_add"]
+    assert [fake_value(n).dtype for n in counts] == [torch.int32], counts
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -427,6 +427,13 @@ def fresh():
     return torch.cuda.memory_allocated()
 
 with torch.no_grad():
+    # Compile once first: with an empty Inductor cache the first compile's peak was 43 MiB higher
+    # (96.5 against 53 MB eager on an H100; a second run, cache warm, within 15%): memory of the
+    # compile, not of the graphs. The measured compile below finds its kernels in the caches.
+    first = cgbackend.compile(copy.deepcopy(model))
+    for x in xs[:4]:
+        first(x)
+    del first
     base = fresh()
     refs = [model(x) for x in xs]
     eager = torch.cuda.max_memory_allocated() - base
