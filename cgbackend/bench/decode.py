@@ -146,12 +146,15 @@ def _logits_errors(got: list[torch.Tensor], ref: list[torch.Tensor]) -> dict[str
     return {"output": (err, "logits")}
 
 
-def run_decode(spec: Any, s: Any, names: Sequence[str], log_row: Callable[[str, dict, float], None]
-               ) -> list[dict[str, Any]]:
-    """Rows (one per contender) of the decode benchmark of ``spec`` under settings ``s``."""
-    shape = DECODE_SHAPES[s.scale]
+def run_decode(spec: Any, s: Any, names: Sequence[str], log_row: Callable[[str, dict, float], None],
+               batch: Optional[int] = None) -> list[dict[str, Any]]:
+    """Rows (one per contender) of the decode benchmark of ``spec`` under settings ``s``, at decode
+    batch ``batch`` (sequences per step; the scale's own by default)."""
+    shape = dict(DECODE_SHAPES[s.scale])
+    if batch is not None:
+        shape["batch"] = batch
     device, dtype = s.device, s.dtype
-    label = f"{spec.name}/decode"
+    label = f"{spec.name}/decode/batch {shape['batch']}"
     log(f"{label}: batch {shape['batch']}, prompt {shape['prompt']}, {shape['new_tokens']} tokens; "
                "eager and float64 references")
     base = spec.build(s)
@@ -303,8 +306,10 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
     from .accuracy import LIMIT, judge
     device = s.device
     row = empty_row(case, contender, s)
-    row.update(decode_batch=shape["batch"], prompt_len=shape["prompt"], new_tokens=shape["new_tokens"],
-               tokens_equal_frac=None, argmax_agree_frac=None)
+    # A decode step runs one token per sequence: the batch is the step's token count too (``tokens``,
+    # which tells rows of one model apart in tables and in ``--append``).
+    row.update(batch=shape["batch"], tokens=shape["batch"], decode_batch=shape["batch"], prompt_len=shape["prompt"],
+               new_tokens=shape["new_tokens"], tokens_equal_frac=None, argmax_agree_frac=None)
     out = _Prepared(row, contender, s, shape)
     if contender.needs_cuda and device.type != "cuda":
         row["error"], row["error_stage"] = "needs CUDA", "setup"

@@ -163,9 +163,9 @@ register_model(_shape("dense-llama8b-shape", _DENSE_SHAPE_CONTENDERS,
 
 DECODE_SHAPES: dict[str, dict[str, Any]] = {
     "full": dict(hidden=512, layers=4, heads=8, kv_heads=4, ffn=1536, expert_ffn=1024, experts=8, top_k=2,
-                 vocab=32000, batch=8, prompt=16, new_tokens=32),
+                 olmoe_experts=64, olmoe_top_k=8, olmoe_ffn=256, vocab=32000, batch=8, prompt=16, new_tokens=32),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, expert_ffn=64, experts=4, top_k=2,
-                 vocab=256, batch=2, prompt=4, new_tokens=6),
+                 olmoe_experts=8, olmoe_top_k=4, olmoe_ffn=32, vocab=256, batch=2, prompt=4, new_tokens=6),
 }
 
 
@@ -188,6 +188,12 @@ def build_hf(name: str, s: Any) -> nn.Module:
         cfg._attn_implementation = "sdpa"
         model = transformers.MixtralForCausalLM(cfg)
         model.set_experts_implementation("eager")
+    elif name in ("hf-olmoe-eager-experts", "hf-olmoe-grouped-mm"):
+        cfg = transformers.OlmoeConfig(intermediate_size=shape["olmoe_ffn"], num_experts=shape["olmoe_experts"],
+                                       num_experts_per_tok=shape["olmoe_top_k"], **common)
+        cfg._attn_implementation = "sdpa"
+        model = transformers.OlmoeForCausalLM(cfg)
+        model.set_experts_implementation("eager" if name.endswith("eager-experts") else "grouped_mm")
     else:
         raise ValueError(f"no decode model {name!r}")
     return model.to(dtype=s.dtype).eval()
@@ -212,6 +218,12 @@ register_model(_decode("hf-mixtral-eager-experts",
                         "hf-grouped-mm-reduce-overhead"), True,
                        'transformers Mixtral, 4 layers, hidden 512, 8 experts top-2, '
                        'set_experts_implementation("eager")'))
+register_model(_decode("hf-olmoe-eager-experts",
+                       ("eager", "cgbackend", "cgbackend-static-dispatch", "hf-grouped-mm-reduce-overhead"), True,
+                       'transformers OLMoE, 4 layers, hidden 512, 64 experts top-8 of width 256, '
+                       'set_experts_implementation("eager")'))
+register_model(_decode("hf-olmoe-grouped-mm", ("eager", "reduce-overhead", "cgbackend"), True,
+                       'transformers OLMoE as hf-olmoe-eager-experts, set_experts_implementation("grouped_mm")'))
 
 # ---------------------------------------------------------------------------------- zoo (infer, train)
 

@@ -129,14 +129,15 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 
 def _groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
-    """(title, rows) per model x mode (x token count for the shape models)."""
+    """(title, rows) per model x mode (x token count for the shape models, x batch for decode)."""
     out: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
         out.setdefault((row["model"], row["mode"], row.get("tokens")), []).append(row)
     titles = []
     for (model, mode, tokens), group in out.items():
-        shown = tokens is not None and group[0].get("family") == "shape"
-        titles.append((f"{model} / {mode}" + (f" / {tokens} tokens" if shown else ""), group))
+        family = group[0].get("family")
+        what = (f" / {tokens} tokens" if family == "shape" else f" / batch {tokens}" if family == "decode" else "")
+        titles.append((f"{model} / {mode}" + (what if tokens is not None else ""), group))
     return titles
 
 

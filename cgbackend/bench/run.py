@@ -61,7 +61,8 @@ def _case_count(settings: Settings) -> int:
         ms = settings.for_model(spec)
         for mode in settings.modes:
             if mode in spec.modes:
-                total += len(ms.tokens or (4096,)) if spec.family == "shape" else 1
+                total += len(ms.tokens or (4096,)) if spec.family == "shape" else (
+                    len(ms.tokens or (None,)) if spec.family == "decode" else 1)
     return total
 
 
@@ -83,11 +84,13 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
             names = _contenders_for(spec, mode, settings)
             if spec.family == "decode":
                 from .decode import run_decode
-                done += 1
-                log(f"case {done} of {total}: {model_name}/{mode}, contenders {', '.join(names)}")
-                t_case = time.perf_counter()
-                rows.extend(run_decode(spec, ms, names, log_row=_log_row))
-                log(f"{model_name}/{mode}: done [{time.perf_counter() - t_case:.1f}s]")
+                for batch in ms.tokens or (None,):  # --tokens: decode batches (tokens per step)
+                    done += 1
+                    label = f"{model_name}/{mode}" + (f"/batch {batch}" if batch is not None else "")
+                    log(f"case {done} of {total}: {label}, contenders {', '.join(names)}")
+                    t_case = time.perf_counter()
+                    rows.extend(run_decode(spec, ms, names, log_row=_log_row, batch=batch))
+                    log(f"{label}: done [{time.perf_counter() - t_case:.1f}s]")
                 continue
             for tokens in (ms.tokens or (4096,)) if spec.family == "shape" else (None,):
                 t_case = time.perf_counter()

@@ -144,7 +144,8 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
     p.add_argument("--scale", choices=("full", "tiny"),
                    help="real-size (shape) and decode models: full (default) or tiny (smoke: tiny)")
     p.add_argument("--tokens", help="shape models: comma-separated token counts, one row group each "
-                                    "(default 4096; above 4096, sequences of 4096)")
+                                    "(default 4096; above 4096, sequences of 4096); decode models: decode "
+                                    "batches, one token per sequence a step (default: the scale's, 8 or 2)")
     p.add_argument("--reference", choices=("fp64", "eager"),
                    help="accuracy rule: fp64 (default: error against a float64 run at most 2x eager's own) "
                         "or eager (error against eager at most --tol)")

@@ -235,15 +235,32 @@ def test_decode_mode_tokens_and_logits(tmp_path):
     pytest.importorskip("transformers")  # in the test extra; the decode models are transformers models
     results, rows = _run(tmp_path, "--models", "hf-llama", "--modes", "decode", "--contenders", "eager,cgbackend")
     for name in ("eager", "cgbackend"):
-        row = rows[("hf-llama", "decode", name, None)]
+        row = rows[("hf-llama", "decode", name, 2)]
         assert row["error"] is None, row["error"]
-        assert row["family"] == "decode" and row["decode_batch"] == 2 and row["new_tokens"] == 6
+        assert row["family"] == "decode" and row["batch"] == row["tokens"] == 2 and row["new_tokens"] == 6
         assert row["ms_per_token"] == row["median_ms"] > 0
         assert row["tokens_equal_frac"] == 1.0
         assert row["accuracy_rule"] == "fp64" and row["accuracy_ok"] is True
         assert 0.0 <= row["argmax_agree_frac"] <= 1.0
         assert row["timed_iters"] % 5 == 0 and 10 <= row["timed_iters"] <= 15  # rounds x (new_tokens - 1)
-    assert rows[("hf-llama", "decode", "cgbackend", None)]["backend_stats"]["static_regions"] >= 1
+    assert rows[("hf-llama", "decode", "cgbackend", 2)]["backend_stats"]["static_regions"] >= 1
+
+
+def test_decode_batches_of_the_olmoe_models(tmp_path):
+    """--tokens gives decode models their batches (one token per sequence a step): a row group per
+    batch, each row carrying it in ``batch`` (and ``tokens``); OLMoE with eager experts and with
+    transformers' grouped_mm experts both decode (eager here: what compiling them gives is measured
+    on the GPU, the decode harness with cgbackend is the hf-llama test's)."""
+    pytest.importorskip("transformers")
+    results, rows = _run(tmp_path, "--models", "hf-olmoe-eager-experts,hf-olmoe-grouped-mm", "--modes", "decode",
+                         "--contenders", "eager", "--tokens", "1,3", "--iters", "2")
+    assert sorted(key for key in rows) == sorted(
+        (model, "decode", "eager", b) for model in ("hf-olmoe-eager-experts", "hf-olmoe-grouped-mm") for b in (1, 3))
+    for (model, _, name, b), row in rows.items():
+        assert row["error"] is None, (model, name, b, row["error"])
+        assert row["batch"] == row["decode_batch"] == b and row["accuracy_ok"] is True, row
+    text = render.render_markdown(results)
+    assert "hf-olmoe-grouped-mm / decode / batch 3" in text and "hf-olmoe-eager-experts / decode / batch 1" in text
 
 
 @pytest.mark.parametrize("mode", ["alternate", "sequential"])
@@ -268,11 +285,11 @@ def test_decode_timing_alternates_contenders(tmp_path, monkeypatch, mode):
     else:
         assert names == ["eager", "cgbackend"], blocks
     for name in ("eager", "cgbackend"):
-        row = rows[("hf-llama", "decode", name, None)]
+        row = rows[("hf-llama", "decode", name, 2)]
         assert row["error"] is None, row["error"]
         assert row["timed_iters"] == 5 * (row["new_tokens"] - 1) and row["median_ms"] > 0
         assert row["tokens_equal_frac"] == 1.0 and row["accuracy_ok"] is True
-    assert "fast_replays" in rows[("hf-llama", "decode", "cgbackend", None)]["backend_stats"]
+    assert "fast_replays" in rows[("hf-llama", "decode", "cgbackend", 2)]["backend_stats"]
 
 
 def test_decode_hf_grouped_mm_contender(tmp_path):
@@ -283,8 +300,8 @@ def test_decode_hf_grouped_mm_contender(tmp_path):
     reason = grouped_mm_unsupported("cpu", torch.bfloat16)
     _, rows = _run(tmp_path, "--dtype", "bf16", "--models", "hf-mixtral-eager-experts", "--modes", "decode",
                    "--contenders", "eager,hf-grouped-mm-reduce-overhead,grouped-reduce-overhead")
-    row = rows[("hf-mixtral-eager-experts", "decode", "hf-grouped-mm-reduce-overhead", None)]
-    assert ("hf-mixtral-eager-experts", "decode", "grouped-reduce-overhead", None) not in rows  # infer/train only
+    row = rows[("hf-mixtral-eager-experts", "decode", "hf-grouped-mm-reduce-overhead", 2)]
+    assert ("hf-mixtral-eager-experts", "decode", "grouped-reduce-overhead", 2) not in rows  # infer/train only
     if reason is not None:
         assert row["skip_reason"] == reason
     else:
