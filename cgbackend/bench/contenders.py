@@ -157,6 +157,10 @@ for _c in (
     Contender("cgbackend-static-dispatch-inductor", _cgbackend(static_dispatch="auto", inner="inductor"),
               stock=False, backend_stats=_cgbackend_stats,
               description='cgbackend.compile(model, static_dispatch="auto", inner="inductor")'),
+    Contender("cgbackend-small-batch", _cgbackend(static_dispatch="small_batch"), stock=False,
+              backend_stats=_cgbackend_stats,
+              description='cgbackend.compile(model, static_dispatch="small_batch") (the MoE layers in the '
+                          'small-batch form: per-row expert products, for decode)'),
 ):
     register_contender(_c)
 

@@ -219,7 +219,7 @@ register_model(_decode("hf-mixtral-eager-experts",
                        'transformers Mixtral, 4 layers, hidden 512, 8 experts top-2, '
                        'set_experts_implementation("eager")'))
 register_model(_decode("hf-olmoe-eager-experts",
-                       ("eager", "cgbackend", "cgbackend-static-dispatch", "hf-grouped-mm-reduce-overhead"), True,
+                       ("eager", "cgbackend", "cgbackend-small-batch", "hf-grouped-mm-reduce-overhead"), True,
                        'transformers OLMoE, 4 layers, hidden 512, 64 experts top-8 of width 256, '
                        'set_experts_implementation("eager")'))
 register_model(_decode("hf-olmoe-grouped-mm", ("eager", "reduce-overhead", "cgbackend"), True,

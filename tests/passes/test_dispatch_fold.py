@@ -104,10 +104,11 @@ def _batches(n: int, seed: int, new_shape: bool = False) -> list[torch.Tensor]:
             for i in range(n)]
 
 
-def _check(model: nn.Module, train: bool, replays: bool = True, new_shape: bool = False, **options):
+def _check(model: nn.Module, train: bool, replays: bool = True, new_shape: bool = False,
+           static_dispatch: str = "grouped", **options):
     """Compile ``model``, run varied batches; outputs (and gradients) equal eager's, and the calls
     after warm-up replay graphs. Returns the report."""
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped", **options)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch=static_dispatch, **options)
     for x in _batches(4, seed=3, new_shape=new_shape):
         with torch.set_grad_enabled(train):
             want = model(x)
@@ -139,13 +140,16 @@ def test_folded_loop_traces_one_expert_and_equals_eager(monkeypatch, train):
     assert all("one expert traced for 4" == r["figures"]["folded"] for r in rewrites)
 
 
-def test_parameter_tables_and_a_skipped_sentinel_fold(monkeypatch):
+@pytest.mark.parametrize("form", ["grouped", "small_batch"])
+def test_parameter_tables_and_a_skipped_sentinel_fold(monkeypatch, form):
     torch.manual_seed(1)
     model = nn.Sequential(TableLayer(D, FF, E, K)).double()
     wheres = _wheres(monkeypatch)
-    report = _check(model, train=True)
+    report = _check(model, train=True, static_dispatch=form)
     assert set(wheres) == {1}, wheres
     assert [(r["form"], r["fold"]) for r in report.loop_rewrites] == [("hit_loop", "folded")]
+    rewrites = [r for g in report.to_dict()["graphs"] for r in g["dispatch"]["rewrites"]]
+    assert rewrites and {r["form"] for r in rewrites} == {form}, rewrites
 
 
 class ScaledExpert(Expert):
@@ -264,7 +268,7 @@ def test_static_dispatch_masked_dense_never_folds(monkeypatch):
         for x in _batches(2, seed=7):
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
     assert wheres and set(wheres) == {2 * E}
-    assert "not auto or grouped" in cgbackend.report(compiled).loop_rewrites[0]["fold"]
+    assert "static_dispatch is none of auto, grouped, small_batch" in cgbackend.report(compiled).loop_rewrites[0]["fold"]
 
 
 class BreakingExpert(Expert):

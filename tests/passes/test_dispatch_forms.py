@@ -178,6 +178,22 @@ def test_empty_experts_and_every_token_on_one(name, experts, form):
     _one_static_region(_assert_same(model, xs, static_dispatch=form), form)
 
 
+@pytest.mark.parametrize("name", list(USER_FORMS))
+def test_small_batch_form_equals_the_loop(name):
+    """static_dispatch="small_batch": the grouped form's routing with each row's products taken
+    alone; outputs and every gradient equal the loop's on varied batches, then with every token
+    on two experts (the other two get none)."""
+    torch.manual_seed(0)
+    model = USER_FORMS[name]().double()
+    _one_static_region(_assert_same(model, _batches(4, seed=1), static_dispatch="small_batch"), "small_batch")
+    skewed = USER_FORMS[name](top_k=2).double()
+    _route_all_to(skewed, [3, 0])
+    result = _assert_same(skewed, _batches(3, seed=2, skewed=True), static_dispatch="small_batch")
+    _one_static_region(result, "small_batch")
+    figures = [r["figures"] for g in result["report"].graphs for r in g.dispatch["rewrites"]]
+    assert [f["grouped_mm"] for f in figures] == ["per-row products (small-batch form: no grouping)"], figures
+
+
 def test_auto_rewrites_on_cpu_and_counts_form_runs_without_static_dispatch():
     torch.manual_seed(0)
     model = CountSkipMoE().double()
@@ -274,6 +290,17 @@ def test_transformers_eager_experts_are_one_static_region(kind, form):
     batches = [torch.randint(0, 64, (2, 7), generator=g) for _ in range(4)]
     result = _hf_same(model, batches, static_dispatch=form)
     _one_static_region(result, form)
+    assert [r["form"] for r in result["report"].loop_rewrites] == ["hit_loop"]
+
+
+def test_transformers_olmoe_in_the_small_batch_form():
+    """transformers' OLMoE (eager experts: a loop over the hit experts reading weight tables) in the
+    small-batch form: one static region, outputs and gradients equal eager's."""
+    model = _hf("olmoe")
+    g = torch.Generator().manual_seed(9)
+    batches = [torch.randint(0, 64, (2, 5), generator=g) for _ in range(3)]
+    result = _hf_same(model, batches, static_dispatch="small_batch")
+    _one_static_region(result, "small_batch")
     assert [r["form"] for r in result["report"].loop_rewrites] == ["hit_loop"]
 
 
@@ -403,7 +430,7 @@ def test_rows_indexed_as_transformers_does_are_gathered_straight_into_their_own_
 # ----------------------------------------------------------------------------- GPU
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("form", ["masked_dense", "grouped", "auto"])
+@pytest.mark.parametrize("form", ["masked_dense", "grouped", "small_batch", "auto"])
 @pytest.mark.parametrize("name", list(USER_FORMS))
 def test_user_loop_forms_on_gpu(name, form):
     torch.manual_seed(0)

@@ -45,9 +45,9 @@ import torch
 import torch.fx
 
 from ...fx_utils import fake_value, module_path, source_location
-from .cost import FORMS, MODES, choose_form, choose_layer_form
+from .cost import FOLDING_MODES, FORMS, GROUPED_FORMS, MODES, choose_form, choose_layer_form
 from .fold_graph import fold_layers
-from .grouped import build_grouped, find_layers, layer_is_native
+from .grouped import build_grouped, find_layers, layer_is_native, products_text
 from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
 from .graph import _Builder
 from .records import DispatchResult, DispatchRewrite, DispatchSkipped, _Skip
@@ -66,8 +66,8 @@ def _erase(gm: torch.fx.GraphModule, dead: set[torch.fx.Node]) -> None:
 
 def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> tuple[bool, dict]:
     """Rewrite the layers the grouped form takes (mode "grouped", or "auto" where the cost model
-    picks it). Returns whether the graph changed and the decisions for the units of the layers it
-    did not rewrite ({sink: (form or None, why, figures)})."""
+    picks it; mode "small_batch": its per-row variant). Returns whether the graph changed and the
+    decisions for the units of the layers it did not rewrite ({sink: (form or None, why, figures)})."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     plans = []
     for node in gm.graph.nodes:
@@ -81,7 +81,7 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
     layers, rejected = find_layers(plans, order)
     decided: dict = {}
     for ps, why in rejected:
-        if mode == "grouped":
+        if mode in GROUPED_FORMS:
             for p in ps:
                 decided[p.sink] = ("masked_dense", f"masked dense: the grouped form does not apply ({why})", {})
     changed = False
@@ -89,7 +89,7 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
         value = fake_value(layer.units[0].rows.out)
         native = layer_is_native(layer)
         form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native)
-        if form != "grouped":
+        if form not in GROUPED_FORMS:
             if form is not None:
                 for p in layer.plans:
                     decided[p.sink] = (None if form == "dynamic" else form, why, figures)
@@ -98,10 +98,10 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
             dead: set = set()
             for p in layer.plans:
                 dead |= _removable(p)
-            new = build_grouped(gm, layer)
+            new = build_grouped(gm, layer, per_row=form == "small_batch")
         except _Skip as exc:
             for p in layer.plans:
-                decided[p.sink] = ("masked_dense" if mode == "grouped" else None,
+                decided[p.sink] = ("masked_dense" if mode in GROUPED_FORMS else None,
                                    f"the grouped form does not apply ({exc})", figures)
             continue
         except Exception as exc:  # a shape the fake run rejects: leave the layer to the other forms
@@ -111,9 +111,9 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
             continue
         last = layer.plans[-1].sink
         source, code = source_location(last)
-        figures["grouped_mm"] = "torch._grouped_mm" if native else "per-row weight gather + bmm (equivalent)"
+        figures["grouped_mm"] = products_text(form == "small_batch", native)
         result.rewrites.append(DispatchRewrite(
-            "where_loop", source, code, module_path(last), form="grouped", why=why, experts=layer.experts,
+            "where_loop", source, code, module_path(last), form=form, why=why, experts=layer.experts,
             removed_ops=sum(1 for n in dead if n.op in ("call_function", "call_method")), figures=figures))
         last.replace_all_uses_with(new)
         _erase(gm, dead)
@@ -146,7 +146,7 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence
     if mode not in MODES:
         raise ValueError(f"static_dispatch must be one of {', '.join(MODES)}, got {mode!r}")
     folded = fold_layers(gm, mode, result)
-    changed, decided = _grouped_layers(gm, mode, result) if mode in ("grouped", "auto") else (False, {})
+    changed, decided = _grouped_layers(gm, mode, result) if mode in FOLDING_MODES else (False, {})
     changed = changed or folded
     cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

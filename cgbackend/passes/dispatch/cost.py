@@ -10,6 +10,11 @@ Three ways to run a MoE layer, each estimated as ``max(FLOPs / rate, bytes / ban
 * ``dynamic``: the loop left as written: ``T * k`` rows, the hit experts' weights, and per expert a
   host sync and its launches, eagerly (``loop_expert_us``).
 
+A fourth form, ``small_batch`` (the grouped form's routing, each of the ``T * k`` rows multiplied
+by its own expert's weights without grouping: a per-row product that reads one expert's weights
+per row, for decode's few rows per expert), is taken only when asked for
+(``static_dispatch="small_batch"``): its cost is not measured yet, so "auto" does not weigh it.
+
 The rates come from ``costs.json`` beside this file, measured on a GPU by
 ``benchmarks/dispatch_costs.py`` (which also times the three forms directly, for the crossover
 table in benchmarks/RESULTS.md); without that file the defaults below stand, and the report says
@@ -26,10 +31,14 @@ import math
 import os
 from typing import Any, Optional
 
-__all__ = ["FORMS", "MODES", "choose_form", "choose_layer_form", "constants", "estimate"]
+__all__ = ["FOLDING_MODES", "FORMS", "GROUPED_FORMS", "MODES", "choose_form", "choose_layer_form", "constants", "estimate"]
 
-FORMS = ("masked_dense", "grouped")
+FORMS = ("masked_dense", "grouped", "small_batch")
 MODES = ("off", "auto") + FORMS
+GROUPED_FORMS = ("grouped", "small_batch")
+"""The forms built from the grouped routing (grouped.py): where-loop layers, folded loops."""
+FOLDING_MODES = ("auto",) + GROUPED_FORMS
+"""Modes under which expert weights are laid out as one block and loops may be folded."""
 
 # Off CUDA, "auto" rewrites into masked dense while each expert computes on at most this many rows.
 _AUTO_MAX_ROWS = 1 << 16
@@ -127,8 +136,8 @@ def choose_layer_form(layer: Any, mode: str, device_type: str, itemsize: int,
                                "stack_bytes_per_call": layer.stack_bytes}
     copy = (f"; stacks the {n} experts' weights on every call ({layer.stack_bytes / 2**20:.1f} MiB copied)"
             if layer.stack_bytes else "")
-    if mode == "grouped":
-        return "grouped", f"grouped requested (static_dispatch='grouped'){copy}", figures
+    if mode in GROUPED_FORMS:
+        return mode, f"{mode} requested (static_dispatch={mode!r}){copy}", figures
     if mode == "masked_dense":
         return "masked_dense", "masked_dense requested (static_dispatch='masked_dense')", figures
     if device_type != "cuda" or tokens is None:
@@ -152,9 +161,9 @@ def choose_form(plan: Any, mode: str) -> tuple[Optional[str], str]:
     tokens = plan.tokens
     if mode == "masked_dense":
         return mode, f"{mode} requested (static_dispatch={mode!r})"
-    if mode == "grouped":
-        return "masked_dense", (f"masked dense: the grouped form takes layers of where-loop units only "
-                                f"(this unit is {plan.pattern})")
+    if mode in GROUPED_FORMS:
+        return "masked_dense", (f"masked dense: the {mode.replace('_', '-')} form takes layers of where-loop "
+                                f"units only (this unit is {plan.pattern})")
     if not isinstance(tokens, int):
         return "masked_dense", "masked dense: token count symbolic, rewritten (no host sync, fixed shapes)"
     if tokens > _AUTO_MAX_ROWS:

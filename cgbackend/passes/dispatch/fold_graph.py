@@ -21,9 +21,9 @@ import torch.fx
 
 from ...fx_utils import fake_value, module_path, source_location
 from . import fold
-from .cost import choose_layer_form
+from .cost import GROUPED_FORMS, choose_layer_form
 from .graph import _shape
-from .grouped import Layer, _Linear, _routing, build_grouped, costs, layer_is_native, slots
+from .grouped import Layer, _Linear, _routing, build_grouped, costs, layer_is_native, products_text, slots
 from .layout import LayoutCheck, block_view, consecutive
 from .match import _match_where, _removable, read_while_written
 from .records import DispatchResult, DispatchRewrite, _Skip
@@ -197,10 +197,10 @@ def fold_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> 
             native = layer_is_native(layer)
             value = fake_value(layer.units[0].rows.out)
             form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native)
-            if form != "grouped":
-                # the folded trace has only the grouped form to give; the unrolled one has them all
+            if form not in GROUPED_FORMS:
+                # the folded trace has only the grouped forms to give; the unrolled one has them all
                 raise _Skip(f"the cost model picks {form or 'no static form'} here ({why})")
-            new = build_grouped(gm, layer)
+            new = build_grouped(gm, layer, per_row=form == "small_batch")
         except _Skip as exc:
             fold.decline(key, str(exc))
         except Exception as exc:  # a shape the fake run rejects
@@ -208,10 +208,10 @@ def fold_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> 
         sink = layer.plans[0].sink
         source, code = source_location(sink)
         figures["folded"] = f"one expert traced for {layer.experts}"
-        figures["grouped_mm"] = "torch._grouped_mm" if native else "per-row weight gather + bmm (equivalent)"
+        figures["grouped_mm"] = products_text(form == "small_batch", native)
         result.rewrites.append(DispatchRewrite(
-            "where_loop", source, code, module_path(sink), form="grouped",
-            why=f"{why}; folded loop: one expert traced, the grouped form runs all {layer.experts}",
+            "where_loop", source, code, module_path(sink), form=form,
+            why=f"{why}; folded loop: one expert traced, the {form.replace('_', '-')} form runs all {layer.experts}",
             experts=layer.experts, removed_ops=sum(1 for d in dead if d.op in ("call_function", "call_method")),
             figures=figures))
         sink.replace_all_uses_with(new)

@@ -21,6 +21,13 @@ The grouped product is ``torch._grouped_mm`` on CUDA for bf16 with 16-byte align
 an equivalent: every row multiplied by its group's weight (a per-row weight gather and a batched
 product), exact in float64 for the CPU tests. Rows past the last offset (slots routed to no expert
 of the layer) are computed with some expert's weights and dropped by the final ``where``.
+
+The small-batch form (``static_dispatch="small_batch"``) is this rewrite with each linear taken
+per row instead of per group: row ``s`` times its own expert's weights, an elementwise product
+summed over the input width, which Inductor makes one reduction kernel reading the weights where
+they lie. In decode each expert sees a row or two, where a grouped product wastes its tiles; the
+cost is one expert's weights per row, so it pays only while rows are few against the experts.
+Rows routed to no expert still read expert n-1's weights (their result is dropped).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from .masked_dense import _dense_weight
 from .match import _Plan, WhereUnit, _removable, read_while_written
 from .records import _Skip
 
-__all__ = ["Layer", "find_layers", "build_grouped", "grouped_mm_supported", "layer_is_native"]
+__all__ = ["Layer", "find_layers", "build_grouped", "grouped_mm_supported", "layer_is_native", "products_text"]
 
 
 @dataclasses.dataclass
@@ -296,6 +303,25 @@ def _stacked(b: _Builder, leaves: list[torch.fx.Node], n: int) -> torch.fx.Node:
     return b.fn(torch.stack, list(what))
 
 
+def products_text(per_row: bool, native: bool) -> str:
+    """How a rewritten layer's expert products run, for the report's figures."""
+    if per_row:
+        return "per-row products (small-batch form: no grouping)"
+    return "torch._grouped_mm" if native else "per-row weight gather + bmm (equivalent)"
+
+
+def _per_row(b: _Builder, h: torch.fx.Node, w: torch.fx.Node, group: torch.fx.Node) -> torch.fx.Node:
+    """The small-batch form's product: row ``s`` of h [S, in] times its own expert's w[group[s]]
+    [in, out], as an elementwise product summed over ``in`` (in float32 at least, as a matrix
+    product accumulates): Inductor makes it one reduction kernel that reads each row's expert weights
+    where they lie, no gathered copy and no grouping, so the cost follows the rows there are."""
+    dtype = fake_value(h).dtype
+    wide = torch.promote_types(dtype, torch.float32)
+    rows = b.method("unsqueeze", b.method("to", h, wide), -1)                  # [S, in, 1]
+    weights = b.method("to", b.fn(operator.getitem, w, group), wide)          # [S, in, out]
+    return b.method("to", b.method("sum", b.fn(operator.mul, rows, weights), 1), dtype)
+
+
 def _gmm(b: _Builder, h: torch.fx.Node, w: torch.fx.Node, offs: torch.fx.Node, group: torch.fx.Node) -> torch.fx.Node:
     """h [S, in] @ w [n, in, out] by groups of rows (offs, int32) -> [S, out]."""
     if grouped_mm_supported(fake_value(h), fake_value(w)):
@@ -328,8 +354,10 @@ def _direct_rows(b: _Builder, h: torch.fx.Node, tokens: torch.fx.Node) -> Option
     return b.fn(operator.getitem, x, tokens)
 
 
-def build_grouped(gm: torch.fx.GraphModule, layer: Layer) -> torch.fx.Node:
-    """Insert the grouped computation before the layer's last sink; return the accumulated result."""
+def build_grouped(gm: torch.fx.GraphModule, layer: Layer, per_row: bool = False) -> torch.fx.Node:
+    """Insert the grouped computation before the layer's last sink; return the accumulated result.
+    ``per_row``: the small-batch form, the same routing with each row's products taken alone
+    (:func:`_per_row`) instead of by groups."""
     units = layer.units
     u0 = units[0]
     b = _Builder(gm, units[-1].sink)
@@ -349,9 +377,11 @@ def build_grouped(gm: torch.fx.GraphModule, layer: Layer) -> torch.fx.Node:
     # Counted in int32: Inductor lowers an int32 scatter_add into its own kernel (Triton's atomic
     # add has no int64), where int64 counts fall back to ATen's scatter kernel (12.7 against 3.3 us a
     # layer at 512 tokens, 128 experts, on an H100). T * k rows fit in int32 as the offsets do.
-    counts = b.method("scatter_add", b.fn(torch.zeros, n + 1, dtype=torch.int32, device=device),
-                      0, flat, b.fn(torch.ones_like, flat, dtype=torch.int32))
-    offs = b.fn(torch.cumsum, b.fn(operator.getitem, counts, slice(0, n)), 0, dtype=torch.int32)
+    offs = None  # the group offsets: the grouped products' only (the per-row form needs no groups)
+    if not per_row:
+        counts = b.method("scatter_add", b.fn(torch.zeros, n + 1, dtype=torch.int32, device=device),
+                          0, flat, b.fn(torch.ones_like, flat, dtype=torch.int32))
+        offs = b.fn(torch.cumsum, b.fn(operator.getitem, counts, slice(0, n)), 0, dtype=torch.int32)
     valid = b.fn(operator.lt, sorted_ids, n)
     group = b.method("clamp", sorted_ids, max=n - 1)
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -383,7 +413,7 @@ def build_grouped(gm: torch.fx.GraphModule, layer: Layer) -> torch.fx.Node:
         w = _stacked(b, lin.weights, n)
         if lin.kind == "linear":
             w = b.method("transpose", w, -2, -1)
-        out = _gmm(b, h, w, offs, group)
+        out = _per_row(b, h, w, group) if offs is None else _gmm(b, h, w, offs, group)
         if lin.biases is not None:
             bias = _stacked(b, lin.biases, n)
             out = b.fn(operator.add, out, b.fn(operator.getitem, bias, group))
