@@ -178,15 +178,15 @@ def test_empty_experts_and_every_token_on_one(name, experts, form):
     _one_static_region(_assert_same(model, xs, static_dispatch=form), form)
 
 
-@pytest.mark.parametrize("name", list(USER_FORMS))
-def test_small_batch_form_equals_the_loop(name):
+def test_small_batch_form_equals_the_loop():
     """static_dispatch="small_batch": the grouped form's routing with each row's products taken
-    alone; outputs and every gradient equal the loop's on varied batches, then with every token
-    on two experts (the other two get none)."""
+    alone (the same routing whatever loop shape it came from: the grouped tests cover those);
+    outputs and every gradient equal the loop's on varied batches, then with every token on two
+    experts (the other two get none)."""
     torch.manual_seed(0)
-    model = USER_FORMS[name]().double()
+    model = HitLoopMoE().double()
     _one_static_region(_assert_same(model, _batches(4, seed=1), static_dispatch="small_batch"), "small_batch")
-    skewed = USER_FORMS[name](top_k=2).double()
+    skewed = HitLoopMoE(top_k=2).double()
     _route_all_to(skewed, [3, 0])
     result = _assert_same(skewed, _batches(3, seed=2, skewed=True), static_dispatch="small_batch")
     _one_static_region(result, "small_batch")
@@ -298,7 +298,7 @@ def test_transformers_olmoe_in_the_small_batch_form():
     small-batch form: one static region, outputs and gradients equal eager's."""
     model = _hf("olmoe")
     g = torch.Generator().manual_seed(9)
-    batches = [torch.randint(0, 64, (2, 5), generator=g) for _ in range(3)]
+    batches = [torch.randint(0, 64, (2, 5), generator=g) for _ in range(2)]
     result = _hf_same(model, batches, static_dispatch="small_batch")
     _one_static_region(result, "small_batch")
     assert [r["form"] for r in result["report"].loop_rewrites] == ["hit_loop"]
