@@ -181,7 +181,8 @@ class Backward:
             copied = ParamPolicy.refresh(entry.static_ins, ctx.volatile)
             counters.copies_made += copied
             counters.copied_by_kind["param"] += copied
-        moved = ParamPolicy.moved(entry.static_ins, entry.param_addrs) if entry.param_addrs else None
+        moved = (ParamPolicy.moved(entry.static_ins, entry.param_addrs)
+                 if entry.param_addrs and not ParamPolicy.unmoved(entry.static_ins, entry.param_check) else None)
         fresh = moved is None and entry.bwd_graph is None and entry.bwd_failed is None
         if fresh:
             self.capture(entry, grads)

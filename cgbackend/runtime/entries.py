@@ -109,7 +109,7 @@ class Entry:
 
     __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
                  "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds",
-                 "param_addrs", "volatile_pos",
+                 "param_addrs", "param_check", "volatile_pos",
                  "pad_block", "input_views", "handouts", "compact", "copy_dst", "size")
 
     def __init__(self) -> None:
@@ -140,6 +140,8 @@ class Entry:
         self.nbytes = 0
         """Growth of reserved memory while capturing this entry's graphs (the pool's share)."""
         self.param_addrs: tuple = ()
+        self.param_check: Optional[tuple] = None
+        """param_addrs as ParamPolicy.unmoved compares them (one C++ call), or None."""
         """(pos, data_ptr, nbytes) of parameters read in place, at capture (runtime/params.py)."""
         self.volatile_pos: tuple = ()
         """Volatile parameters (FSDP2's): positions copied before every forward and backward replay."""

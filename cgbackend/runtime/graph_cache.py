@@ -15,11 +15,12 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..fx_utils import iter_tensors
+from . import params as param_policy
 from .capture import SimulatedGraph
 from .entries import HANDOFF, EAGER, PARAM, VALUE, Entry, Pad, TrainEntry, freeze
 
@@ -33,12 +34,6 @@ log = logging.getLogger(__name__)
 THRASH_EVICTIONS = 2
 """A region that has evicted this many times its bound of graphs stops evicting: capturing a graph
 costs far more than an eager call, so a cache its signatures churn through only slows it down."""
-
-_ptrs_equal: Optional[Callable[[list, list, Sequence[int]], bool]] = getattr(
-    torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-"""PyTorch's C++ check that tensors[i].data_ptr() == ptrs[i] at the given positions, all three
-arguments lists (CUDA builds; feature-tested: absent on CPU-only builds, where the key reads each
-address in Python)."""
 
 
 class GraphCache:
@@ -102,10 +97,10 @@ class GraphCache:
         """The parameters' part of the key (ParamPolicy.key without volatile parameters: the address)."""
         last, is_list = self._param_ptrs, isinstance(ins, list)  # the C++ check takes lists only
         if (last is not None and is_list and len(last) == len(ins)
-                and _ptrs_equal(ins, last, self._param_idx)):
+                and param_policy.ptrs_equal(ins, last, self._param_idx)):
             return self.param_key
         ptrs = [ins[p].data_ptr() for p in self.param_pos]
-        if _ptrs_equal is not None and is_list:
+        if param_policy.ptrs_equal is not None and is_list:
             aligned: list = [None] * len(ins)
             for p, ptr in zip(self.param_pos, ptrs):
                 aligned[p] = ptr
@@ -121,7 +116,7 @@ class GraphCache:
     def same_params(self, ins: list, params: tuple, ptrs: Optional[list]) -> bool:
         """Are ``ins``' parameters at the addresses ``params`` (``ptrs``: the same, aligned)?"""
         if ptrs is not None and isinstance(ins, list) and len(ptrs) == len(ins):
-            return _ptrs_equal(ins, ptrs, self._param_idx)
+            return param_policy.ptrs_equal(ins, ptrs, self._param_idx)
         found = self.param_addresses(ins)
         return found is params or found == params
 

@@ -28,7 +28,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["ParamPolicy", "storage_key"]
+__all__ = ["ParamPolicy", "ptrs_equal", "storage_key"]
+
+ptrs_equal: Optional[Callable[[list, list, Sequence[int]], bool]] = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+"""PyTorch's C++ check that tensors[i].data_ptr() == ptrs[i] at the given positions, all three
+arguments lists (CUDA builds; feature-tested: absent on CPU-only builds, where the callers read
+each address in Python)."""
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, int]:
@@ -61,6 +67,27 @@ class ParamPolicy:
         """At capture: ``(pos, data_ptr, nbytes)`` of the parameters read in place."""
         return tuple((p,) + storage_key(static_ins[p]) for p in positions
                      if isinstance(static_ins[p], torch.Tensor) and static_ins[p].numel() > 0)
+
+    @staticmethod
+    def check_of(static_ins: Sequence[Any], recorded: tuple) -> Optional[tuple[list, list]]:
+        """What :meth:`unmoved` compares: the recorded addresses aligned with the static inputs, and
+        their positions; None without PyTorch's C++ comparison."""
+        if ptrs_equal is None or not isinstance(static_ins, list) or not recorded:
+            return None
+        aligned: list = [None] * len(static_ins)
+        for pos, ptr, _ in recorded:
+            aligned[pos] = ptr
+        return aligned, [pos for pos, _, _ in recorded]
+
+    @staticmethod
+    def unmoved(static_ins: Sequence[Any], check: Optional[tuple[list, list]]) -> bool:
+        """Every parameter still at the address :meth:`record` saw, in one C++ comparison (a
+        training entry reads hundreds of expert parameters: the per-parameter storage lookups of
+        :meth:`moved` were host time in every backward). A storage's bytes change only by a
+        re-allocation (a new address) or a resize to none (address 0), so the same address is the
+        same storage. False: ask :meth:`moved`, which says which and how."""
+        return (check is not None and ptrs_equal is not None and isinstance(static_ins, list)
+                and len(static_ins) == len(check[0]) and ptrs_equal(static_ins, check[0], check[1]))
 
     @staticmethod
     def moved(static_ins: Sequence[Any], recorded: tuple) -> Optional[str]:

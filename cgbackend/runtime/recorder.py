@@ -119,6 +119,7 @@ class Recorder:
         entry.volatile_pos = tuple(volatile_pos)
         entry.param_addrs = ParamPolicy.record(
             static_ins, [p for p, k in enumerate(runner.kinds) if k == PARAM and p not in entry.volatile_pos])
+        entry.param_check = ParamPolicy.check_of(static_ins, entry.param_addrs)
 
     def capture(self, ins: list, grad_path: bool, call: Any, pad: Optional[Pad] = None) -> Optional[Entry]:
         """A new entry for this call's signature, its graph captured; None if it could not be (the

@@ -166,12 +166,12 @@ def _python_ptrs_equal(tensors, ptrs, indices):
 def test_parameter_replaced_recaptures_and_load_state_dict_does_not(check, monkeypatch):
     """"cached": the key reuses the parameters' part while one comparison says no address changed
     (PyTorch's C++ comparison on CUDA builds; a Python stand-in here, counted)."""
-    from cgbackend.runtime import graph_cache as region
+    from cgbackend.runtime import params
     calls = []
     if check == "cached":
-        monkeypatch.setattr(region, "_ptrs_equal", lambda *a: calls.append(1) or _python_ptrs_equal(*a))
+        monkeypatch.setattr(params, "ptrs_equal", lambda *a: calls.append(1) or _python_ptrs_equal(*a))
     else:
-        monkeypatch.setattr(region, "_ptrs_equal", None)
+        monkeypatch.setattr(params, "ptrs_equal", None)
     model = build_model("dense").eval()
     x = make_inputs("dense", model, n=1)[0]
     compiled = cgbackend.compile(model, **SIM)
