@@ -5,20 +5,22 @@ order or a held gradient forbids the replay), each counted with its reason.
 
 The static gradients a backward replay produces are handed to autograd as fresh aliases; a
 ``.grad`` that keeps one is given its own memory before the next backward replay rewrites them
-(``reclaim_grads``), so ``.grad`` accumulates as eagerly."""
+(``reclaim_grads``), so ``.grad`` accumulates as eagerly. Whether anything still holds them is
+read from their storages' use counts (handout.HeldStorages): a few calls, however many parameters
+(a MoE layer's experts are hundreds of gradients on a few storages)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from .capture import CaptureError, SimulatedGraph, first_line
 from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
+from .handout import HeldStorages, handout_supported
 from .inner import no_donated_buffers
 from .inputs import saved_modified_error
 from .params import ParamPolicy
@@ -88,6 +90,7 @@ class Backward:
             graph.attach(entry.pool, entry.bwd_index)
         entry.static_grad_ins = static_grad_ins
         entry.grad_ptrs = frozenset(g.data_ptr() for g in static_grad_ins if g is not None)
+        entry.held = HeldStorages(static_grad_ins) if handout_supported() else None
         shared.register_persistent([g for g in static_grad_ins if g is not None], handoff=False)
         shared.counters.bwd_graphs += 1
         runner.recorder.count_capture(entry, elapsed, reserved(device) - reserved_before, forward=False)
@@ -98,25 +101,23 @@ class Backward:
         The last backward handed out aliases of them (autograd's AccumulateGrad keeps such an alias
         as ``param.grad`` instead of copying it). A ``.grad`` still aliasing one gets its own copy
         now; if anything else still holds one (``torch.autograd.grad`` results, a saved ``.grad``),
-        return False: this backward must not overwrite it."""
+        return False: this backward must not overwrite it. The leaves are looked at only when the
+        storages are held (a training loop that sets ``.grad`` to None between steps never does)."""
         if not entry.handed:
             return True
         shared = self.runner.shared
-        alive = [t for t in (ref() for ref in entry.handed) if t is not None]
-        if alive:
-            held = {id(t) for t in alive}
-            del alive
+        if not entry.held.free():
             for leaf in leaves:
                 grad = leaf.grad
-                if grad is not None and id(grad) in held:
+                if grad is not None and grad.data_ptr() in entry.grad_ptrs:
                     leaf.grad = grad.clone()
                     counters = shared.counters
                     counters.copies_made += 1
                     counters.copied_by_kind["grad_reclaimed"] += 1
                 del grad
-            if any(ref() is not None for ref in entry.handed):
+            if not entry.held.free():
                 return False
-        entry.handed = []
+        entry.handed = False
         entry.leaves = []
         if shared.handed.pop(id(entry), None) is not None:
             entry.pool.release(entry.bwd_index)
@@ -124,13 +125,15 @@ class Backward:
 
     def hand_out(self, entry: TrainEntry, leaves: list[torch.Tensor]) -> tuple:
         """Fresh aliases of the static gradients for autograd (which may keep them as ``.grad``
-        without a copy); remembered weakly, with the ``.grad`` that end up aliasing them."""
-        if QUEUE_CALLBACK is None:
-            # Without the hook nobody could tell which .grad keeps an alias: hand out the buffers
+        without a copy); whether any is still held is read from the storages' counts
+        (``entry.held``, whose baseline is taken before the first aliases exist)."""
+        if entry.held is None:
+            # No use counts to tell whether an alias is still held: hand out the buffers
             # themselves, which autograd copies because we hold them.
             return entry.static_grad_ins
+        entry.held.mark_once()
         out = tuple(None if g is None else g.detach() for g in entry.static_grad_ins)
-        entry.handed = [weakref.ref(t) for t in out if t is not None]
+        entry.handed = True
         entry.leaves = leaves
         shared = self.runner.shared
         if id(entry) not in shared.handed:
@@ -138,14 +141,6 @@ class Backward:
             # rule then keeps graphs captured before it from running over them.
             shared.handed[id(entry)] = (self, entry)
             entry.pool.acquire(entry.bwd_index)
-
-        def record_grads() -> None:
-            for leaf in leaves:
-                grad = leaf.grad
-                if grad is not None and grad.data_ptr() in entry.grad_ptrs:
-                    entry.handed.append(weakref.ref(grad))
-
-        QUEUE_CALLBACK(record_grads)
         return out
 
     def _capture_failed(self, error: str, entry: TrainEntry) -> None:

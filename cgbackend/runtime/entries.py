@@ -166,7 +166,7 @@ class TrainEntry(Entry):
     pass is over (executor.CallState)."""
 
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
-                 "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "grad_ptrs",
+                 "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",
                  "leaves", "reach", "saved_modified", "saved_pos")
 
     def in_use(self) -> bool:

@@ -30,7 +30,7 @@ import torch
 
 from ..fx_utils import iter_tensors
 
-__all__ = ["HandoutGraph", "handout_supported"]
+__all__ = ["HandoutGraph", "HeldStorages", "handout_supported"]
 
 _use_count: Optional[Callable[[int], int]] = getattr(torch._C, "_storage_Use_Count", None)
 """Feature-tested private API (torch 2.11 and 2.13; cudagraph trees uses it): the strong references
@@ -41,26 +41,24 @@ def handout_supported() -> bool:
     return _use_count is not None
 
 
-class HandoutGraph:
-    """One handout graph of an entry: the graph, its static outputs, its pool, and each output
-    storage's use count when nothing but the runtime held it."""
+class HeldStorages:
+    """Whether anything outside the runtime holds the storages of some tensors: each storage's use
+    count (every tensor or view on it holds one) and its Python object's reference count, against
+    the counts of :meth:`mark` (taken while nothing was handed out). A few calls per check, however
+    many tensors share the storages."""
 
-    __slots__ = ("graph", "outputs", "pool", "_storages", "_base")
+    __slots__ = ("_storages", "_base")
 
-    def __init__(self, graph: Any, outputs: Any, pool: Any) -> None:
-        self.graph = graph
-        self.outputs = outputs
-        self.pool = pool
+    def __init__(self, tensors: Any) -> None:
         storages: dict[int, Any] = {}
-        for t in iter_tensors(outputs):
+        for t in iter_tensors(tensors):
             if t.numel():
                 storages.setdefault(t.untyped_storage()._cdata, t.untyped_storage())
         self._storages = tuple(storages.values())
         """Each storage's Python object, kept: a caller holding only ``out.untyped_storage()`` (the
         same object) adds no reference to the storage, only to this object."""
         del storages
-        self._base = self._now()
-        """Each storage's use count and its Python object's reference count with nothing handed out."""
+        self._base: Optional[list] = None
 
     def _now(self) -> list:
         """(use count, Python reference count) of each storage, read the same way every time."""
@@ -69,9 +67,36 @@ class HandoutGraph:
             counts.append((_use_count(storage._cdata), sys.getrefcount(storage)))
         return counts
 
+    def mark(self) -> None:
+        """Take the counts of the runtime's own references (nothing handed out now)."""
+        self._base = self._now()
+
+    def mark_once(self) -> None:
+        if self._base is None:
+            self.mark()
+
+    def free(self) -> bool:
+        """Nobody outside the runtime holds any of the storages (True before :meth:`mark` only if
+        there are none)."""
+        return self._now() == self._base if self._base is not None else not self._storages
+
+
+class HandoutGraph:
+    """One handout graph of an entry: the graph, its static outputs, its pool, and each output
+    storage's use count when nothing but the runtime held it."""
+
+    __slots__ = ("graph", "outputs", "pool", "held")
+
+    def __init__(self, graph: Any, outputs: Any, pool: Any) -> None:
+        self.graph = graph
+        self.outputs = outputs
+        self.pool = pool
+        self.held = HeldStorages(outputs)
+        self.held.mark()
+
     def free(self) -> bool:
         """Nobody outside the runtime holds any of the outputs' storages: replaying is safe."""
-        return self._now() == self._base
+        return self.held.free()
 
     def storages(self) -> set[int]:
         """Data pointers of the output storages (the executor hands these out as aliases)."""

@@ -219,7 +219,8 @@ class Recorder:
         entry.bwd_failed = None
         entry.static_grad_outs = None
         entry.static_grad_ins = None
-        entry.handed = []
+        entry.handed = False
+        entry.held = None
         entry.grad_ptrs = frozenset()
         entry.leaves = []
         entry.reach = None
