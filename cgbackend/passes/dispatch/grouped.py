@@ -313,8 +313,9 @@ def products_text(per_row: bool, native: bool) -> str:
 def _per_row(b: _Builder, h: torch.fx.Node, w: torch.fx.Node, group: torch.fx.Node) -> torch.fx.Node:
     """The small-batch form's product: row ``s`` of h [S, in] times its own expert's w[group[s]]
     [in, out], as an elementwise product summed over ``in`` (in float32 at least, as a matrix
-    product accumulates): Inductor makes it one reduction kernel that reads each row's expert weights
-    where they lie, no gathered copy and no grouping, so the cost follows the rows there are."""
+    product accumulates). Inductor makes it one reduction kernel that reads each row's expert
+    weights where they lie, no gathered copy and no grouping, so the cost follows the rows there are
+    (seen in its CPU code: one fused kernel, no [S, in, out] buffer; its GPU code not yet read)."""
     dtype = fake_value(h).dtype
     wide = torch.promote_types(dtype, torch.float32)
     rows = b.method("unsqueeze", b.method("to", h, wide), -1)                  # [S, in, 1]
