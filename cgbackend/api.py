@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import opaque
-from .passes.dispatch.cost import FOLDING_MODES
+from .passes.dispatch.cost import GROUPED_MODES
 from .passes.dispatch.forwards import LoopForwards
 from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend
@@ -96,10 +96,10 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         instance.opaque = opaque.install(model)
     loops: Any = _NO_LOOPS
     if instance.config.static_dispatch != "off" and is_module:
-        if instance.config.static_dispatch in FOLDING_MODES:
+        if instance.config.static_dispatch in GROUPED_MODES:
             # first: a folded loop's inference traces read its experts from the blocks (fold.enable)
             instance.relayouts = stack_expert_params(model)
-        loops = LoopForwards(model, fold=instance.config.static_dispatch in FOLDING_MODES)
+        loops = LoopForwards(model, fold=instance.config.static_dispatch in GROUPED_MODES)
         instance.loops = loops.records
     elif isinstance(model, torch.nn.Module):
         instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from . import opaque
-from .passes.dispatch.cost import FOLDING_MODES
+from .passes.dispatch.cost import GROUPED_MODES
 from .passes.dispatch.forwards import LoopForwards, survey
 from .tracing import data_dependent_failure, dynamic_ops_config
 from .backend import CGBackend
@@ -159,7 +159,7 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
         instance.opaque = opaque.install(model)
     forwards: Optional[LoopForwards] = None
     if config.static_dispatch != "off" and isinstance(model, torch.nn.Module) and not by_name:
-        forwards = LoopForwards(model, fold=config.static_dispatch in FOLDING_MODES)  # on the modules only while traced
+        forwards = LoopForwards(model, fold=config.static_dispatch in GROUPED_MODES)  # on the modules only while traced
         instance.loops = forwards.records
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()

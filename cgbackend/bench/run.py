@@ -52,6 +52,16 @@ def _log_row(key: str, row: dict[str, Any], seconds: float) -> None:
              f"breaks {fmt(row['graph_breaks'])}, peak {mib(row['peak_mem_bytes'])} MiB [{seconds:.1f}s]")
 
 
+def _token_cases(spec: Any, ms: Settings) -> tuple:
+    """One case per entry: shape models' token counts (4096 unless --tokens), decode models' decode
+    batches (None: their scale's own, unless --tokens), one case (None) for the others."""
+    if spec.family == "shape":
+        return tuple(ms.tokens or (4096,))
+    if spec.family == "decode":
+        return tuple(ms.tokens or (None,))
+    return (None,)
+
+
 def _case_count(settings: Settings) -> int:
     """Cases (model x mode x token count) the run will take, for its progress lines."""
     from .models import MODELS
@@ -61,8 +71,7 @@ def _case_count(settings: Settings) -> int:
         ms = settings.for_model(spec)
         for mode in settings.modes:
             if mode in spec.modes:
-                total += len(ms.tokens or (4096,)) if spec.family == "shape" else (
-                    len(ms.tokens or (None,)) if spec.family == "decode" else 1)
+                total += len(_token_cases(spec, ms))
     return total
 
 
@@ -84,7 +93,7 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
             names = _contenders_for(spec, mode, settings)
             if spec.family == "decode":
                 from .decode import run_decode
-                for batch in ms.tokens or (None,):  # --tokens: decode batches (tokens per step)
+                for batch in _token_cases(spec, ms):  # --tokens: decode batches (tokens per step)
                     done += 1
                     label = f"{model_name}/{mode}" + (f"/batch {batch}" if batch is not None else "")
                     log(f"case {done} of {total}: {label}, contenders {', '.join(names)}")
@@ -92,7 +101,7 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
                     rows.extend(run_decode(spec, ms, names, log_row=_log_row, batch=batch))
                     log(f"{label}: done [{time.perf_counter() - t_case:.1f}s]")
                 continue
-            for tokens in (ms.tokens or (4096,)) if spec.family == "shape" else (None,):
+            for tokens in _token_cases(spec, ms):
                 t_case = time.perf_counter()
                 label = f"{model_name}/{mode}" + (f"/{tokens}" if tokens is not None else "")
                 done += 1

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import sympy
 import torch
@@ -43,7 +43,7 @@ from .rowdep import NotRowwise, propagate_rows, rows_divide
 from .shapes import Shapes
 
 __all__ = ["Buckets", "BucketPlan", "Monomial", "RegionBuckets", "SymbolBucketing", "buckets",
-           "mutated_input_positions"]
+           "mutated_input_positions", "written_positions"]
 
 _SIZE_ARGS = {"view", "reshape", "unflatten", "_unsafe_view"}
 _EXPANDS = {"expand", "broadcast_to"}
@@ -159,14 +159,19 @@ def _sized_dim(value: torch.Tensor, sym: sympy.Symbol, what: str) -> tuple[int, 
     return dims[0], mono
 
 
-def mutated_input_positions(effects: Effects, region: Region) -> set[int]:
-    """Region inputs (by position) whose data some node of the region writes in place."""
+def written_positions(effects: Effects, nodes: Iterable[torch.fx.Node], inputs: Sequence[torch.fx.Node]) -> set[int]:
+    """``inputs`` (by position) whose data one of ``nodes`` writes in place."""
     written: set[int] = set()
-    for node in region.nodes:
+    for node in nodes:
         written |= effects.writes.get(node, set())
     if not written:
         return set()
-    return {pos for pos, inp in enumerate(region.inputs) if storage_ids(fake_value(inp)) & written}
+    return {pos for pos, inp in enumerate(inputs) if storage_ids(fake_value(inp)) & written}
+
+
+def mutated_input_positions(effects: Effects, region: Region) -> set[int]:
+    """Region inputs (by position) whose data some node of the region writes in place."""
+    return written_positions(effects, region.nodes, region.inputs)
 
 
 def _plan(region: Region, sym: sympy.Symbol) -> BucketPlan:

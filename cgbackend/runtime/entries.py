@@ -140,9 +140,9 @@ class Entry:
         self.nbytes = 0
         """Growth of reserved memory while capturing this entry's graphs (the pool's share)."""
         self.param_addrs: tuple = ()
+        """(pos, data_ptr, nbytes) of parameters read in place, at capture (runtime/params.py)."""
         self.param_check: Optional[tuple] = None
         """param_addrs as ParamPolicy.unmoved compares them (one C++ call), or None."""
-        """(pos, data_ptr, nbytes) of parameters read in place, at capture (runtime/params.py)."""
         self.volatile_pos: tuple = ()
         """Volatile parameters (FSDP2's): positions copied before every forward and backward replay."""
 

@@ -25,12 +25,12 @@ import torch
 import torch.fx
 
 from ..passes.pipeline import Analysis
-from ..fx_utils import fake_value, storage_ids
+from ..fx_utils import fake_value
 from ..opaque import opaque_info, region_hooks
 from .backward import QUEUE_CALLBACK
 from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, RuntimeShared, is_static_address
 from .region import RegionRunner
-from ..passes.bucket import mutated_input_positions
+from ..passes.bucket import mutated_input_positions, written_positions
 from ..passes.gather import rewrite_gathers
 from .outputs import INPUT, OutputBuilder, output_aliases
 from .inner import InnerFallback, LazyInner, resolve_inner
@@ -134,11 +134,10 @@ def _runs_twice_alike(analysis: Analysis) -> bool:
     effects = analysis.effects
     if effects.random_nodes or effects.barriers:
         return False
-    graph = analysis.gm.graph
-    if any(opaque_info(n) is not None for n in graph.nodes):
+    nodes = analysis.gm.graph.nodes
+    if any(opaque_info(n) is not None for n in nodes):
         return False
-    written: set[int] = set().union(*effects.writes.values()) if effects.writes else set()
-    return not any(storage_ids(fake_value(n)) & written for n in graph.nodes if n.op == "placeholder")
+    return not written_positions(effects, nodes, [n for n in nodes if n.op == "placeholder"])
 
 
 class CompiledGraph:
@@ -374,7 +373,7 @@ class CompiledGraph:
                 self.shared.counters.layout_reruns += 1
                 log.info("cgbackend: graph %d: an expert parameter's address changed; the call "
                          "runs again on the laid-out parameters", self.index)
-                result = None
+                result = None  # the first run's outputs let go before the second (handout graphs)
                 result = self._run(args, call)
         finally:
             if not training or call.tokens == 0:

@@ -86,8 +86,7 @@ class ParamPolicy:
         :meth:`moved` were host time in every backward). A storage's bytes change only by a
         re-allocation (a new address) or a resize to none (address 0), so the same address is the
         same storage. False: ask :meth:`moved`, which says which and how."""
-        return (check is not None and ptrs_equal is not None and isinstance(static_ins, list)
-                and len(static_ins) == len(check[0]) and ptrs_equal(static_ins, check[0], check[1]))
+        return check is not None and ptrs_equal(static_ins, check[0], check[1])
 
     @staticmethod
     def moved(static_ins: Sequence[Any], recorded: tuple) -> Optional[str]:

@@ -45,7 +45,7 @@ import torch
 import torch.fx
 
 from ...fx_utils import fake_value, module_path, source_location
-from .cost import FOLDING_MODES, FORMS, GROUPED_FORMS, MODES, choose_form, choose_layer_form
+from .cost import FORMS, GROUPED_FORMS, GROUPED_MODES, MODES, choose_form, choose_layer_form
 from .fold_graph import fold_layers
 from .grouped import build_grouped, find_layers, layer_is_native, products_text
 from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
@@ -146,7 +146,7 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence
     if mode not in MODES:
         raise ValueError(f"static_dispatch must be one of {', '.join(MODES)}, got {mode!r}")
     folded = fold_layers(gm, mode, result)
-    changed, decided = _grouped_layers(gm, mode, result) if mode in FOLDING_MODES else (False, {})
+    changed, decided = _grouped_layers(gm, mode, result) if mode in GROUPED_MODES else (False, {})
     changed = changed or folded
     cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

@@ -31,14 +31,15 @@ import math
 import os
 from typing import Any, Optional
 
-__all__ = ["FOLDING_MODES", "FORMS", "GROUPED_FORMS", "MODES", "choose_form", "choose_layer_form", "constants", "estimate"]
+__all__ = ["FORMS", "GROUPED_FORMS", "GROUPED_MODES", "MODES", "choose_form", "choose_layer_form", "constants", "estimate"]
 
 FORMS = ("masked_dense", "grouped", "small_batch")
 MODES = ("off", "auto") + FORMS
 GROUPED_FORMS = ("grouped", "small_batch")
 """The forms built from the grouped routing (grouped.py): where-loop layers, folded loops."""
-FOLDING_MODES = ("auto",) + GROUPED_FORMS
-"""Modes under which expert weights are laid out as one block and loops may be folded."""
+GROUPED_MODES = ("auto",) + GROUPED_FORMS
+"""Modes that may build the grouped forms: under them expert weights are laid out as one block,
+loops may be folded, and where-loop layers are offered to the grouped rewrite."""
 
 # Off CUDA, "auto" rewrites into masked dense while each expert computes on at most this many rows.
 _AUTO_MAX_ROWS = 1 << 16

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import fold as _fold
-from .cost import FOLDING_MODES
+from .cost import GROUPED_MODES
 from .source import LoopRewrite, rewrite_function
 
 __all__ = ["LoopForwards", "survey", "UNROUTED_GRADS_WARNING"]
@@ -97,7 +97,7 @@ def _enable_fold(record: LoopRewrite, modules: list[torch.nn.Module], fold: bool
     """Switch the fold of ``record``'s loop on when every module that runs it holds experts of
     one structure (fold.spec_of), at least fold.MIN_EXPERTS of them, and tensors where it reads
     rows; else record why (fold.REASONS, which the record's report shows)."""
-    why = "" if fold else f"static_dispatch is none of {', '.join(FOLDING_MODES)}"
+    why = "" if fold else f"static_dispatch is none of {', '.join(GROUPED_MODES)}"
     spec, owners = None, []
     experts, *tables = record.fold_reads
     for module in modules:

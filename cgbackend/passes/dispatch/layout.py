@@ -215,19 +215,22 @@ class LayoutCheck:
         self.blocks: dict[int, tuple[Any, _Block]] = {}
         """id(expert 0's parameter) -> (a weak reference to it, its list's block)."""
 
+    def _known(self, w0: torch.Tensor) -> Optional[tuple[Any, _Block]]:
+        """The entry of the list ``w0`` (this call's expert-0 parameter) belongs to, if seen before."""
+        entry = self.blocks.get(id(w0))
+        return entry if entry is not None and entry[0]() is w0 else None
+
     def settled(self, args: Sequence[Any]) -> bool:
         w0 = args[self.position]
-        entry = self.blocks.get(id(w0))
-        if entry is None or entry[0]() is not w0:
+        entry = self._known(w0)
+        if entry is None:
             return False
         block = entry[1]
         return block.seen == _REGISTRATIONS[0] and bool(block.ptrs) and block.ptrs[0] == w0.data_ptr()
 
     def __call__(self, args: Sequence[Any]) -> bool:
         w0 = args[self.position]
-        entry = self.blocks.get(id(w0))
-        if entry is None or entry[0]() is not w0:
-            entry = self._add(w0)
+        entry = self._known(w0) or self._add(w0)
         block = entry[1]
         ps = block.params
         if block.seen != _REGISTRATIONS[0]:
