@@ -1,5 +1,6 @@
-"""Measure the static-dispatch cost model's constants on this GPU, and time the three ways to run a
-MoE layer (masked dense, grouped, the eager loop) at real expert shapes over token counts.
+"""Measure the static-dispatch cost model's constants on this GPU, and time the four ways to run a
+MoE layer (masked dense, grouped, small batch, the eager loop) at a real expert shape over token
+counts, expert counts and top-k.
 
     python benchmarks/dispatch_costs.py --out DIR [--quick]
 
@@ -7,7 +8,10 @@ Writes DIR/costs.json (the constants cgbackend/passes/dispatch/cost.py reads, to
 cgbackend/passes/dispatch/costs.json) and DIR/dispatch_crossover.json (measured milliseconds per
 form, shape and token count, next to the cost model's estimate), and prints a table.
 Static forms are timed as CUDA-graph replays (as cgbackend runs them), the loop eagerly (as it runs
-when left dynamic), bf16, inputs rotated, medians of CUDA-event timings.
+when left dynamic), bf16, inputs rotated, medians of CUDA-event timings. The grouped and small-batch
+forms are compiled by Inductor first, as cgbackend's rewrites are (the small-batch product exists
+only as Inductor's reduction kernel: run as ATen ops it would materialize a weight matrix per row);
+masked dense and the loop run as ATen ops.
 """
 
 from __future__ import annotations
@@ -93,6 +97,25 @@ def grouped(x, ids, w, W):
     return torch.zeros_like(x).index_add_(0, tok, y)
 
 
+def small_batch(x, ids, w, W):
+    """The small-batch form as cgbackend builds it (grouped.py, per_row): the grouped routing, each
+    routed row times its own expert's weights as a product summed over the input width in float32."""
+    w1, w3, w2 = W
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    sid, perm = torch.sort(flat, stable=True)
+    tok = perm // k
+    h = x.index_select(0, tok)
+
+    def per_row(rows, wt):  # wt [E, out, in] (linear layout) -> rows [S, in] @ wt[e].T
+        return (rows.float().unsqueeze(-1) * wt.transpose(-2, -1)[sid].float()).sum(1).to(rows.dtype)
+
+    y = per_row(F.silu(per_row(h, w1)) * per_row(h, w3), w2)
+    y = y * w.reshape(-1).index_select(0, perm).unsqueeze(-1).to(y.dtype)
+    slots = torch.empty_like(y).index_copy(0, perm, y)
+    return slots.reshape(-1, k, y.shape[-1]).sum(1)
+
+
 def loop(x, ids, w, W):
     w1, w3, w2 = W
     out = torch.zeros_like(x)
@@ -113,6 +136,20 @@ def _inputs(T: int, E: int, k: int, H: int, n: int):
         w, ids = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), k)
         out.append((x, ids, w / w.sum(-1, keepdim=True)))
     return out
+
+
+H_EXPERT, F_EXPERT = 2048, 768
+"""The expert shape of the crossover grid: hidden 2048, expert FFN 768 (Qwen3-30B-A3B's experts,
+the moe-128e benchmark model's)."""
+GRID = [(8, 2), (64, 2), (64, 8), (128, 2), (128, 8)]
+"""(experts, top-k) of the crossover grid."""
+
+
+def _compiled(fn):
+    """fn compiled by Inductor with a fresh Dynamo cache (the token count becomes dynamic at its
+    second size, so one expert count costs two compiles)."""
+    torch._dynamo.reset()
+    return torch.compile(fn)
 
 
 def constants(quick: bool) -> dict:
@@ -149,43 +186,91 @@ def constants(quick: bool) -> dict:
     W = _layer(E, H, Fd)
     inp = _inputs(T, E, k, H, 4)
     c["masked_fixed_us"] = round(1000 * _time(_graphed(lambda *a: masked_dense(*a, W), inp), 4) / E, 1)
-    c["grouped_fixed_us"] = round(1000 * _time(_graphed(lambda *a: grouped(*a, W), inp), 4), 1)
+    # the grouped form's launches (a decode step's 16 tokens) and its routing's cost per routed row
+    # (from 16 to 4096 tokens; the products at these sizes are a small part of either)
+    # (compiled by Inductor, as cgbackend's rewrite is)
+    fn = _compiled(lambda *a: grouped(*a, W))
+    us_16 = 1000 * _time(_graphed(fn, _inputs(16, E, k, H, 4)), 4)
+    us_big = 1000 * _time(_graphed(fn, inp), 4)
+    c["routing_row_ns"] = round(max(us_big - us_16, 0.0) * 1e3 / ((T - 16) * k), 2)
+    c["grouped_fixed_us"] = round(us_16 - 16 * k * c["routing_row_ns"] / 1e3, 1)
     c["loop_expert_us"] = round(1000 * _time(lambda i: loop(*inp[i], W), 4) / E, 1)
+    # the small-batch form: its fixed cost at tiny expert sizes (a decode step's token count), and
+    # the rate at which its per-row products read expert weights at the real expert shape
+    E, k, T = 64, 8, 16
+    W = _layer(E, 64, 64)
+    inp = _inputs(T, E, k, 64, 4)
+    c["small_fixed_us"] = round(1000 * _time(_graphed(_compiled(lambda *a: small_batch(*a, W)), inp), 4)
+                                - T * k * c["routing_row_ns"] / 1e3, 1)
+    E, k, T = 128, 8, 64
+    W = _layer(E, H_EXPERT, F_EXPERT)
+    inp = _inputs(T, E, k, H_EXPERT, 4)
+    us = (1000 * _time(_graphed(_compiled(lambda *a: small_batch(*a, W)), inp), 4) - c["small_fixed_us"]
+          - T * k * c["routing_row_ns"] / 1e3)
+    c["small_gbs"] = round(T * k * 3 * H_EXPERT * F_EXPERT * 2 / (max(us, 1.0) * 1e3), 1)
     c["device"] = torch.cuda.get_device_name()
     c["date"] = datetime.date.today().isoformat()
     c["torch"] = torch.__version__
     return c
 
 
-SHAPES = {"dsv2lite-experts": (64, 6, 2048, 1408), "mixtral-experts": (8, 2, 4096, 14336)}
-
-
 def crossover(tokens: list[int]) -> list[dict]:
     rows = []
-    for name, (E, k, H, Fd) in SHAPES.items():
+    for E, k in GRID:
+        H, Fd = H_EXPERT, F_EXPERT
         W = _layer(E, H, Fd)
+        forms = {"small_batch": _compiled(lambda *a: small_batch(*a, W)),
+                 "grouped": _compiled(lambda *a: grouped(*a, W)),
+                 "masked_dense": lambda *a: masked_dense(*a, W)}
         for T in tokens:
             inp = _inputs(T, E, k, H, 3)
             ref = loop(*inp[0], W).float()
-            row = {"shape": name, "experts": E, "k": k, "hidden": H, "ffn": Fd, "tokens": T}
-            for form, fn in (("grouped", grouped), ("masked_dense", masked_dense)):
-                if form == "masked_dense" and E * T * Fd * 2 * 3 > 60e9:
-                    row[f"{form}_ms"] = None  # its intermediates alone would not fit
-                    continue
-                err = ((fn(*inp[0], W).float() - ref).norm() / ref.norm()).item()
-                assert err < 2e-2, (name, T, form, err)
-                row[f"{form}_ms"] = round(_time(_graphed(lambda *a, fn=fn: fn(*a, W), inp), 3), 3)
+            row = {"shape": f"{E} experts top-{k}, {H} x {Fd}", "experts": E, "k": k, "hidden": H, "ffn": Fd,
+                   "tokens": T}
+            for form, fn in forms.items():
+                err = ((fn(*inp[0]).float() - ref).norm() / ref.norm()).item()
+                assert err < 2e-2, (E, k, T, form, err)
+                row[f"{form}_ms"] = round(_time(_graphed(fn, inp), 3), 3)
             row["dynamic_ms"] = round(_time(lambda i: loop(*inp[i], W), 3), 3)
-            est = cost.estimate(T, E, k, 3 * 2 * H * Fd, E * 3 * H * Fd * 2, 0)
+            est = cost.estimate(T, E, k, 3 * 2 * H * Fd, E * 3 * H * Fd * 2, 0, small_batch=True)
             row["estimate_ms"] = {f: round(v / 1000, 3) for f, v in est.items()}
-            measured = {f: row[f"{f}_ms"] for f in ("masked_dense", "grouped", "dynamic") if row[f"{f}_ms"]}
+            measured = {f: row[f"{f}_ms"] for f in ("masked_dense", "grouped", "small_batch", "dynamic")}
             row["fastest"] = min(measured, key=measured.get)
             row["model_picks"] = min(est, key=est.get)
             rows.append(row)
-            print(f"{name:18s} T={T:6d} " + " ".join(f"{f}={v}" for f, v in measured.items())
+            print(f"E={E:3d} k={k} T={T:5d} " + " ".join(f"{f}={v}" for f, v in measured.items())
                   + f"  fastest={row['fastest']} model={row['model_picks']}", flush=True)
             torch.cuda.empty_cache()
     return rows
+
+
+_NAMES = {"masked_dense": "masked dense", "grouped": "grouped", "small_batch": "small batch", "dynamic": "loop"}
+
+
+def table(doc: dict, compact: bool = False) -> str:
+    """The crossover table in Markdown: every form's ms per row with the fastest and the cost
+    model's pick, or (``compact``, for the README) small batch against grouped by token count."""
+    rows = doc["rows"]
+    if compact:
+        tokens = sorted({r["tokens"] for r in rows})
+        out = ["| experts, top-k | " + " | ".join(f"{t} tok." for t in tokens) + " |",
+               "|---" * (len(tokens) + 1) + "|"]
+        for E, k in dict.fromkeys((r["experts"], r["k"]) for r in rows):
+            cells = []
+            for t in tokens:
+                r = next(r for r in rows if (r["experts"], r["k"], r["tokens"]) == (E, k, t))
+                cell = f"{r['small_batch_ms']:.3f} / {r['grouped_ms']:.3f}"
+                cells.append(f"**{cell}**" if r["small_batch_ms"] < r["grouped_ms"] else cell)
+            out.append(f"| {E}, top-{k} | " + " | ".join(cells) + " |")
+        return "\n".join(out)
+    forms = ("small_batch", "grouped", "masked_dense", "dynamic")
+    out = ["| experts | top-k | tokens | " + " | ".join(_NAMES[f] for f in forms) + " | fastest | cost model picks |",
+           "|---" * (len(forms) + 5) + "|"]
+    for r in rows:
+        out.append(f"| {r['experts']} | {r['k']} | {r['tokens']} | "
+                   + " | ".join(f"{r[f + '_ms']:.3f}" for f in forms)
+                   + f" | {_NAMES[r['fastest']]} | {_NAMES[r['model_picks']]} |")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -200,7 +285,7 @@ def main() -> None:
         json.dump(c, f, indent=1)
     cost.constants.cache_clear()
     cost._measured_override = c  # estimates below use what was just measured
-    tokens = [16, 256, 4096, 16384] if args.quick else [16, 64, 256, 1024, 4096, 16384]
+    tokens = [1, 8, 64, 512, 4096] if args.quick else [1, 4, 16, 64, 256, 1024, 4096]
     rows = crossover(tokens)
     with open(os.path.join(args.out, "dispatch_crossover.json"), "w") as f:
         json.dump({"meta": {"device": c["device"], "date": c["date"], "torch": c["torch"],

@@ -88,7 +88,8 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
     for layer in layers:
         value = fake_value(layer.units[0].rows.out)
         native = layer_is_native(layer)
-        form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native)
+        form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native,
+                                                 value.requires_grad)
         if form not in GROUPED_FORMS:
             if form is not None:
                 for p in layer.plans:

@@ -1,23 +1,26 @@
 """The cost model: which static form a dispatch unit or layer takes.
 
-Three ways to run a MoE layer, each estimated as ``max(FLOPs / rate, bytes / bandwidth) + fixed``:
+Four ways to run a MoE layer, each estimated as ``max(FLOPs / rate, bytes / bandwidth) + fixed``:
 
 * ``masked_dense``: every expert on every token: ``E * T`` rows of expert FLOPs; reads all E
   experts' weights; a few kernels.
 * ``grouped``: ``T * k`` rows (the routed ones) through grouped products; reads the weights of the
-  experts that got rows; a sort, gathers and a scatter; plus, for experts kept as separate modules,
+  experts that got rows (expected under uniform routing); a sort, gathers and a scatter (a fixed
+  cost for their launches and ``routing_row_ns`` per routed row); plus, for experts kept as separate modules,
   the stacking copy of every expert weight (read and written) on every call.
 * ``dynamic``: the loop left as written: ``T * k`` rows, the hit experts' weights, and per expert a
   host sync and its launches, eagerly (``loop_expert_us``).
 
-A fourth form, ``small_batch`` (the grouped form's routing, each of the ``T * k`` rows multiplied
-by its own expert's weights without grouping: a per-row product that reads one expert's weights
-per row, for decode's few rows per expert), is taken only when asked for
-(``static_dispatch="small_batch"``): its cost is not measured yet, so "auto" does not weigh it.
+* ``small_batch``: the grouped form's routing, each of the ``T * k`` rows multiplied by its own
+  expert's weights without grouping (a per-row reduction kernel): it reads one expert's weights per
+  row (``T * k * per-expert bytes`` at the rate ``small_gbs`` measured for that kernel), plus its
+  fixed cost (``small_fixed_us``) and the routing's per-row cost. For decode's few rows per expert. Weighed for inference only: its
+  backward would scatter a weight gradient per row, so a layer that needs gradients never takes it
+  under "auto".
 
 The rates come from ``costs.json`` beside this file, measured on a GPU by
-``benchmarks/dispatch_costs.py`` (which also times the three forms directly, for the crossover
-table in benchmarks/RESULTS.md); without that file the defaults below stand, and the report says
+``benchmarks/dispatch_costs.py`` (which also times the forms directly, for the crossover table
+in docs/static-dispatch.md); without that file the defaults below stand, and the report says
 which were used. On a device other than CUDA nothing is captured, so "auto" keeps the old rule
 there: masked dense up to ``_AUTO_MAX_ROWS`` rows per expert (the CPU tests exercise the forms
 through the explicit modes).
@@ -50,9 +53,12 @@ _DEFAULTS = {
     "grouped_tflops": 350.0,     # torch._grouped_mm over the routed rows
     "bandwidth_gbs": 2500.0,     # device memory, read + write counted
     "masked_fixed_us": 15.0,     # per expert: its few kernels in the graph
-    "grouped_fixed_us": 60.0,    # sort, bincount, cumsum, gathers, scatter
+    "grouped_fixed_us": 60.0,    # sort, bincount, cumsum, gathers, scatter: their launches
+    "routing_row_ns": 5.0,       # the routing's work per routed row (sort, gathers, scatter)
     "rate_by_rows": {},          # {"dense"|"grouped": {rows per product: TFLOP/s}}, measured
     "loop_expert_us": 70.0,      # per expert: where + host sync + gather + launches + index_add
+    "small_fixed_us": 40.0,      # small batch: sort, gathers, scatter, its three kernels
+    "small_gbs": 2500.0,         # small batch: expert weights read per routed row
 }
 
 
@@ -103,33 +109,41 @@ def _rate(c: dict, kind: str, rows: float) -> float:
 
 
 def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes: int,
-             stack_bytes: int) -> dict[str, float]:
-    """Estimated microseconds of each way to run one layer (see the module docstring)."""
+             stack_bytes: int, small_batch: bool = False) -> dict[str, float]:
+    """Estimated microseconds of each way to run one layer (see the module docstring); the
+    small-batch form's only with ``small_batch`` (a layer that needs no gradient)."""
     c = constants()
     per_group = max(tokens * k / max(experts, 1), 1.0)
     bw = c["bandwidth_gbs"] * 1e3          # bytes per microsecond
-    hit = min(experts, tokens * k)
+    # experts that get a row, expected under uniform routing (each token picks k distinct experts)
+    hit = experts * (1.0 - (1.0 - min(k, experts) / max(experts, 1)) ** tokens) if experts else 0.0
+    routing = tokens * k * c["routing_row_ns"] / 1e3
     per_expert_bytes = weight_bytes / max(experts, 1)
 
     def t(flops: float, tflops: float, nbytes: float) -> float:
         return max(flops / (tflops * 1e6), nbytes / bw)
 
     routed = tokens * k * flops_per_row
-    return {
+    forms = {
         "masked_dense": (t(experts * tokens * flops_per_row, _rate(c, "dense", tokens), weight_bytes)
                          + experts * c["masked_fixed_us"]),
         "grouped": (t(routed, _rate(c, "grouped", per_group), hit * per_expert_bytes) + 2 * stack_bytes / bw
-                    + c["grouped_fixed_us"]),
+                    + c["grouped_fixed_us"] + routing),
         "dynamic": (t(routed, _rate(c, "dense", per_group), hit * per_expert_bytes)
                     + experts * c["loop_expert_us"]),
     }
+    if small_batch:
+        forms["small_batch"] = (tokens * k * per_expert_bytes / (c["small_gbs"] * 1e3) + 2 * stack_bytes / bw
+                                + c["small_fixed_us"] + routing)
+    return forms
 
 
 def choose_layer_form(layer: Any, mode: str, device_type: str, itemsize: int,
-                      native: bool = True) -> tuple[Optional[str], str, dict]:
+                      native: bool = True, needs_grad: bool = True) -> tuple[Optional[str], str, dict]:
     """Form for a layer of where-loop units that can take the grouped form (grouped.Layer).
     ``native``: torch._grouped_mm applies (else "auto" does not pick grouped: its stand-in gathers a
-    weight matrix per row, fine for tests, not for speed)."""
+    weight matrix per row, fine for tests, not for speed). ``needs_grad``: the layer's output needs
+    a gradient (then "auto" does not weigh the small-batch form)."""
     n, k = layer.experts, layer.k
     weight_bytes = n * (layer.flops_per_row // 2) * itemsize
     tokens = _hint(layer.tokens)
@@ -143,7 +157,7 @@ def choose_layer_form(layer: Any, mode: str, device_type: str, itemsize: int,
         return "masked_dense", "masked_dense requested (static_dispatch='masked_dense')", figures
     if device_type != "cuda" or tokens is None:
         return None, "", figures  # the per-unit rule decides (choose_form)
-    est = estimate(tokens, n, k, layer.flops_per_row, weight_bytes, layer.stack_bytes)
+    est = estimate(tokens, n, k, layer.flops_per_row, weight_bytes, layer.stack_bytes, small_batch=not needs_grad)
     if not native:
         est.pop("grouped")
     figures["estimate_us"] = {f: round(v, 1) for f, v in est.items()}

@@ -196,7 +196,8 @@ def fold_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> 
             dead = _removable(layer.plans[0])
             native = layer_is_native(layer)
             value = fake_value(layer.units[0].rows.out)
-            form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native)
+            form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native,
+                                                     value.requires_grad)
             if form not in GROUPED_FORMS:
                 # the folded trace has only the grouped forms to give; the unrolled one has them all
                 raise _Skip(f"the cost model picks {form or 'no static form'} here ({why})")
