@@ -16,7 +16,8 @@ Per contender:
    accuracy.py on the group ``output``); ``argmax_agree_frac`` = the share of steps whose
    argmax equals the float64 run's;
 4. timed rounds (each step timed on its own, CUDA events around call + argmax), as many as
-   ``--iters`` or ``--time-budget`` allow (at least 2). ``median_ms`` is per token. With
+   ``--iters`` or ``--time-budget`` allow (at least 2; a round's cost is read from the free-running
+   round of step 2, the warm-up rounds being the ones that compile). ``median_ms`` is per token. With
    ``--timing alternate`` (the default) every contender is prepared (steps 1-3) and kept, then
    the timed rounds run in ``timing.TIMING_ROUNDS`` alternating blocks; ``--timing sequential``
    times each contender alone right after its preparation.
@@ -341,7 +342,11 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
                 warm.append(time.perf_counter() - t0)
 
             stage = "accuracy"
+            sync(device)
+            t0 = time.perf_counter()
             tokens, _ = session.generate(prompts[0])
+            sync(device)
+            compiled_round = time.perf_counter() - t0  # what a timed round costs (warm-up rounds compile)
             _, logits = session.generate(prompts[0], forced=ref_tokens, keep_logits=True)
         row["graph_breaks"], row["graph_break_reasons"] = out.tally.graph_breaks()
         row["tokens_equal_frac"] = float((tokens == ref_tokens).float().mean().item())
@@ -364,10 +369,9 @@ def _prepare_one(case: Any, contender: Any, s: Any, shape: dict[str, Any], promp
             else:
                 read_peak(row, case, device)
 
-        per_round = min(warm[-3:]) if warm else 0.0  # the first rounds compile
         rounds = s.iters
-        if s.time_budget and per_round > 0:
-            rounds = max(min(2, s.iters), min(s.iters, int(s.time_budget / per_round)))
+        if s.time_budget and compiled_round > 0:
+            rounds = max(min(2, s.iters), min(s.iters, int(s.time_budget / compiled_round)))
         out.rounds = rounds
         out.session = session
     except Exception as exc:
