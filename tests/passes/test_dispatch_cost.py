@@ -69,3 +69,33 @@ def test_the_docs_quote_the_committed_crossover():
         assert script.table(doc, compact=True) in f.read()
     with open(os.path.join(ROOT, "docs", "static-dispatch.md"), encoding="utf-8") as f:
         assert script.table(doc) in f.read()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypatch, grad):
+    """Through the dispatch pass: a one-token MoE layer traced under no_grad takes the small-batch
+    form under "auto", traced with gradients it does not (the device check is made to say CUDA,
+    where "auto" weighs forms; test_dispatch_forms checks the form's results against the loop)."""
+    import torch
+
+    from cgbackend.models.gpt import MixtralStyleMoE
+    from cgbackend.passes import dispatch
+    from fx_helpers import trace
+
+    real, seen = cost.choose_layer_form, []
+
+    def on_cuda(layer, mode, device_type, itemsize, native=True, needs_grad=True):
+        out = real(layer, mode, "cuda", itemsize, native, needs_grad)
+        seen.append((needs_grad, out[0]))
+        return out
+
+    monkeypatch.setattr(dispatch, "choose_layer_form", on_cuda)
+    torch.manual_seed(0)
+    layer = MixtralStyleMoE(16, 32, 8, 2)
+    x = torch.randn(1, 1, 16)
+    with torch.set_grad_enabled(grad):
+        gm = trace(layer, x)
+        result = dispatch.rewrite_static_dispatch(gm, "auto")
+    assert seen and all(needs == grad for needs, _ in seen), seen
+    forms = {r.form for r in result.rewrites}
+    assert ("small_batch" in forms) is (not grad), (forms, seen)
