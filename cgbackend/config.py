@@ -111,9 +111,10 @@ class Config:
     and leaves a loop dynamic where no static form pays), a form ("grouped", "masked_dense", or
     "small_batch": the grouped form's routing with per-row products, for decode's few rows per
     expert; "auto" weighs it for layers that need no gradient), or "off". A rewrite is applied only
-    where it is proven to compute what the loop computes; with it on, cgbackend.compile also rewrites skip-loops in the model's source (over nonzero() results or
-    .tolist() counts) where the loop body is proven to leave nothing behind for a skipped expert,
-    and lays out per-module expert weights as one block. The report lists every rewrite and every
+    where it is proven to compute what the loop computes; with it on, cgbackend.compile also
+    rewrites skip-loops in the model's source (over nonzero() results or .tolist() counts) where the
+    loop body is proven to leave nothing behind for a skipped expert, and lays out per-module expert
+    weights as one block. The report lists every rewrite and every
     loop left alone, with why."""
 
     regional_min_layers: int = 6

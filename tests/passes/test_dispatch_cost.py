@@ -14,9 +14,14 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 FORMS = ("masked_dense", "grouped", "small_batch", "dynamic")
 
 
-def _crossover() -> list[dict]:
+def _committed() -> dict:
+    """benchmarks/results/dispatch_crossover.json: its meta and rows."""
     with open(os.path.join(ROOT, "benchmarks", "results", "dispatch_crossover.json"), encoding="utf-8") as f:
-        return json.load(f)["rows"]
+        return json.load(f)
+
+
+def _crossover() -> list[dict]:
+    return _committed()["rows"]
 
 
 def _layer(tokens: int, experts: int, k: int, hidden: int, ffn: int) -> SimpleNamespace:
@@ -25,8 +30,7 @@ def _layer(tokens: int, experts: int, k: int, hidden: int, ffn: int) -> SimpleNa
 
 def test_the_committed_costs_and_crossover_come_from_one_run():
     c = cost.constants()
-    with open(os.path.join(ROOT, "benchmarks", "results", "dispatch_crossover.json"), encoding="utf-8") as f:
-        meta = json.load(f)["meta"]
+    meta = _committed()["meta"]
     assert c["source"].startswith("measured")
     assert (c["device"], c["date"], c["torch"]) == (meta["device"], meta["date"], meta["torch"])
 
@@ -63,8 +67,7 @@ def test_the_docs_quote_the_committed_crossover():
     spec = importlib.util.spec_from_file_location("dispatch_costs", os.path.join(ROOT, "benchmarks", "dispatch_costs.py"))
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    with open(os.path.join(ROOT, "benchmarks", "results", "dispatch_crossover.json"), encoding="utf-8") as f:
-        doc = json.load(f)
+    doc = _committed()
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         assert script.table(doc, compact=True) in f.read()
     with open(os.path.join(ROOT, "docs", "static-dispatch.md"), encoding="utf-8") as f:
@@ -80,6 +83,7 @@ def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypat
 
     from cgbackend.models.gpt import MixtralStyleMoE
     from cgbackend.passes import dispatch
+    from cgbackend.passes.dispatch import grouped
     from fx_helpers import trace
 
     real, seen = cost.choose_layer_form, []
@@ -89,7 +93,7 @@ def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypat
         seen.append((needs_grad, out[0]))
         return out
 
-    monkeypatch.setattr(dispatch, "choose_layer_form", on_cuda)
+    monkeypatch.setattr(grouped, "choose_layer_form", on_cuda)
     torch.manual_seed(0)
     layer = MixtralStyleMoE(16, 32, 8, 2)
     x = torch.randn(1, 1, 16)

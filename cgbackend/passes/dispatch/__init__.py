@@ -44,10 +44,10 @@ from typing import Sequence
 import torch
 import torch.fx
 
-from ...fx_utils import fake_value, module_path, source_location
-from .cost import FORMS, GROUPED_FORMS, GROUPED_MODES, MODES, choose_form, choose_layer_form
+from ...fx_utils import module_path, source_location
+from .cost import FORMS, GROUPED_FORMS, GROUPED_MODES, MODES, choose_form
 from .fold_graph import fold_layers
-from .grouped import build_grouped, find_layers, layer_is_native, products_text
+from .grouped import build_grouped, find_layers, layer_form, products_text
 from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
 from .graph import _Builder
 from .records import DispatchResult, DispatchRewrite, DispatchSkipped, _Skip
@@ -86,10 +86,7 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
                 decided[p.sink] = ("masked_dense", f"masked dense: the grouped form does not apply ({why})", {})
     changed = False
     for layer in layers:
-        value = fake_value(layer.units[0].rows.out)
-        native = layer_is_native(layer)
-        form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native,
-                                                 value.requires_grad)
+        form, why, figures, native = layer_form(layer, mode)
         if form not in GROUPED_FORMS:
             if form is not None:
                 for p in layer.plans:

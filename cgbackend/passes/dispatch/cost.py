@@ -6,17 +6,16 @@ Four ways to run a MoE layer, each estimated as ``max(FLOPs / rate, bytes / band
   experts' weights; a few kernels.
 * ``grouped``: ``T * k`` rows (the routed ones) through grouped products; reads the weights of the
   experts that got rows (expected under uniform routing); a sort, gathers and a scatter (a fixed
-  cost for their launches and ``routing_row_ns`` per routed row); plus, for experts kept as separate modules,
-  the stacking copy of every expert weight (read and written) on every call.
+  cost for their launches and ``routing_row_ns`` per routed row); plus, for experts kept as
+  separate modules, the stacking copy of every expert weight (read and written) on every call.
 * ``dynamic``: the loop left as written: ``T * k`` rows, the hit experts' weights, and per expert a
   host sync and its launches, eagerly (``loop_expert_us``).
-
 * ``small_batch``: the grouped form's routing, each of the ``T * k`` rows multiplied by its own
   expert's weights without grouping (a per-row reduction kernel): it reads one expert's weights per
   row (``T * k * per-expert bytes`` at the rate ``small_gbs`` measured for that kernel), plus its
-  fixed cost (``small_fixed_us``) and the routing's per-row cost. For decode's few rows per expert. Weighed for inference only: its
-  backward would scatter a weight gradient per row, so a layer that needs gradients never takes it
-  under "auto".
+  fixed cost (``small_fixed_us``) and the routing's per-row cost. For decode's few rows per
+  expert. Weighed for inference only: its backward would scatter a weight gradient per row, so a
+  layer that needs gradients never takes it under "auto".
 
 The rates come from ``costs.json`` beside this file, measured on a GPU by
 ``benchmarks/dispatch_costs.py`` (which also times the forms directly, for the crossover table
@@ -116,7 +115,7 @@ def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes
     per_group = max(tokens * k / max(experts, 1), 1.0)
     bw = c["bandwidth_gbs"] * 1e3          # bytes per microsecond
     # experts that get a row, expected under uniform routing (each token picks k distinct experts)
-    hit = experts * (1.0 - (1.0 - min(k, experts) / max(experts, 1)) ** tokens) if experts else 0.0
+    hit = experts * (1.0 - (1.0 - min(k, experts) / experts) ** tokens) if experts else 0.0
     routing = tokens * k * c["routing_row_ns"] / 1e3
     per_expert_bytes = weight_bytes / max(experts, 1)
 
@@ -157,7 +156,8 @@ def choose_layer_form(layer: Any, mode: str, device_type: str, itemsize: int,
         return "masked_dense", "masked_dense requested (static_dispatch='masked_dense')", figures
     if device_type != "cuda" or tokens is None:
         return None, "", figures  # the per-unit rule decides (choose_form)
-    est = estimate(tokens, n, k, layer.flops_per_row, weight_bytes, layer.stack_bytes, small_batch=not needs_grad)
+    est = estimate(tokens, n, k, layer.flops_per_row, weight_bytes, layer.stack_bytes,
+                   small_batch=not needs_grad)
     if not native:
         est.pop("grouped")
     figures["estimate_us"] = {f: round(v, 1) for f, v in est.items()}

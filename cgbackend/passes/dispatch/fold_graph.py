@@ -21,9 +21,9 @@ import torch.fx
 
 from ...fx_utils import fake_value, module_path, source_location
 from . import fold
-from .cost import GROUPED_FORMS, choose_layer_form
+from .cost import GROUPED_FORMS
 from .graph import _shape
-from .grouped import Layer, _Linear, _routing, build_grouped, costs, layer_is_native, products_text, slots
+from .grouped import Layer, _Linear, _routing, build_grouped, costs, layer_form, products_text, slots
 from .layout import LayoutCheck, block_view, consecutive
 from .match import _match_where, _removable, read_while_written
 from .records import DispatchResult, DispatchRewrite, _Skip
@@ -194,10 +194,7 @@ def fold_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> 
         try:
             layer = _layer(gm, begin, end, order, result.layout_checks)
             dead = _removable(layer.plans[0])
-            native = layer_is_native(layer)
-            value = fake_value(layer.units[0].rows.out)
-            form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native,
-                                                     value.requires_grad)
+            form, why, figures, native = layer_form(layer, mode)
             if form not in GROUPED_FORMS:
                 # the folded trace has only the grouped forms to give; the unrolled one has them all
                 raise _Skip(f"the cost model picks {form or 'no static form'} here ({why})")

@@ -40,13 +40,15 @@ import torch
 import torch.fx
 
 from ...fx_utils import fake_value, plain_name, sizes_equal
+from .cost import choose_layer_form
 from .graph import _Builder, _is, _is_getitem, _shape, _strip_type
 from .layout import consecutive, stacked_view
 from .masked_dense import _dense_weight
 from .match import _Plan, WhereUnit, _removable, read_while_written
 from .records import _Skip
 
-__all__ = ["Layer", "find_layers", "build_grouped", "grouped_mm_supported", "layer_is_native", "products_text"]
+__all__ = ["Layer", "find_layers", "build_grouped", "grouped_mm_supported", "layer_form", "layer_is_native",
+           "products_text"]
 
 
 @dataclasses.dataclass
@@ -301,6 +303,17 @@ def _stacked(b: _Builder, leaves: list[torch.fx.Node], n: int) -> torch.fx.Node:
     if consecutive([fake_value(w) for w in what]):
         return b.fn(stacked_view, *what)  # slices of one block (layout.py): a view, no copy
     return b.fn(torch.stack, list(what))
+
+
+def layer_form(layer: Layer, mode: str) -> tuple[Optional[str], str, dict, bool]:
+    """cost.choose_layer_form for ``layer`` with what its traced values say (device, element size,
+    whether its output needs a gradient), and whether torch._grouped_mm applies to it: (form, why,
+    figures, native)."""
+    value = fake_value(layer.units[0].rows.out)
+    native = layer_is_native(layer)
+    form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native,
+                                           value.requires_grad)
+    return form, why, figures, native
 
 
 def products_text(per_row: bool, native: bool) -> str:
