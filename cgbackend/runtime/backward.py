@@ -7,7 +7,14 @@ The static gradients a backward replay produces are handed to autograd as fresh 
 ``.grad`` that keeps one is given its own memory before the next backward replay rewrites them
 (``reclaim_grads``), so ``.grad`` accumulates as eagerly. Whether anything still holds them is
 read from their storages' use counts (handout.HeldStorages): a few calls, however many parameters
-(a MoE layer's experts are hundreds of gradients on a few storages)."""
+(a MoE layer's experts are hundreds of gradients on a few storages).
+
+Once its backward graph exists, an entry frees the saved activations the capture's autograd graph
+held (``settle``; pool.py says when that is safe): between steps only its static buffers stay
+allocated. A backward that cannot replay its graph then runs autograd through a recomputed
+forward (the region's code on the static inputs, which hold this call's values until its backward
+is over). Only regions that compute the same thing twice release: no random op, no global state,
+no input written in place, no opaque module call."""
 
 from __future__ import annotations
 
@@ -86,6 +93,7 @@ class Backward:
         elapsed = time.perf_counter() - start
         entry.bwd_graph = graph
         entry.bwd_index = entry.pool.new_index()
+        entry.pool.backward_settled()
         if isinstance(graph, SimulatedGraph):
             graph.attach(entry.pool, entry.bwd_index)
         entry.static_grad_ins = static_grad_ins
@@ -151,6 +159,28 @@ class Backward:
         log.warning("cgbackend: capturing the backward of %s failed; its backward runs eagerly "
                     "through the captured forward: %s", runner.name, error)
         entry.bwd_failed = error
+        entry.pool.backward_settled()
+
+    def settle(self, entry: TrainEntry) -> None:
+        """After a backward of ``entry`` through its backward graph: its saved activations are to
+        be freed once no capture can receive their blocks (pool.py, "Released memory"). The pool
+        is sealed now; the release waits for the pool's other awaited backward graphs."""
+        if entry.released or entry.bwd_graph is None or not self.runner.recomputable:
+            return
+        pool = entry.pool
+        if any(e is entry for _, e in pool.releasable):
+            return
+        pool.sealed = True
+        pool.releasable.append((self, entry))
+        pool.release_ready()
+
+    def release_saved(self, entry: TrainEntry) -> None:
+        """Drop the capture's autograd graph (and with it the saved activations it held)."""
+        entry.capture_outs = None
+        entry.released = True
+        counters = self.runner.shared.counters
+        counters.saved_released += 1
+        counters.saved_released_bytes += entry.saved_bytes
 
     def eager(self, entry: TrainEntry, grads: tuple) -> tuple:
         """Backward without the backward graph: autograd through the captured forward's graph."""
@@ -162,6 +192,14 @@ class Backward:
         hooks = self.runner.hooks
         quiet = hooks.quiet_backward() if hooks is not None else contextlib.nullcontext()
         with no_donated_buffers(), quiet:
+            if entry.released:
+                # The captured forward's autograd graph is gone: run the region's code again on the
+                # static inputs (still this call's values) and differentiate that.
+                with torch.enable_grad():
+                    outs = self.runner.fn(*entry.static_ins)
+                self.runner.shared.counters.bwd_recomputes += 1
+                return torch.autograd.grad([outs[i] for i in entry.diff_out], inputs, grad_outputs=grad_outs,
+                                           allow_unused=True)
             return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
                                        retain_graph=True, allow_unused=True)
 
@@ -206,6 +244,7 @@ class Backward:
             counters.replays += 1
             counters.bwd_replays += 1
             grads_in = self.hand_out(entry, ctx.leaves)
+            self.settle(entry)
         return grads_in
 
 

@@ -31,6 +31,7 @@ from .backward import QUEUE_CALLBACK
 from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, RuntimeShared, is_static_address
 from .region import RegionRunner
 from ..passes.bucket import mutated_input_positions, written_positions
+from ..passes.effects import Effects
 from ..passes.gather import rewrite_gathers
 from .outputs import INPUT, OutputBuilder, output_aliases
 from .inner import InnerFallback, LazyInner, resolve_inner
@@ -127,17 +128,17 @@ _profiler_enabled: Callable[[], bool] = getattr(getattr(torch._C, "_autograd", N
 """Is an autograd/Kineto profiler (or emit_nvtx) recording? One C call; feature-tested."""
 
 
-def _runs_twice_alike(analysis: Analysis) -> bool:
-    """Running the graph a second time on the same inputs gives the same outputs and leaves the
-    same state: it writes none of its inputs, draws no random number, touches no global state and
-    calls no opaque module (whose own state it cannot see)."""
-    effects = analysis.effects
-    if effects.random_nodes or effects.barriers:
+def _runs_twice_alike(effects: Effects, nodes: list, inputs: list) -> bool:
+    """Running ``nodes`` (a graph, or a region of it, reading ``inputs``) a second time on the same
+    inputs gives the same outputs and leaves the same state: they write none of their inputs, draw
+    no random number, touch no global state and call no opaque module (whose own state they cannot
+    see)."""
+    members = set(nodes)
+    if any(n in members for n in effects.random_nodes) or any(n in members for n in effects.barriers):
         return False
-    nodes = analysis.gm.graph.nodes
     if any(opaque_info(n) is not None for n in nodes):
         return False
-    return not written_positions(effects, nodes, [n for n in nodes if n.op == "placeholder"])
+    return not written_positions(effects, nodes, inputs)
 
 
 class CompiledGraph:
@@ -153,7 +154,9 @@ class CompiledGraph:
         self.config = shared.config
         self._layout_checks = tuple(analysis.dispatch.layout_checks)
         """Run at every call: expert parameters read from one block still are its slices."""
-        self._check_after_launch = bool(self._layout_checks) and _runs_twice_alike(analysis)
+        nodes = list(analysis.gm.graph.nodes)
+        self._check_after_launch = bool(self._layout_checks) and _runs_twice_alike(
+            analysis.effects, nodes, [n for n in nodes if n.op == "placeholder"])
         """The checks of a list seen before are made once the graph is launched, while the GPU runs
         it (their hundreds of address comparisons were host time before each launch); a call whose
         check finds a changed address runs again on the laid-out parameters."""
@@ -294,6 +297,7 @@ class CompiledGraph:
         runner = RegionRunner(name, fn, kinds, producers, mutated, self.shared,
                               bucket=bucket, device=_region_device(region), hooks=hooks)
         runner.lazy_inner = lazy
+        runner.recomputable = hooks is None and _runs_twice_alike(self.analysis.effects, region.nodes, region.inputs)
         runner.on_sync = self._request_split
         if self.blocked is not None:
             runner.disable(self.blocked, _BLOCKED_DETAIL.get(self.blocked, self.blocked))

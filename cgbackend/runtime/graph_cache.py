@@ -295,5 +295,9 @@ class GraphCache:
                 shared.handout_storages -= handout.storages()
         entry.graph = entry.outputs = entry.static_ins = entry.views = entry.handouts = None
         if isinstance(entry, TrainEntry):
+            pool = entry.pool
+            pool.releasable = [(side, e) for side, e in pool.releasable if e is not entry]
+            if entry.bwd_graph is None and entry.bwd_failed is None:
+                pool.backward_settled()  # its backward graph is awaited no more
             entry.bwd_graph = entry.capture_outs = entry.static_grad_outs = entry.static_grad_ins = None
         shared.counters.pool_bytes_held -= entry.nbytes

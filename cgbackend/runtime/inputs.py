@@ -164,7 +164,8 @@ class SavedTensors:
         # would then hold that output, whose grad_fn is the node, a cycle Python cannot see).
         alias = t.detach()
         storage = alias.untyped_storage().data_ptr() if alias.layout == torch.strided else 0
-        self._packed.append((weakref.ref(alias), alias._version, storage,
+        nbytes = alias.untyped_storage().nbytes() if storage else 0
+        self._packed.append((weakref.ref(alias), alias._version, storage, nbytes,
                              f"{tuple(alias.shape)}@{alias.dtype}"))
         return alias
 
@@ -172,16 +173,16 @@ class SavedTensors:
     def unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    def finish(self) -> tuple[Optional[str], set[int]]:
+    def finish(self) -> tuple[Optional[str], dict[int, int]]:
         """(description of a saved tensor written in place after it was saved, or None; storage
-        pointers of every saved tensor)."""
+        pointer -> size in bytes of every saved tensor's storage)."""
         modified = None
-        storages: set[int] = set()
-        for ref, version, storage, what in self._packed:
+        storages: dict[int, int] = {}
+        for ref, version, storage, nbytes, what in self._packed:
             alias = ref()
             if alias is None:
                 continue
-            storages.add(storage)
+            storages[storage] = nbytes
             if modified is None and alias._version != version:
                 modified = (f"a saved tensor of shape {what} is at version {alias._version}; "
                             f"expected version {version}")

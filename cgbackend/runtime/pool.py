@@ -15,6 +15,16 @@ higher capture index) holds data that is still needed.
 ``PoolState.live`` counts the graphs whose outputs are still needed (replayed
 in the current inference call, or in a training forward whose backward has not
 finished); :meth:`PoolState.hazard` applies the rule before every replay.
+
+Released memory. A training entry's saved activations are needed only between
+its forward replay and its backward replay. Once every training forward of a
+pool has its backward graph, nothing will be captured in that pool again (it
+is *sealed*: new captures of the slot go to a fresh pool), and the entries free
+their saved activations (runtime/backward.py, ``Backward.settle``): the blocks
+stay reserved in the pool, which no allocation outside a capture into it ever
+receives, and the graphs go on writing and reading them at their addresses.
+Between steps the allocator then counts as allocated what eager holds, plus the
+static buffers; cudagraph trees does the same with its pool's dead tensors.
 """
 
 from __future__ import annotations
@@ -38,6 +48,15 @@ class PoolState:
     live: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     graphs: list = dataclasses.field(default_factory=list)
     """Simulated graphs of this pool (they model what replays may do to each other's memory)."""
+    sealed: bool = False
+    """No graph is captured in this pool any more but the backward graphs still awaited: a
+    training entry asked to release its saved activations (PoolSet.get then makes a new pool)."""
+    awaiting_backward: int = 0
+    """Training entries of this pool whose backward graph is neither captured nor failed yet: their
+    capture could receive released blocks, so nothing is released while any is awaited."""
+    releasable: list = dataclasses.field(default_factory=list)
+    """Training entries waiting for ``awaiting_backward`` to reach 0 to release their saved
+    activations, with the backward side that releases them."""
 
     def new_index(self) -> int:
         self.next_index += 1
@@ -52,6 +71,20 @@ class PoolState:
             self.live[index] = left
         else:
             self.live.pop(index, None)
+
+    def backward_settled(self) -> None:
+        """A training entry's backward graph was captured, or failed to be, or the entry went."""
+        self.awaiting_backward -= 1
+        self.release_ready()
+
+    def release_ready(self) -> None:
+        """Free the saved activations of the releasable entries once no backward graph is awaited
+        here (so no capture will be made in this pool again)."""
+        if self.awaiting_backward or not self.releasable:
+            return
+        for side, entry in self.releasable:
+            side.release_saved(entry)
+        self.releasable.clear()
 
     def hazard(self, index: int) -> bool:
         """Would replaying the graph with capture index ``index`` risk clobbering live data?"""
@@ -76,9 +109,10 @@ class PoolSet:
         return PoolState(device=device, slot=-1, handle=handle)
 
     def get(self, device: torch.device, slot: int) -> PoolState:
+        """The pool new graphs of ``slot`` are captured in: a fresh one once the last was sealed."""
         key = (str(device), slot)
         pool = self._pools.get(key)
-        if pool is None:
+        if pool is None or pool.sealed:
             handle = None
             if not self._simulate:
                 with torch.cuda.device(device):

@@ -143,7 +143,7 @@ class Recorder:
             return None
         static_ins = entry.static_ins
         fn = runner.fn
-        saved_storages: set[int] = set()
+        saved_storages: dict[int, int] = {}
         if grad_path:
             entry.saved_modified = None
 
@@ -183,7 +183,7 @@ class Recorder:
             graph.attach(pool, entry.index)
         self.count_capture(entry, elapsed, reserved(device) - reserved_before, forward=grad_path)
         if grad_path:
-            self._finish_train_entry(entry, outputs)
+            self._finish_train_entry(entry, outputs, saved_storages)
             # Inputs read from the caller's memory whose static tensor the forward saved: their
             # versions are checked again at backward (backward.RegionFunction).
             entry.saved_pos = tuple(
@@ -204,9 +204,11 @@ class Recorder:
                   "forward" if grad_path else "inference", call.slot, elapsed)
         return entry
 
-    def _finish_train_entry(self, entry: TrainEntry, outputs: Any) -> None:
+    def _finish_train_entry(self, entry: TrainEntry, outputs: Any, saved: dict[int, int]) -> None:
         outs = list(outputs)
         entry.capture_outs = outs
+        entry.released = False
+        entry.pool.awaiting_backward += 1
         entry.tensor_pos = tuple(p for p, k in enumerate(self.runner.kinds) if k != VALUE)
         entry.diff_in = tuple(p for p in entry.tensor_pos
                               if isinstance(entry.static_ins[p], torch.Tensor) and entry.static_ins[p].requires_grad)
@@ -225,6 +227,10 @@ class Recorder:
         entry.leaves = []
         entry.reach = None
         self._register_outputs(entry, skip=entry.diff_out)
+        # What the forward's autograd graph alone keeps alive: saved tensors that are neither an
+        # input nor an output of the region.
+        own = {t.untyped_storage().data_ptr() for t in iter_tensors([entry.static_ins, entry.outputs]) if t.numel()}
+        entry.saved_bytes = sum(n for ptr, n in saved.items() if ptr and ptr not in own)
 
     def caller_memory(self, entry: Entry) -> list[int]:
         """Positions whose static tensor stands for a caller's memory: copies and parameters."""

@@ -88,6 +88,10 @@ class RegionRunner:
         """Captures of entries and handout graphs (recorder.py)."""
         self.backward = Backward(self)
         """Backward graphs of training entries (backward.py)."""
+        self.recomputable = False
+        """Running the region's code again on the same inputs gives the same outputs and changes
+        nothing else (set by the executor): its training entries may free their saved activations
+        and recompute them in a backward that cannot replay (backward.py)."""
 
     # ------------------------------------------------------------------ what others read
 

@@ -100,6 +100,16 @@ class Counters:
     fwd_replays: int = 0
     bwd_replays: int = 0
     bwd_recaptures: int = 0
+    saved_released: int = 0
+    """Training entries whose saved activations were freed once their backward graph existed
+    (runtime/backward.py): their graphs keep the memory in the pool, the allocator no longer counts
+    it as allocated between steps."""
+    saved_released_bytes: int = 0
+    """Bytes of those saved activations (tensors the forward saved that are neither its inputs nor
+    its outputs)."""
+    bwd_recomputes: int = 0
+    """Backwards of released entries that could not replay their graph (an eager_calls reason says
+    why) and ran autograd through the region's forward computed again."""
     eager_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Static-region calls that ran eagerly, by EagerReason."""
     capture_failures: list = dataclasses.field(default_factory=list)
