@@ -70,14 +70,25 @@ class Backward:
         entry.static_grad_outs = grad_outs
         shared.register_persistent(grad_outs, handoff=False)
         inputs = [entry.static_ins[p] for p in entry.diff_in]
+        pool = entry.pool
+        # The last backward graph its pool awaits may consume the capture's autograd graph: the
+        # saved activations are freed as the backward uses them (as in an eager backward, instead of
+        # all of them staying allocated next to all the gradients), and the graph reuses their
+        # blocks in order. No other graph is captured in the pool after it (sealed), so no graph
+        # can lie in them but this one. A simulated capture runs the backward, and its first replay
+        # right after would need the graph again: it keeps it.
+        consume = (runner.recomputable and pool.awaiting_backward == 1
+                   and not isinstance(entry.graph, SimulatedGraph))
+        if consume:
+            pool.sealed = True
 
         def run() -> Any:
             with no_donated_buffers():
                 grads_in = torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
-                                               retain_graph=True, allow_unused=True)
+                                               retain_graph=not consume, allow_unused=True)
             return tuple(grads_in)
 
-        if getattr(runner.fn, "needs_backward_prewarm", False):
+        if getattr(runner.fn, "needs_backward_prewarm", False) and not consume:
             # Inductor compiles the keep-graph variant of its backward on first use: not in a capture.
             self.eager(entry, grads)
         device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None
@@ -88,9 +99,13 @@ class Backward:
                 run, entry.pool, hooks=runner.hooks,
                 reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
         except CaptureError as exc:
+            if consume:  # the attempt may have used the autograd graph up
+                self.release_saved(entry)
             self._capture_failed(str(exc), entry)
             return
         elapsed = time.perf_counter() - start
+        if consume:
+            self.release_saved(entry)
         entry.bwd_graph = graph
         entry.bwd_index = entry.pool.new_index()
         entry.pool.backward_settled()
