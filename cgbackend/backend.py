@@ -133,8 +133,8 @@ class CGBackend:
             break_info = graph_break_info(gm)
             if self._keep_analyses:
                 self._analyses.append((analysis, break_info))
-            # Static regions are compiled by the inner compiler lazily, before their last warm-up
-            # call (inner.py): only regions that reach a capture are compiled.
+            # Static regions are compiled by the inner compiler lazily, at their first warm-up call
+            # (inner.py): only regions that are called are compiled.
             compiled = CompiledGraph(analysis, list(example_inputs), self.shared, index)
             self._graphs.append(weakref.ref(compiled))
             self.shared.mirror.push(self.shared.counters)

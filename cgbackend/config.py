@@ -93,7 +93,7 @@ class Config:
     """How static regions are compiled before capture: "auto" (the default): Inductor where regions
     are captured as CUDA graphs, eager's kernels where nothing is captured (CPU, simulate_graphs,
     capture=False, warmup=0); "inductor"; or "eager" (eager's kernels, results bitwise equal to
-    eager: the bitwise mode). Compiled lazily, per region, before its last warm-up call; a region
+    eager: the bitwise mode). Compiled lazily, per region, at its first warm-up call; a region
     Inductor fails on runs eager's kernels (counted in stats()["inner_fallbacks"]). See
     cgbackend/runtime/inner.py."""
 

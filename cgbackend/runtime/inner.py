@@ -8,10 +8,10 @@ CUDA available, ``capture=True``, not ``simulate_graphs``, ``warmup >= 1``) and 
 nothing is captured: a CPU graph, simulated graphs, ``capture=False``; there compiling would only cost
 time (:func:`resolve_inner`).
 
-Compilation is lazy and per region (:class:`LazyInner`): a region runs its FX module during its
-warm-up calls and is compiled just before its last one, so only regions that reach a capture are
-compiled, and the last warm-up call runs the compiled code once outside any capture (Inductor
-loads its kernels and, in training, compiles its backward there). A region whose compile or first
+Compilation is lazy and per region (:class:`LazyInner`): a region is compiled at its first warm-up
+call, so only regions that are called are compiled, and every warm-up call runs the compiled code
+outside any capture (Inductor loads its kernels and, in training, compiles its backward there; and a
+training step's peak memory is the compiled code's, not eager's kernels'). A region whose compile or first
 compiled call fails runs eager's kernels from then on; the reason is counted
 (``stats()["inner_fallbacks"]``) and listed (``stats()["inner_failures"]``, the runtime report).
 Training works through Inductor's AOT autograd.
@@ -231,7 +231,7 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
 class LazyInner:
     """One region's pending Inductor compile (owned by its RegionRunner).
 
-    ``compile()`` is called by the runner before the region's last warm-up call; it returns the
+    ``compile()`` is called by the runner at the region's first warm-up call; it returns the
     callable the region runs from then on: the compiled code, or the FX module after a counted
     fallback. ``first_call(fn, ins)`` runs the first compiled call and falls back the same way if it
     raises. ``copied``: positions of the inputs the runner copies (their layouts are the compiled

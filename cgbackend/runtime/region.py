@@ -67,7 +67,7 @@ class RegionRunner:
         self.eager_calls: dict[str, int] = {}
         self.capture_time_s = 0.0
         self.lazy_inner: Optional["LazyInner"] = None
-        """The region's pending Inductor compile (inner.py), done before its last warm-up call."""
+        """The region's pending Inductor compile (inner.py), done at its first warm-up call."""
         self.on_sync: Optional[Callable[["RegionRunner", Any], bool]] = None
         """Set by the executor: asked to split the region at an op that synchronized in warm-up
         (runtime/syncsplit.py); False when it cannot, and the region then runs eagerly."""
@@ -208,7 +208,7 @@ class RegionRunner:
             try:
                 # Eager, watched for host synchronization (which would break a capture); the last
                 # warm-up call of a region compiled lazily runs the compiled code (warmup.py).
-                return warmup_call(self, ins, shape_key, warm + 1 == self.config.warmup)
+                return warmup_call(self, ins, shape_key)
             except BaseException:
                 cache.note_warm(shape_key, warm)  # only a call that returned counts as warm-up
                 raise

@@ -157,7 +157,7 @@ class Counters:
     inner_compiled: int = 0
     """Static regions whose code Inductor compiled (inner="inductor", or "auto" on CUDA graphs)."""
     inner_compile_s: float = 0.0
-    """Time spent in those compiles (lazily, before each region's last warm-up call)."""
+    """Time spent in those compiles (lazily, at each region's first warm-up call)."""
     inner_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Regions that should have been compiled by Inductor but run eager's kernels, by reason
     (cgbackend.runtime.inner.InnerFallback)."""

@@ -6,7 +6,9 @@ custom op that reads a value back, ``torch.tensor(0.0, device="cuda")`` copying 
 to the device) shows up only when it runs. Each warm-up call therefore runs under a
 :class:`SyncDetector`; where a detector exists and the region still runs its FX module, the call
 goes node by node (an ``fx.Interpreter``: same ops, same kernels, same results) and the first node
-after which the detector saw a synchronization is the one to blame. The runner then asks the
+after which the detector saw a synchronization is the one to blame. A region compiled by Inductor
+runs its compiled code from its first warm-up call; if that synchronizes, the region keeps eager's
+kernels and gets one more warm-up call, node by node, to find the op. The runner then asks the
 executor to split the region there (``runtime/syncsplit.py``): that op runs eagerly, the rest is
 captured. Without a located node the whole region runs eagerly (``host_sync_in_warmup``), as before.
 
@@ -176,11 +178,13 @@ def _run_watched(fn: Callable[[], Any], detector: Optional[SyncDetector]) -> tup
     return out, (SyncHit(None, sync.messages[0]) if sync.count() else None)
 
 
-def warmup_call(runner: "RegionRunner", ins: list, shape_key: tuple, last: bool) -> Any:
-    """One warm-up call of ``runner``; ``last``: the last before its capture (compile it now)."""
+def warmup_call(runner: "RegionRunner", ins: list, shape_key: tuple) -> Any:
+    """One warm-up call of ``runner``; the first compiles its code (``runner.lazy_inner``) and runs
+    it, watched: every warm-up call then runs the code the graph will capture (its memory too: in
+    training, eager's kernels would set the step's peak)."""
     detector = runner.shared.sync_detector
     lazy = runner.lazy_inner
-    if last and lazy is not None and lazy.state == "pending":
+    if lazy is not None and lazy.state == "pending":
         fn = runner.fn = lazy.compile()
         if fn is not lazy.module:
             out, hit = _run_watched(lambda: lazy.first_call(fn, ins), detector)
