@@ -110,6 +110,12 @@ def _close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
     assert err <= tol, f"{what}: error {err:.2e} > {tol:.0e}"
 
 
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the float64 value's scale."""
+    want = want.double()
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
 def _check(layer: nn.Module, xs: list[torch.Tensor], tol: float = 1e-5, **options) -> dict:
     ref = copy.deepcopy(layer)
     compiled = cgbackend.compile(layer, static_dispatch="masked_dense", **options)
@@ -292,10 +298,25 @@ def test_reference_models_on_gpu_are_one_graph(ffn, dtype):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     infer = cgbackend.compile(copy.deepcopy(model).eval(), static_dispatch="auto", warmup=2)
     ref.eval()
+    exact = copy.deepcopy(model).double().eval()
     with torch.no_grad():
-        kept = [(infer(x), ref(x)) for x in inputs]
-    for i, (out, r) in enumerate(kept):  # later replays did not overwrite earlier outputs
-        _close(out, r, tol, f"inference call {i}")
+        kept = []
+        for x in inputs:
+            out = infer(x)
+            kept.append((out, out.clone(), ref(x), exact(x)))
+    off = []
+    for i, (out, first, r, r64) in enumerate(kept):
+        assert torch.equal(out, first), f"call {i}: a later replay overwrote its output"
+        if dtype == torch.float32:
+            _close(out, r, tol, f"inference call {i}")
+            continue
+        # bf16: Inductor's code rounds otherwise than eager's, and where a token's top-k choice is
+        # near a tie that can flip it (tests/passes/test_moe_routing_flips.py): each call is judged
+        # against float64 (at most 2x eager-bf16's own error), and a call off by a flip is counted.
+        err, eager_err = ((t.double() - r64).abs().max().item() for t in (out, r))
+        if err > 2 * eager_err:
+            off.append(f"call {i}: error {err:.2e}, eager's {eager_err:.2e}")
+    assert len(off) <= 2, off  # at most 2 of 8 calls with a flipped choice
     st = cgbackend.stats(infer)
     assert st["static_regions"] == 1 and st["dynamic_regions"] == 0
     assert st["graphs_captured"] == 1 and st["replays"] == len(inputs) - 2
@@ -303,23 +324,35 @@ def test_reference_models_on_gpu_are_one_graph(ffn, dtype):
 
     train_ref = copy.deepcopy(model).train()
     mine = copy.deepcopy(model).train()
+    exact = copy.deepcopy(model).double().train()
     compiled = cgbackend.compile(mine, static_dispatch="auto", warmup=2)
-    opt_r = torch.optim.SGD(train_ref.parameters(), lr=1e-2)
     opt_c = torch.optim.SGD(mine.parameters(), lr=1e-2)
+    off = []
     for step, x in enumerate(inputs[:5]):
-        for m, fn, opt in ((train_ref, train_ref, opt_r), (mine, compiled, opt_c)):
-            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():  # eager and float64 take the weights mine has after its SGD steps
+            for other in (train_ref, exact):
+                for a, b in zip(other.parameters(), mine.parameters()):
+                    a.copy_(b)
+        grads = []
+        for m, fn in ((exact, exact), (train_ref, train_ref), (mine, compiled)):
+            m.zero_grad(set_to_none=True)
             out = fn(x)
-            loss = F.cross_entropy(out.flatten(0, 1).float(), x.flatten())
+            loss = F.cross_entropy(out.flatten(0, 1).to(torch.float64 if m is exact else torch.float32), x.flatten())
             loss.backward()
-            if m is train_ref:
-                ref_loss = loss.detach()
-            else:
-                _close(loss.detach(), ref_loss, tol, f"loss step {step}")
-                for (n, a), (_, b) in zip(train_ref.named_parameters(), mine.named_parameters()):
-                    # bf16: the same tolerance as the other GPU training tests (cuda_utils)
-                    _close(b.grad, a.grad, 0.1 if dtype == torch.bfloat16 else tol, f"{n} step {step}")
-            opt.step()
+            grads.append([loss.detach()] + [p.grad for p in m.parameters()])
+        want, eager, got = grads
+        if dtype == torch.float32:
+            for a, b in zip(eager, got):
+                _close(b, a, tol, f"step {step}")
+        else:
+            # bf16 against float64, as the inference calls above: at most 2x eager-bf16's own error
+            # on each loss and gradient, or the step counts as one with a flipped choice.
+            floor = torch.finfo(torch.bfloat16).eps / 2
+            ratio = max(_rel(b, w) / max(_rel(a, w), floor) for w, a, b in zip(want, eager, got))
+            if ratio > 2:
+                off.append(f"step {step}: {ratio:.1f}x eager's error")
+        opt_c.step()
+    assert len(off) <= 1, off  # at most 1 of 5 steps with a flipped choice
     st = cgbackend.stats(compiled)
     assert st["dynamic_regions"] == 0 and st["graphs_captured"] == 2
     assert {k: v for k, v in st["eager_calls"].items() if k != "warmup"} == {}
