@@ -160,12 +160,11 @@ def stats(obj: Any = None) -> dict[str, Any]:
 def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
     from .runtime.stats import Counters
     total = Counters().to_dict()
-    total.update(pending_forwards=0, nothing_captured_reason=None, captured_sizes={})
+    total.update(pending_forwards=0, nothing_captured_reason=None, captured_sizes={}, memory={})
     for part in parts:
         for key, value in part.items():
             if isinstance(value, dict):
-                for k, v in value.items():
-                    total[key][k] = total[key].get(k, 0) + v
+                _add_dict(total[key], value)
             elif isinstance(value, list):
                 total[key] = total[key] + value
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -173,6 +172,15 @@ def _sum_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
             elif total.get(key) is None:
                 total[key] = value
     return total
+
+
+def _add_dict(into: dict, part: dict) -> None:
+    """Add ``part``'s numbers into ``into``, key by key, nested dicts (memory by size) too."""
+    for k, v in part.items():
+        if isinstance(v, dict):
+            _add_dict(into.setdefault(k, {}), v)
+        else:
+            into[k] = into.get(k, 0) + v
 
 
 def report(obj: Any = None) -> Report:

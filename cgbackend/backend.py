@@ -31,7 +31,7 @@ from .reporting.hints import build_hints
 from .opaque import InstallResult
 from .runtime.timing import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
-from .runtime.executor import CompiledGraph, captured_sizes
+from .runtime.executor import CompiledGraph, captured_sizes, memory
 from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
@@ -198,6 +198,7 @@ class CGBackend:
         out["nothing_captured_reason"] = next(
             (g.blocked for g in self.compiled_graphs() if g.blocked is not None), None)
         out["captured_sizes"] = captured_sizes(self.compiled_graphs())
+        out["memory"] = memory(self.compiled_graphs())
         return out
 
     def report(self) -> Report:

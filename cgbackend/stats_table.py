@@ -72,6 +72,11 @@ def summary(obj: Any = None) -> str:
     lines.append(f"  pool {_mib(counters['pool_bytes'])} MiB ({_mib(counters['pool_bytes_held'])} MiB held); "
                  f"inputs copied {counters['copies_made']}, read in place {counters['copies_avoided']}"
                  + (f", copied into a compiled layout {counters['layout_copies']}" if counters.get("layout_copies") else ""))
+    mem = counters.get("memory") or {}
+    if mem.get("held") or mem.get("released"):
+        parts = ", ".join(f"{k} {_mib(mem[k])}" for k in ("inputs", "outputs", "saved", "grads") if mem.get(k))
+        lines.append(f"  held between calls {_mib(mem['held'])} MiB ({parts or 'nothing'})"
+                     + (f"; saved activations released {_mib(mem['released'])} MiB" if mem.get("released") else ""))
     if counters.get("nothing_captured_reason"):
         lines.append(f"  nothing captured: {counters['nothing_captured_reason']}")
     for reason in sorted(eager, key=lambda r: -eager[r]):

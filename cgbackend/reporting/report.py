@@ -394,6 +394,11 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
         if r.get("captured_sizes"):
             pad += f" (sizes {', '.join(map(str, r['captured_sizes']))} captured)"
         mib = f", pool {r['pool_bytes'] / 2**20:.1f} MiB" if r.get("pool_bytes") else ""
+        mem = r.get("memory") or {}
+        if mem.get("held") or mem.get("released"):
+            mib += f", holds {mem['held'] / 2**20:.1f} MiB between calls"
+            if mem.get("released"):
+                mib += f" ({mem['released'] / 2**20:.1f} MiB of saved activations released)"
         handout = (f" + {r['handout_graphs']} handout graph(s) (outputs to the caller without a copy)"
                    if r.get("handout_graphs") else "")
         lines.append(f"{'':<4}{name.split('.', 1)[-1]}: {r['graphs']} graph(s){handout}{held}{pad}{mib}, "

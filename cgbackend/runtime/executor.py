@@ -38,6 +38,7 @@ from .inner import InnerFallback, LazyInner, resolve_inner
 from ..passes.constants import make_constant
 from .split import Step, build_region_module
 from .syncsplit import apply_splits
+from .memory import add_up, entry_memory
 from .stats import EagerReason
 from .capture_watch import settle_call
 
@@ -466,6 +467,8 @@ class CompiledGraph:
                          "pool_bytes": sum(e.nbytes for e in r.entries.values()),
                          "bucketed": r.bucket.symbol if r.bucket is not None else None,
                          "captured_sizes": sorted({e.size for e in r.entries.values() if e.size is not None}),
+                         "memory": add_up(entry_memory(e) for e in r.entries.values()),
+                         "memory_by_size": memory_by_size([r]),
                          "thrashing": r.thrashing,
                          "replays": r.replays, "eager_calls": dict(r.eager_calls),
                          "handout_graphs": sum(len(e.handouts or ()) for e in r.entries.values()),
@@ -480,6 +483,25 @@ class CompiledGraph:
             "pending_forwards": self.slots.pending(),
             "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
         }
+
+
+def memory_by_size(runners: Any) -> dict[int, dict[str, int]]:
+    """Capture size -> the memory (runtime/memory.py) of the bucketed entries captured for it."""
+    sizes: dict[int, list] = {}
+    for r in runners:
+        for e in r.entries.values():
+            if e.size is not None:
+                sizes.setdefault(e.size, []).append(entry_memory(e))
+    return {size: add_up(parts) for size, parts in sorted(sizes.items())}
+
+
+def memory(graphs: Any) -> dict[str, Any]:
+    """stats()["memory"]: what the held graphs of ``graphs`` hold and reserved, in all, and per
+    capture size of their bucketed regions (``by_size``)."""
+    runners = [r for g in graphs for r in g.runners]
+    out: dict[str, Any] = add_up(entry_memory(e) for r in runners for e in r.entries.values())
+    out["by_size"] = memory_by_size(runners)
+    return out
 
 
 def captured_sizes(graphs: Any) -> dict[int, int]:

@@ -105,3 +105,68 @@ def test_a_region_drawing_random_numbers_keeps_its_saved_activations():
     assert st["bwd_replays"] >= 2
     assert st["saved_released"] == 0
     assert all(not e.released and e.capture_outs is not None for e in _train_entries(compiled))
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu())
+
+
+def _bytes(*shapes) -> int:
+    return sum(4 * torch.Size(s).numel() for s in shapes)
+
+
+def test_memory_held_between_calls_is_reported_by_kind_and_adds_up():
+    """A one-region float32 training model, [8, 16] inputs: what stats() and the report say each
+    part holds, from the shapes; the saved activation (the relu's output) goes to ``released``."""
+    torch.manual_seed(0)
+    model = _Two().train()
+    compiled = cgbackend.compile(model, **SIM)
+    seen = []
+    for i in range(4):
+        model.zero_grad(set_to_none=True)
+        out = compiled(torch.randn(8, 16))
+        if i == 1:  # captured, its backward not yet: the saved activation is held
+            seen.append(cgbackend.stats(compiled)["memory"])
+        out.pow(2).mean().backward()
+    before, after = seen[0], cgbackend.stats(compiled)["memory"]
+    params = _bytes((32, 16), (32,), (16, 32), (16,))
+    assert before["inputs"] == _bytes((8, 16)) and before["outputs"] == _bytes((8, 16))
+    assert before["saved"] == _bytes((8, 32)) and before["grads"] == 0 and before["released"] == 0
+    assert after["inputs"] == before["inputs"] and after["outputs"] == before["outputs"]
+    assert after["saved"] == 0 and after["released"] == _bytes((8, 32))
+    assert after["grads"] == _bytes((8, 16)) + params  # incoming gradient buffer and parameter gradients
+    for mem in (before, after):
+        assert mem["held"] == sum(mem[k] for k in ("inputs", "outputs", "saved", "grads"))
+        assert mem["reserved"] == 0 and mem["by_size"] == {}  # simulated graphs reserve nothing
+    regions = cgbackend.report(compiled).graphs[0].runtime["regions"]
+    assert sum(r["memory"]["held"] for r in regions.values()) == after["held"]
+    assert "MiB of saved activations released" in cgbackend.report(compiled).to_text()
+
+
+def test_memory_per_captured_size_adds_up_to_the_total():
+    model = build_model("dense").eval()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, capture_sizes=(2, 4, 8))
+    vocab = model.tok_emb.num_embeddings
+    gen = torch.Generator().manual_seed(5)
+
+    def make(n):
+        x = torch.randint(0, vocab, (n, 16), generator=gen)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+
+    cgbackend.warm_up(compiled, make, sizes=[2, 4, 8])
+    mem = cgbackend.stats(compiled)["memory"]
+    by_size = mem["by_size"]
+    assert sorted(by_size) == [2, 4, 8]
+    assert by_size[2]["held"] < by_size[4]["held"] < by_size[8]["held"]  # buffers sized by the capture size
+    for key in ("inputs", "outputs", "held"):
+        assert sum(part[key] for part in by_size.values()) <= mem[key]
+    regions = cgbackend.report(compiled).graphs[0].runtime["regions"]
+    assert sum(r["memory"]["held"] for r in regions.values()) == mem["held"]
+    for size, part in by_size.items():
+        assert sum(r["memory_by_size"].get(size, {}).get("held", 0) for r in regions.values()) == part["held"]

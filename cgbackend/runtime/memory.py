@@ -1,0 +1,81 @@
+"""Where the graphs' memory goes: per graph entry, per region, per captured size and in all.
+
+Two figures per entry, kept apart because they answer different questions:
+
+* **held**: bytes of tensors the entry keeps allocated between calls, by what they are:
+  ``inputs`` (the static buffers caller tensors are copied into), ``outputs`` (its static outputs;
+  views of its inputs excluded), ``saved`` (what a training forward's autograd graph keeps for the
+  backward, beyond its inputs and outputs: zero once released, runtime/backward.py) and ``grads``
+  (a training entry's incoming-gradient buffers and the gradients its backward graph writes, which
+  autograd hands out as ``.grad``). The CUDA caching allocator counts these as allocated.
+* **reserved**: how much the pool's reserved memory grew while the entry's graphs were captured
+  (their temporaries and outputs; 0 with simulated graphs). It stays reserved while the graphs
+  live; ``released`` says how much of a training entry's saved activations lies there, no longer
+  allocated (their blocks are the graphs' to reuse).
+
+Each tensor is counted once, by its storage, in the first kind that holds it (inputs, outputs,
+grads): the figures of an entry add up to its ``held``, the entries' to their region's, and the
+regions' to the total.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from ..fx_utils import iter_tensors
+from .entries import Entry
+
+__all__ = ["KINDS", "entry_memory", "add_up"]
+
+KINDS = ("inputs", "outputs", "saved", "grads")
+"""The parts of ``held``, in the order a storage is attributed to them."""
+
+
+def _storages(values: Iterable[Any], seen: set[int]) -> int:
+    total = 0
+    for t in iter_tensors(list(values)):
+        if not t.numel() or t.layout != torch.strided:
+            continue
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        total += storage.nbytes()
+    return total
+
+
+def entry_memory(entry: Entry) -> dict[str, int]:
+    """The bytes one graph entry holds, by kind, with ``held`` (their sum), ``reserved`` and
+    ``released`` (module docstring)."""
+    out = dict.fromkeys(KINDS, 0)
+    if entry.static_ins is None:  # released (evicted) entry
+        out.update(held=0, reserved=0, released=0)
+        return out
+    seen: set[int] = set()
+    # Parameters and hand-offs are read in place: they belong to the model or to another graph.
+    out["inputs"] = _storages((entry.static_ins[p] for p in entry.copy_pos), seen)
+    views = entry.input_views.views if entry.input_views is not None else {}
+    out["outputs"] = _storages((o for i, o in enumerate(entry.outputs or ()) if i not in views), seen)
+    released = 0
+    if hasattr(entry, "bwd_graph"):  # a training entry
+        if entry.released:
+            released = entry.saved_bytes
+        else:
+            out["saved"] = entry.saved_bytes
+        out["grads"] = _storages(list(entry.static_grad_outs or ()) + list(entry.static_grad_ins or ()), seen)
+    out["held"] = sum(out[k] for k in KINDS)
+    out["reserved"] = entry.nbytes
+    out["released"] = released
+    return out
+
+
+def add_up(parts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """The sum of memory dicts, key by key."""
+    total = dict.fromkeys(KINDS + ("held", "reserved", "released"), 0)
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0) + value
+    return total
