@@ -9,13 +9,15 @@ is forward, a float32 mean-square loss and backward (no optimizer). Each contend
 copy of the same initial weights on the same rotating inputs (16 distinct batches). Accuracy
 first: the first checked step's loss and gradients of every contender are compared with eager
 TE's on a fresh copy; then each contender's median step time over ``--steps`` timed steps after
-warm-up. Writes ``benchmarks/results/te.json`` (``--out``).
+warm-up, with its peak memory over those steps and what it holds after a step (both over what was
+allocated before it was made). Writes ``benchmarks/results/te.json`` (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import inspect
 import json
 import os
@@ -123,7 +125,16 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
 
+    mib = 2 ** 20
     for row in rows:
+        # Memory over what was allocated before the contender was made (weights and inputs): its
+        # peak over the warm-up and timed steps, and what it holds after a step (gradients included,
+        # as eagerly), with garbage collected.
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
         model = contenders[row["contender"]]()
         t0 = time.perf_counter()
         for i in range(args.warmup):
@@ -140,6 +151,10 @@ def main() -> None:
             step(model, x)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
+        gc.collect()
+        torch.cuda.synchronize()
+        row["peak_mem_over_baseline_bytes"] = torch.cuda.max_memory_allocated() - baseline
+        row["held_mem_over_baseline_bytes"] = torch.cuda.memory_allocated() - baseline
         row["median_ms"] = statistics.median(times)
         row["p10_ms"] = sorted(times)[len(times) // 10]
         if row["contender"] == "cgbackend":
@@ -155,6 +170,7 @@ def main() -> None:
     for row in rows:
         row["vs_eager"] = row["median_ms"] / eager_ms
         row["vs_te_graphed"] = row["median_ms"] / graphed_ms
+        row["peak_vs_te_graphed"] = row["peak_mem_over_baseline_bytes"] / rows[1]["peak_mem_over_baseline_bytes"]
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "transformer_engine": te_pkg.__version__, "date": time.strftime("%Y-%m-%d"),
             "command": "python " + " ".join(sys.argv), "layers": args.layers, "seq": args.seq,
@@ -162,10 +178,11 @@ def main() -> None:
     print(f"TE train step, {args.layers} x TransformerLayer(1024, 4096, 16), {args.seq}x{args.batch} tokens, "
           f"fp8={args.fp8}, {meta['device']}, torch {meta['torch']}, TE {meta['transformer_engine']}")
     print(f"{'contender':<24}{'median ms':>10}{'p10 ms':>9}{'x eager':>9}{'x TE-graphed':>14}"
-          f"{'loss err':>10}{'grad err':>10}  ok")
+          f"{'peak / held MiB':>17}{'loss err':>10}{'grad err':>10}  ok")
     for row in rows:
+        mem = f"{row['peak_mem_over_baseline_bytes'] / mib:.0f} / {row['held_mem_over_baseline_bytes'] / mib:.0f}"
         print(f"{row['contender']:<24}{row['median_ms']:>10.3f}{row['p10_ms']:>9.3f}{row['vs_eager']:>9.3f}"
-              f"{row['vs_te_graphed']:>14.3f}{row['loss_rel_err']:>10.2e}{row['grad_rel_err']:>10.2e}"
+              f"{row['vs_te_graphed']:>14.3f}{mem:>17}{row['loss_rel_err']:>10.2e}{row['grad_rel_err']:>10.2e}"
               f"  {row['accuracy_ok']}")
     cg = rows[2]
     print(f"cgbackend: graphs {cg.get('graphs')}, eager calls {cg.get('eager_calls')}, "
