@@ -244,9 +244,9 @@ def test_loop_rewrite_is_undone_by_explain_and_kept_off_without_static_dispatch(
 transformers = pytest.importorskip("transformers")
 
 
-def _hf(kind: str, dtype=torch.float64, device="cpu"):
+def _hf(kind: str, dtype=torch.float64, device="cpu", layers: int = 2):
     torch.manual_seed(0)
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -322,9 +322,9 @@ def test_transformers_every_token_on_one_expert(kind):
 def mixtral_without_static_dispatch() -> dict:
     """transformers' Mixtral compiled with static_dispatch="off", run (outputs and gradients equal to
     eager's) on two batches; shared by the tests of that setting (each trace of the model with its
-    graph breaks takes about 10 s on the CPU)."""
+    graph breaks takes seconds a layer on the CPU: one layer holds the loop they look at)."""
     g = torch.Generator().manual_seed(5)
-    return _hf_same(_hf("mixtral"), [torch.randint(0, 64, (2, 7), generator=g) for _ in range(2)],
+    return _hf_same(_hf("mixtral", layers=1), [torch.randint(0, 64, (2, 7), generator=g) for _ in range(2)],
                     static_dispatch="off")
 
 
@@ -338,7 +338,7 @@ def test_explain_hint_names_static_dispatch_for_a_loop_it_rewrites(mixtral_witho
     """Without static dispatch, the graph break at transformers' loop over the hit experts gets a
     hint naming static_dispatch="auto" (the loop rewrite proves this loop); a loop it cannot prove
     gets the range(E) hint with the rewrite's reason."""
-    model = _hf("mixtral")
+    model = _hf("mixtral", layers=1)
     with torch.no_grad():
         report = cgbackend.explain(model, torch.randint(0, 64, (2, 7)), options={"static_dispatch": "off"})
     loop = [h for h in report.hints if h["kind"] == "data_dependent_loop"]
