@@ -39,10 +39,12 @@ from cgbackend.bench.accuracy import (LIMIT, Judgement, flip_fraction, group_err
                                       upcast_inputs, worst)
 
 
-def _lm(cls_name: str, cfg_name: str, **kw: Any) -> Callable[[], torch.nn.Module]:
-    def make() -> torch.nn.Module:
+def _lm(cls_name: str, cfg_name: str, **kw: Any) -> Callable[..., torch.nn.Module]:
+    def make(layers: Optional[int] = None) -> torch.nn.Module:
         import transformers
         cfg = getattr(transformers, cfg_name)(**kw)
+        if layers is not None:  # the configs' own depth otherwise (GPT-2 maps the name to n_layer)
+            cfg.num_hidden_layers = layers
         cfg._attn_implementation = "sdpa"
         return getattr(transformers, cls_name)(cfg)
     return make
@@ -267,7 +269,8 @@ def run_one(name: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     dtype = getattr(torch, getattr(args, "dtype", "float32"))
-    base = make().to(args.device, dtype)
+    layers = getattr(args, "layers", None)
+    base = (make(layers) if layers is not None and kind == "lm" else make()).to(args.device, dtype)
     case = _Case(kind, mode == "train", base, _inputs(kind, args.batches, args.device, dtype, gen), dtype, args)
     # Each copy updates its own batch-norm statistics from the same batches: they stay equal.
     ref, ref64, mine = case.fresh(), case.fresh(float64=True), case.fresh()
@@ -451,6 +454,8 @@ def main(argv: Any = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--static-dispatch", default="off", help="cgbackend option static_dispatch")
     p.add_argument("--inner", default=None, help="cgbackend option inner (default: cgbackend's default)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers of the transformers models (default: their configs' 2)")
     p.add_argument("--out", default=None, help="write the markdown table here")
     args = p.parse_args(argv)
     if args.time is None:
