@@ -218,3 +218,33 @@ def test_between_steps_the_graphs_hold_what_the_report_says():
     assert mem["saved"] == 0 and mem["released"] >= activations
     assert abs(held - mem["held"]) <= 2**20, (held, mem)
     assert mem["held"] < sum(p.numel() * 4 for p in mine.parameters()) + activations
+
+
+def test_a_released_entry_whose_backward_cannot_replay_recomputes_its_forward():
+    """After the capture step the saved activations are gone (the backward graph consumed them): a
+    parameter re-allocated between forward and backward (as FSDP2 does) sends the backward to
+    autograd through the forward computed again, and the gradients still equal eager's."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).cuda()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, warmup=2)
+    keep = []
+    for i in range(6):
+        x = torch.randn(64, 256, device="cuda")
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad(set_to_none=True)
+            out = fn(x)
+            if model is mine and i == 4:
+                p = mine[0].weight
+                values, old = p.detach().clone(), p.data_ptr()
+                while p.data_ptr() == old:  # a new allocation for the same values
+                    p.untyped_storage().resize_(0)
+                    keep.append(torch.empty(values.numel() * 4, dtype=torch.uint8, device="cuda"))
+                    p.untyped_storage().resize_(values.numel() * 4)
+                with torch.no_grad():
+                    p.copy_(values)
+            out.pow(2).mean().backward()
+        _compare_grads(ref, mine, torch.float32, f"step {i}")
+    st = cgbackend.stats(compiled)
+    assert st["saved_released"] >= 1 and st["eager_calls"].get("param_moved", 0) >= 1
+    assert st["bwd_recomputes"] == st["eager_calls"]["param_moved"]
