@@ -77,8 +77,12 @@ class Backward:
         # blocks in order. No other graph is captured in the pool after it (sealed), so no graph
         # can lie in them but this one. A simulated capture runs the backward, and its first replay
         # right after would need the graph again: it keeps it.
+        # Inductor's code runs its backward once outside a capture first (AOT autograd compiles it
+        # on first use), unless a warm-up call's backward already did.
+        prewarm = getattr(runner.fn, "needs_backward_prewarm", False)
         consume = (runner.recomputable and pool.awaiting_backward == 1
-                   and not isinstance(entry.graph, SimulatedGraph))
+                   and not isinstance(entry.graph, SimulatedGraph)
+                   and (not prewarm or getattr(runner.fn, "backward_seen", False)))
         if consume:
             pool.sealed = True
 
@@ -88,7 +92,7 @@ class Backward:
                                                retain_graph=not consume, allow_unused=True)
             return tuple(grads_in)
 
-        if getattr(runner.fn, "needs_backward_prewarm", False) and not consume:
+        if prewarm and not consume:
             # Inductor compiles the keep-graph variant of its backward on first use: not in a capture.
             self.eager(entry, grads)
         device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None

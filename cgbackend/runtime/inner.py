@@ -222,10 +222,26 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
             return compiled(*args)
 
     def call(*args: Any) -> Any:  # Dynamo's calling convention: compiled(*args)
-        return gate(run, args)
+        out = gate(run, args)
+        if not call.backward_seen and torch.is_grad_enabled() and not _capturing():
+            _note_backward(out, call)
+        return out
 
     call.needs_backward_prewarm = True
+    call.backward_seen = False
+    """Set once a backward of the compiled code ran outside a capture (AOT autograd compiles its
+    backward then): runtime/backward.py may capture a backward without running one first."""
     return call
+
+
+def _note_backward(out: Any, call: Any) -> None:
+    """Mark ``call.backward_seen`` when a gradient reaches the first output that has a grad_fn."""
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            def seen(grad: torch.Tensor) -> None:
+                call.backward_seen = True
+            t.register_hook(seen)
+            return
 
 
 class LazyInner:

@@ -263,6 +263,11 @@ class AdaptedCall:
         self.counters = counters
         self.needs_backward_prewarm = getattr(fn, "needs_backward_prewarm", False)
 
+    @property
+    def backward_seen(self) -> bool:
+        """The compiled code's (inner.py): has its backward run outside a capture?"""
+        return getattr(self.fn, "backward_seen", False)
+
     def __call__(self, *args: Any) -> Any:
         adapted = self.layouts.adapt(args)
         if adapted is None:

@@ -203,3 +203,17 @@ def test_two_forwards_before_their_backward_release_in_their_own_pools():
     entries = _train_entries(compiled)
     assert len({id(e.pool) for e in entries}) == 2 and {e.pool.slot for e in entries} == {0, 1}
     assert all(e.released for e in entries) and cgbackend.stats(compiled)["bwd_replays"] > 0
+
+
+def test_inductor_code_notes_that_its_backward_ran_outside_a_capture():
+    """The backward graph of the pool's last entry is captured without a backward run first only
+    if a warm-up call's backward already ran Inductor's backward (AOT autograd compiles it then)."""
+    torch.manual_seed(0)
+    model = _Two().train()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=2, inner="inductor", static_dispatch="off")
+    x = torch.randn(8, 16)
+    compiled(x)  # forward only: no backward seen yet
+    fns = [r.fn for g in find_backend(compiled).compiled_graphs() for r in g.runners]
+    assert fns and all(f.needs_backward_prewarm and not f.backward_seen for f in fns)
+    compiled(x).pow(2).mean().backward()
+    assert all(f.backward_seen for f in fns)
