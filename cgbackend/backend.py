@@ -31,7 +31,7 @@ from .reporting.hints import build_hints
 from .opaque import InstallResult
 from .runtime.timing import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
-from .runtime.executor import CompiledGraph, captured_sizes, memory
+from .runtime.executor import CompiledGraph, memory_of
 from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
@@ -197,8 +197,10 @@ class CGBackend:
         out["pending_forwards"] = sum(g.slots.pending() for g in self.compiled_graphs())
         out["nothing_captured_reason"] = next(
             (g.blocked for g in self.compiled_graphs() if g.blocked is not None), None)
-        out["captured_sizes"] = captured_sizes(self.compiled_graphs())
-        out["memory"] = memory(self.compiled_graphs())
+        out["memory"] = memory_of([r for g in self.compiled_graphs() for r in g.runners])
+        # Capture size -> pool bytes its held graphs added (0 where nothing was reserved, as with
+        # simulated graphs).
+        out["captured_sizes"] = {size: part["reserved"] for size, part in out["memory"]["by_size"].items()}
         return out
 
     def report(self) -> Report:

@@ -54,6 +54,7 @@ def summary(obj: Any = None) -> str:
     replays, eager calls by reason and pool memory, then the totals."""
     from .api import stats
     from .by_name import by_name_backends, find_backend
+    from .runtime.memory import KINDS
     from .runtime.stats import EagerReason
     backends = by_name_backends() if obj is None else [find_backend(obj)]
     counters = stats(obj)
@@ -74,7 +75,7 @@ def summary(obj: Any = None) -> str:
                  + (f", copied into a compiled layout {counters['layout_copies']}" if counters.get("layout_copies") else ""))
     mem = counters.get("memory") or {}
     if mem.get("held") or mem.get("released"):
-        parts = ", ".join(f"{k} {_mib(mem[k])}" for k in ("inputs", "outputs", "saved", "grads") if mem.get(k))
+        parts = ", ".join(f"{k} {_mib(mem[k])}" for k in KINDS if mem.get(k))
         lines.append(f"  held between calls {_mib(mem['held'])} MiB ({parts or 'nothing'})"
                      + (f"; saved activations released {_mib(mem['released'])} MiB" if mem.get("released") else ""))
     if counters.get("nothing_captured_reason"):

@@ -459,6 +459,7 @@ class CompiledGraph:
                  f"; eager: {', '.join(eager)}" if eager else "")
 
     def runtime_summary(self) -> dict[str, Any]:
+        memories = {r.name: memory_of([r]) for r in self.runners}
         return {
             "blocked": self.blocked,
             "regions": {
@@ -467,8 +468,8 @@ class CompiledGraph:
                          "pool_bytes": sum(e.nbytes for e in r.entries.values()),
                          "bucketed": r.bucket.symbol if r.bucket is not None else None,
                          "captured_sizes": sorted({e.size for e in r.entries.values() if e.size is not None}),
-                         "memory": add_up(entry_memory(e) for e in r.entries.values()),
-                         "memory_by_size": memory_by_size([r]),
+                         "memory": {k: v for k, v in memories[r.name].items() if k != "by_size"},
+                         "memory_by_size": memories[r.name]["by_size"],
                          "thrashing": r.thrashing,
                          "replays": r.replays, "eager_calls": dict(r.eager_calls),
                          "handout_graphs": sum(len(e.handouts or ()) for e in r.entries.values()),
@@ -485,35 +486,19 @@ class CompiledGraph:
         }
 
 
-def memory_by_size(runners: Any) -> dict[int, dict[str, int]]:
-    """Capture size -> the memory (runtime/memory.py) of the bucketed entries captured for it."""
-    sizes: dict[int, list] = {}
+def memory_of(runners: Any) -> dict[str, Any]:
+    """What the held graphs of ``runners`` hold and reserved (runtime/memory.py), in all, and per
+    capture size of their bucketed entries (``by_size``); each entry measured once."""
+    parts, sizes = [], {}
     for r in runners:
         for e in r.entries.values():
+            part = entry_memory(e)
+            parts.append(part)
             if e.size is not None:
-                sizes.setdefault(e.size, []).append(entry_memory(e))
-    return {size: add_up(parts) for size, parts in sorted(sizes.items())}
-
-
-def memory(graphs: Any) -> dict[str, Any]:
-    """stats()["memory"]: what the held graphs of ``graphs`` hold and reserved, in all, and per
-    capture size of their bucketed regions (``by_size``)."""
-    runners = [r for g in graphs for r in g.runners]
-    out: dict[str, Any] = add_up(entry_memory(e) for r in runners for e in r.entries.values())
-    out["by_size"] = memory_by_size(runners)
+                sizes.setdefault(e.size, []).append(part)
+    out: dict[str, Any] = add_up(parts)
+    out["by_size"] = {size: add_up(group) for size, group in sorted(sizes.items())}
     return out
-
-
-def captured_sizes(graphs: Any) -> dict[int, int]:
-    """Capture size -> pool bytes its held graphs added, over the bucketed regions of ``graphs``
-    (stats()["captured_sizes"]; 0 where nothing was reserved, as with simulated graphs)."""
-    sizes: dict[int, int] = {}
-    for g in graphs:
-        for r in g.runners:
-            for e in r.entries.values():
-                if e.size is not None:
-                    sizes[e.size] = sizes.get(e.size, 0) + e.nbytes
-    return dict(sorted(sizes.items()))
 
 
 def run_step(step: Step, ins: list, call: CallState) -> Any:

@@ -206,8 +206,8 @@ class RegionRunner:
             self.count_eager(EagerReason.WARMUP)
             cache.note_warm(shape_key, warm + 1)
             try:
-                # Eager, watched for host synchronization (which would break a capture); the last
-                # warm-up call of a region compiled lazily runs the compiled code (warmup.py).
+                # Watched for host synchronization (which would break a capture); a region compiled
+                # lazily is compiled at its first warm-up call and runs that code (warmup.py).
                 return warmup_call(self, ins, shape_key)
             except BaseException:
                 cache.note_warm(shape_key, warm)  # only a call that returned counts as warm-up
