@@ -96,7 +96,7 @@ class Backward:
             # Inductor compiles the keep-graph variant of its backward on first use: not in a capture.
             self.eager(entry, grads)
         device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None
-        reserved_before = reserved(device)
+        reserved_before = reserved(device, settle=not shared.capturer.simulate)
         start = time.perf_counter()
         try:
             graph, static_grad_ins = shared.capturer.capture(
