@@ -35,9 +35,10 @@ class SimulatedGraph:
     """Stands in for torch.cuda.CUDAGraph on machines without a GPU (option simulate_graphs).
 
     Adversarial about memory: a CUDA graph's temporaries may lie in the static outputs of any graph
-    of its pool captured after it, so each replay first fills those outputs with garbage (NaN,
-    huge integers). Code that respects the replay-order rule (runtime/pool.py) never reads them;
-    code that breaks it fails tests on a CPU."""
+    of its pool captured after it, and a later graph may hold anything in the outputs of a graph
+    that released them (runtime/loose_outputs.py), so each replay first fills those outputs with
+    garbage (NaN, huge integers). Code that respects the replay-order rule (runtime/pool.py) never
+    reads them; code that breaks it fails tests on a CPU."""
 
     def __init__(self, fn: Callable[[], Any], outputs: Any, inputs: Sequence[torch.Tensor] = (),
                  reads: Sequence[torch.Tensor] = ()) -> None:
@@ -51,6 +52,9 @@ class SimulatedGraph:
         """What the latest replay computed (with its autograd graph, for a training forward)."""
         self.pool: Optional[PoolState] = None
         self.index = -1
+        self.released = False
+        """Its outputs were released (runtime/loose_outputs.py): any graph of the pool captured
+        later may hold anything in them, so every other graph's replay scribbles them."""
 
     def attach(self, pool: PoolState, index: int) -> None:
         self.pool, self.index = pool, index
@@ -90,7 +94,7 @@ class SimulatedGraph:
         self.check_addresses()
         if self.pool is not None:
             for other in self.pool.graphs:
-                if other.index > self.index:
+                if other.index > self.index or (other.released and other is not self):
                     other.scribble()
         result = self._fn()
         written: set[int] = set()

@@ -311,7 +311,13 @@ class CompiledGraph:
         """The last static region of the graph: no static region reads its outputs, so its
         inference graphs may hand them out without a copy (runtime/handout.py)."""
         runners = [step.runner for step in self.steps if step.runner is not None]
-        for runner in runners:
+        for runner in runners[:-1]:
+            if runner.terminal:
+                # A static region now reads its outputs, which its graphs may have released
+                # (runtime/loose_outputs.py): those graphs go, and it captures again.
+                for key, entry in [(k, e) for k, e in runner.entries.items() if e.out_released]:
+                    del runner.entries[key]
+                    runner.cache.release(entry)
             runner.terminal = False
         if runners:
             runners[-1].terminal = True

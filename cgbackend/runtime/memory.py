@@ -10,8 +10,9 @@ Two figures per entry, kept apart because they answer different questions:
   autograd hands out as ``.grad``). The CUDA caching allocator counts these as allocated.
 * **reserved**: how much the pool's reserved memory grew while the entry's graphs were captured
   (their temporaries and outputs; 0 with simulated graphs). It stays reserved while the graphs
-  live; ``released`` says how much of a training entry's saved activations lies there, no longer
-  allocated (their blocks are the graphs' to reuse).
+  live; ``released`` says how much of a training entry's saved activations, or of the last
+  region's inference outputs (runtime/loose_outputs.py), lies there, no longer allocated (their
+  blocks are the graphs' to reuse).
 
 Each tensor is counted once, by its storage, in the first kind that holds it (inputs, outputs,
 grads): the figures of an entry add up to its ``held``, the entries' to their region's, and the
@@ -58,11 +59,12 @@ def entry_memory(entry: Entry) -> dict[str, int]:
     # Parameters and hand-offs are read in place: they belong to the model or to another graph.
     out["inputs"] = _storages((entry.static_ins[p] for p in entry.copy_pos), seen)
     views = entry.input_views.views if entry.input_views is not None else {}
-    out["outputs"] = _storages((o for i, o in enumerate(entry.outputs or ()) if i not in views), seen)
-    released = 0
+    released = entry.out_released
+    if not released:
+        out["outputs"] = _storages((o for i, o in enumerate(entry.outputs or ()) if i not in views), seen)
     if hasattr(entry, "bwd_graph"):  # a training entry
         if entry.released:
-            released = entry.saved_bytes
+            released += entry.saved_bytes
         else:
             out["saved"] = entry.saved_bytes
         out["grads"] = _storages(list(entry.static_grad_outs or ()) + list(entry.static_grad_ins or ()), seen)

@@ -6,10 +6,13 @@ backward uses slot ``k``: its own graphs in its own pool, so gradient
 accumulation with several outstanding micro-batches never shares activation
 memory.
 
-The rule. cgbackend never frees a graph's static inputs, outputs or saved
-activations. So the only memory two graphs of a pool share is the temporaries
-of a graph captured earlier (its cuBLAS workspace among them: capture.py),
-which a graph captured later may have received for its static outputs.
+The rule. cgbackend never frees a graph's static inputs, saved activations or
+outputs, except the last region's inference outputs, which are copied for the
+caller before any other replay (runtime/loose_outputs.py). So the only memory
+two graphs of a pool share is what a graph captured earlier no longer needs
+between replays (its temporaries, with its cuBLAS workspace: capture.py; those
+released outputs), which a graph captured later may have received for
+anything it keeps.
 Replaying graph ``g`` is therefore safe unless a graph captured after ``g`` (a
 higher capture index) holds data that is still needed.
 ``PoolState.live`` counts the graphs whose outputs are still needed (replayed

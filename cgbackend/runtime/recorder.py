@@ -18,6 +18,7 @@ from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reser
 from .handout import HandoutGraph, handout_supported
 from .inputs import InputViews, SavedTensors, fill_padding
 from .layouts import compact_view, copy_into, describe_inputs, input_buffer
+from .loose_outputs import release_outputs, releases_outputs
 from .params import ParamPolicy
 from .stats import EagerReason
 
@@ -161,7 +162,7 @@ class Recorder:
         else:
             def run() -> Any:
                 return fn(*static_ins)
-        reserved_before = reserved(device)
+        reserved_before = reserved(device, settle=not shared.capturer.simulate)
         start = time.perf_counter()
         try:
             graph, outputs = shared.capturer.capture(
@@ -194,6 +195,9 @@ class Recorder:
             self._register_outputs(entry)
             if pad is None and self._hands_out(entry):
                 entry.handouts = []
+            if releases_outputs(runner, entry):
+                release_outputs(entry)
+            del outputs
         if pad is not None:
             entry.views = {}
             full = shared.padded_full
@@ -321,7 +325,7 @@ class Recorder:
         static_ins = entry.static_ins
         fn = runner.fn
         device = torch.device(entry.pool.device)
-        reserved_before = reserved(device)
+        reserved_before = reserved(device, settle=not shared.capturer.simulate)
         start = time.perf_counter()
         try:
             graph, outputs = shared.capturer.capture(

@@ -86,6 +86,44 @@ def test_handout_graphs_hand_outputs_over_and_never_overwrite_what_is_held():
     assert st["handout_failures"] == []
 
 
+def test_capture_sizes_share_one_pool_with_the_last_regions_outputs_released():
+    """Bucketed bf16 inference of the dense model, seven capture sizes warmed up (largest first):
+    their graphs take at most 1.2x the pool of the largest size captured alone (the last region's
+    outputs are released after each capture: runtime/loose_outputs.py), and results of every size,
+    kept by the caller across calls of other sizes, match eager."""
+    import gc
+    model = build_model("dense", size="small", device="cuda", dtype=torch.bfloat16).eval()
+    vocab = model.tok_emb.num_embeddings
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def make(n):
+        x = torch.randint(0, vocab, (n, 64), device="cuda", generator=gen)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+
+    sizes = [2, 4, 8, 12, 16, 20, 24]
+    alone = cgbackend.warm_up(cgbackend.compile(model, warmup=1), make, sizes[-1:])
+    torch._dynamo.reset()
+    cgbackend.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    compiled = cgbackend.compile(model, warmup=1)
+    every = cgbackend.warm_up(compiled, make, sizes)
+    assert alone.graphs == 1 and every.graphs == len(sizes)
+    assert 0 < every.pool_bytes <= 1.2 * alone.pool_bytes, (every.pool_bytes, alone.pool_bytes)
+    mem = cgbackend.stats(compiled)["memory"]
+    assert mem["outputs"] == 0 and mem["released"] >= sum(n * 64 * vocab * 2 for n in sizes), mem
+    kept = []
+    with torch.no_grad():
+        for n in (3, 24, 9, 2, 17, 6, 21):
+            (x,) = make(n)
+            kept.append((compiled(x), model(x), n))
+    for out, ref, n in kept:
+        assert_matches(out, ref, torch.bfloat16, f"size {n}")
+    st = cgbackend.stats(compiled)
+    assert st["graphs_captured"] == len(sizes) and st["replays"] >= 7 and not st["eager_calls"].get("replay_order_hazard")
+
+
 def test_dense_one_graph_no_copies_but_input():
     model = build_model("dense", size="tiny", device="cuda").eval()
     inputs = make_inputs("dense", model, n=6, device="cuda")

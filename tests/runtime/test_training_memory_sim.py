@@ -1,5 +1,6 @@
 """Training entries free their saved activations once their backward graph exists (runtime/pool.py,
-"Released memory"; runtime/backward.py): simulated graphs, bitwise against eager, on varied inputs."""
+"Released memory"; runtime/backward.py), and the last region's inference outputs once captured
+(runtime/loose_outputs.py): simulated graphs, against eager, on varied inputs."""
 
 from __future__ import annotations
 
@@ -170,6 +171,45 @@ def test_memory_per_captured_size_adds_up_to_the_total():
     assert sum(r["memory"]["held"] for r in regions.values()) == mem["held"]
     for size, part in by_size.items():
         assert sum(r["memory_by_size"].get(size, {}).get("held", 0) for r in regions.values()) == part["held"]
+
+
+def test_the_last_regions_inference_outputs_are_released_and_every_result_stays_eagers():
+    """Bucketed inference of the dense model (one static region): once a size is captured, the
+    runtime holds its outputs no more (``released``; runtime/loose_outputs.py) and a later capture
+    may use that memory (simulated graphs: every other replay scribbles them). Every call's result,
+    kept by the caller across calls of other sizes, equals eager's."""
+    model = build_model("dense").eval()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, capture_sizes=(2, 4, 8))
+    vocab = model.tok_emb.num_embeddings
+    gen = torch.Generator().manual_seed(11)
+
+    def make(n):
+        x = torch.randint(0, vocab, (n, 16), generator=gen)
+        torch._dynamo.mark_dynamic(x, 0)
+        return (x,)
+
+    done = cgbackend.warm_up(compiled, make, sizes=[2, 8, 4])
+    assert [r["size"] for r in done.sizes] == [8, 4, 2]  # largest first
+    mem = cgbackend.stats(compiled)["memory"]
+    logits = {n: 4 * n * 16 * vocab for n in (2, 4, 8)}  # float32 [n, 16, vocab]
+    assert mem["outputs"] == 0 and mem["released"] == sum(logits.values()), mem
+    assert {n: (part["outputs"], part["released"]) for n, part in mem["by_size"].items()} == {
+        n: (0, b) for n, b in logits.items()}
+    assert mem["held"] == mem["inputs"] > 0
+    (entries,) = [r.entries for g in find_backend(compiled).compiled_graphs() for r in g.runners]
+    eight = next(e for e in entries.values() if e.size == 8)
+    kept = []
+    with torch.no_grad():
+        for n in (3, 8, 6, 4, 7, 5, 2):
+            (x,) = make(n)
+            out, ref = compiled(x), model(x)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            kept.append((out, ref))
+        assert torch.isnan(eight.outputs[0]).all()  # the last call (size 2) scribbled size 8's outputs
+    for out, ref in kept:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    st = cgbackend.stats(compiled)
+    assert st["graphs_captured"] == 3 and st["replays"] >= 7 and not st["eager_calls"].get("replay_order_hazard")
 
 
 def test_regions_around_a_dynamic_one_release_after_every_backward_graph_exists():
