@@ -3,8 +3,9 @@
 A server that compiles on its first requests pays each size's warm-up calls and capture while a
 user waits, and finds out only then how much memory its graphs take. ``warm_up`` runs a compiled
 model at each size of a list (as many calls as the ``warmup`` option asks for, then the one that
-captures), inference only, and says what each size cost: seconds, graphs captured, pool memory
-added. With bucketing (option ``capture_sizes``), a size stands for every request size padded to
+captures), inference only, largest size first, and says what each size cost: seconds, graphs
+captured, pool memory added. The sizes share one pool: a smaller size's graph takes the memory the
+larger ones' temporaries and released outputs left, so it adds little (docs/dynamic-shapes.md). With bucketing (option ``capture_sizes``), a size stands for every request size padded to
 it: warm the capture sizes themselves. Sizes above ``max_capture_size`` are run but not captured
 (by design: see that option).
 
@@ -52,7 +53,8 @@ class WarmUp:
 
 def warm_up(compiled: Any, make_inputs: Callable[[int], Any], sizes: Sequence[int]) -> WarmUp:
     """Run ``compiled`` (from ``cgbackend.compile`` or ``torch.compile(backend="cgbackend")``) at
-    every size of ``sizes`` until its graphs for that size are captured, under ``torch.no_grad()``.
+    every size of ``sizes``, largest first, until its graphs for that size are captured, under
+    ``torch.no_grad()``.
     ``make_inputs(size)`` returns the call's positional arguments as a tuple, or ``(args, kwargs)``
     as a tuple of a tuple and a dict. Logs one INFO line per size (``cgbackend.serve``); returns
     a :class:`WarmUp`."""
@@ -65,6 +67,10 @@ def warm_up(compiled: Any, make_inputs: Callable[[int], Any], sizes: Sequence[in
         checked.append(size)
     if not checked:
         raise ValueError("cgbackend.warm_up: no sizes given")
+    # Largest first: the last region's outputs are released after each capture
+    # (runtime/loose_outputs.py), so each smaller size's graph fits in the memory the larger ones
+    # left in the pool.
+    checked = sorted(set(checked), reverse=True)
     calls = instance.config.warmup + 1
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()

@@ -13,13 +13,16 @@ Counters after both loops: graphs captured, graphs per static region, eager call
 evictions, and the bound on graphs: (capture sizes hit) x (static regions). Every row has the
 latency of its first request (``first_request_ms``: a compile and warm-up for a compiled
 contender); ``cgbackend-warm-up`` captures every capture size up to ``--max-batch`` first
-(``cgbackend.warm_up``: ``warm_up_s``, ``graph_memory_bytes``), so its first request replays.
+(``cgbackend.warm_up``: ``warm_up_s``, ``graph_memory_bytes``), so its first request replays; it
+also captures the largest of those sizes alone in a compile of its own first
+(``largest_alone_bytes``) and gives the ratio of the two (``graph_memory_vs_largest``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import random
 import sys
@@ -86,6 +89,25 @@ def _loop(fn: Callable[..., Any], xs: list[torch.Tensor], device: torch.device) 
     return time.perf_counter() - start
 
 
+def _graph_memory(model: torch.nn.Module, make: Callable[[int], tuple], sizes: list[int],
+                  device: torch.device) -> int:
+    """Pool bytes ``cgbackend.warm_up`` reports for ``sizes`` in a compile of their own, which is
+    then dropped with its graphs (and the allocator's cached blocks) before the caller goes on."""
+    import cgbackend
+    from ..runtime.capture import clear_blas_workspaces
+    fn = cgbackend.compile(model)
+    pool_bytes = cgbackend.warm_up(fn, make, sizes).pool_bytes
+    del fn
+    torch._dynamo.reset()
+    cgbackend.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        clear_blas_workspaces()
+        torch.cuda.empty_cache()
+    return pool_bytes
+
+
 def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     import cgbackend
     dtype = DTYPES[args.dtype]
@@ -110,13 +132,23 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
                                "max_batch": args.max_batch, "seq": args.seq, "distinct_sizes":
                                len(set(warm_sizes + timed_sizes)), "capture_sizes_hit": buckets_hit}
         try:
-            fn = _make(name, model)
             if name == "cgbackend-warm-up":
                 sizes = [b for b in ladder if b <= max(hit)]
-                done = cgbackend.warm_up(fn, lambda n: tuple(_inputs([n], args.seq, vocab, device, args.seed + 2)),
-                                         sizes)
+
+                def make(n: int) -> tuple:
+                    return tuple(_inputs([n], args.seq, vocab, device, args.seed + 2))
+
+                # The graph memory of the largest size alone, in a compile of its own, against which
+                # that of every size is judged (they share one pool: docs/dynamic-shapes.md).
+                alone = _graph_memory(model, make, sizes[-1:], device)
+                row["largest_alone_bytes"] = alone
+                fn = _make(name, model)
+                done = cgbackend.warm_up(fn, make, sizes)
                 row.update(warm_up_s=round(done.seconds, 3), warm_up_sizes=len(sizes),
-                           graph_memory_bytes=done.pool_bytes)
+                           graph_memory_bytes=done.pool_bytes,
+                           graph_memory_vs_largest=round(done.pool_bytes / alone, 3) if alone else None)
+            else:
+                fn = _make(name, model)
             worst, kept = 0.0, []
             start = time.perf_counter()
             with torch.no_grad():
@@ -186,7 +218,12 @@ def render_markdown(results: dict[str, Any]) -> str:
             graphs += f" ({r['graph_bound']})"
         acc = "-" if r["contender"] == "eager" else f"{'ok' if r['accuracy_ok'] else 'FAIL'} {r['accuracy_err']:.1e}"
         eager_calls = ", ".join(f"{k} {v}" for k, v in r.get("eager_calls", {}).items()) or "-"
-        warm = (f"{r['warm_up_s']:.2f} ({r['graph_memory_bytes'] / 2**20:.1f})" if "warm_up_s" in r else "-")
+        warm = "-"
+        if "warm_up_s" in r:
+            warm = f"{r['warm_up_s']:.2f} ({r['graph_memory_bytes'] / 2**20:.1f}"
+            if r.get("graph_memory_vs_largest") is not None:  # (rows written before it: without)
+                warm += f"; largest size alone {r['largest_alone_bytes'] / 2**20:.1f}, {r['graph_memory_vs_largest']}x"
+            warm += ")"
         lines.append(f"| {r['model']} | {r['contender']} | {r['loop_s']:.3f} | {r['ms_per_call']:.3f} | "
                      f"{r.get('vs_eager', '-')} | {acc} | {graphs} | {r.get('static_regions', '-')} | "
                      f"{r.get('bucketed_regions', '-')} | {eager_calls} | {r.get('graphs_evicted', '-')} |"

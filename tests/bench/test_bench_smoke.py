@@ -134,6 +134,7 @@ def test_serving_loop_smoke_on_cpu(tmp_path):
     assert len(warm) == 1 and "error" not in warm[0] and warm[0]["accuracy_ok"], warm
     assert warm[0]["warm_up_sizes"] == len([b for b in Config().capture_sizes if b <= 4]) == 3
     assert warm[0]["warm_up_s"] > 0 and warm[0]["graph_memory_bytes"] == 0  # no GPU: nothing captured
+    assert warm[0]["largest_alone_bytes"] == 0 and warm[0]["graph_memory_vs_largest"] is None
 
 
 def test_relative_error_never_hides_a_nan_or_a_shape_mismatch():
