@@ -125,6 +125,11 @@ def test_serving_loop_smoke_on_cpu(tmp_path):
         ("dense", "eager"), ("dense", "cgbackend"), ("moe", "eager"), ("moe", "cgbackend")]
     assert all("error" not in r for r in rows)
     assert all(r["accuracy_ok"] for r in rows if r["contender"] == "cgbackend")
+    # judged against a float64 run (eager's own error is the yardstick), first outputs never rewritten
+    for r in rows:
+        assert r["accuracy_rule"] == "fp64" and r["outputs_overwritten"] == 0 and r["ref64_err"] > 0, r
+        if r["contender"] == "cgbackend":
+            assert r["eager_ref64_err"] > 0 and r["ref64_ratio"] <= r["ref64_limit"] == 2.0, r
     assert all(r["graph_bound"] >= r["graphs_captured"] for r in rows if r["contender"] == "cgbackend")
     assert out.exists() and "| dense | cgbackend |" in md.read_text()
     assert all(r["first_request_ms"] > 0 for r in rows)
