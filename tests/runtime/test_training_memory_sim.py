@@ -149,16 +149,23 @@ def test_memory_held_between_calls_is_reported_by_kind_and_adds_up():
     assert "MiB of saved activations released" in cgbackend.report(compiled).to_text()
 
 
-def test_memory_per_captured_size_adds_up_to_the_total():
+def _bucketed_dense(seed: int):
+    """The dense reference model in inference with capture sizes 2, 4, 8 (simulated graphs), and
+    ``make(n)``: token ids of ``n`` rows, dimension 0 dynamic, drawn from ``seed``."""
     model = build_model("dense").eval()
     compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, capture_sizes=(2, 4, 8))
-    vocab = model.tok_emb.num_embeddings
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(seed)
 
     def make(n):
-        x = torch.randint(0, vocab, (n, 16), generator=gen)
+        x = torch.randint(0, model.tok_emb.num_embeddings, (n, 16), generator=gen)
         torch._dynamo.mark_dynamic(x, 0)
         return (x,)
+
+    return model, compiled, make
+
+
+def test_memory_per_captured_size_adds_up_to_the_total():
+    model, compiled, make = _bucketed_dense(seed=5)
 
     cgbackend.warm_up(compiled, make, sizes=[2, 4, 8])
     mem = cgbackend.stats(compiled)["memory"]
@@ -178,20 +185,12 @@ def test_the_last_regions_inference_outputs_are_released_and_every_result_stays_
     runtime holds its outputs no more (``released``; runtime/loose_outputs.py) and a later capture
     may use that memory (simulated graphs: every other replay scribbles them). Every call's result,
     kept by the caller across calls of other sizes, equals eager's."""
-    model = build_model("dense").eval()
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, capture_sizes=(2, 4, 8))
-    vocab = model.tok_emb.num_embeddings
-    gen = torch.Generator().manual_seed(11)
-
-    def make(n):
-        x = torch.randint(0, vocab, (n, 16), generator=gen)
-        torch._dynamo.mark_dynamic(x, 0)
-        return (x,)
+    model, compiled, make = _bucketed_dense(seed=11)
 
     done = cgbackend.warm_up(compiled, make, sizes=[2, 8, 4])
     assert [r["size"] for r in done.sizes] == [8, 4, 2]  # largest first
     mem = cgbackend.stats(compiled)["memory"]
-    logits = {n: 4 * n * 16 * vocab for n in (2, 4, 8)}  # float32 [n, 16, vocab]
+    logits = {n: 4 * n * 16 * model.tok_emb.num_embeddings for n in (2, 4, 8)}  # float32 [n, 16, vocab]
     assert mem["outputs"] == 0 and mem["released"] == sum(logits.values()), mem
     assert {n: (part["outputs"], part["released"]) for n, part in mem["by_size"].items()} == {
         n: (0, b) for n, b in logits.items()}
