@@ -29,9 +29,20 @@ import torch.fx
 from ..fx_utils import arg_of, fake_value, op_name, plain_name, size_expr, sizes_equal
 from .effects import is_random_node
 
-__all__ = ["NotRowwise", "propagate_rows", "rows_divide", "ROWS_IN_TUPLE"]
+__all__ = ["NotRowwise", "propagate_rows", "rows_divide", "ROWS_IN_TUPLE", "ROW_BLOCK"]
 
 ROWS_IN_TUPLE = "tuple"
+
+ROW_BLOCK = "cgbackend_row_block"
+"""``node.meta`` key of the nodes the static MoE dispatch inserts for one layer's grouped or
+small-batch form (passes/dispatch/grouped.py): ``(key, is_result)``. The form sorts the layer's
+(token, slot) pairs by expert, which no op-by-op rule can show to keep rows apart, but it is
+built so that row t of its result is the layer's function of row t of its inputs alone (the
+accumulator, the gathered rows, the routing ids and weights; the expert body between gather and
+product is proven row-wise before the form is built, dispatch/match.py), for any number of rows.
+:func:`propagate_rows` takes such a block whole: its result keeps the rows of its inputs, which
+must all hold them in dimension 0 with the result's size there, and no node outside the block may
+read a node inside it (else the block is not taken whole and its ops meet the rules one by one)."""
 
 # Element-wise in the first argument; the other arguments must not depend on the rows.
 _UNARY = {
@@ -351,9 +362,18 @@ def propagate_rows(nodes: Iterable[torch.fx.Node], sources: dict[torch.fx.Node, 
     if rows is None and sources:
         first, dim = next(iter(sources.items()))
         rows = _shape(first)[dim]
+    nodes = list(nodes)
+    blocks = _whole_blocks(nodes)
     for node in nodes:
         if node in dims or node.op not in ("call_function", "call_method"):
             continue
+        block = blocks.get(node.meta.get(ROW_BLOCK, (None,))[0])
+        if block is not None:
+            if node.meta[ROW_BLOCK][1]:
+                d = _block_rows(node, block, dims)
+                if d is not None:
+                    dims[node] = d
+            continue  # inside the block: its result answers for it
         if not _row_args(node, dims) or plain_name(node) in _METADATA:
             continue  # size queries give numbers, not row data (passes/bucket.py checks their use)
         try:
@@ -361,3 +381,49 @@ def propagate_rows(nodes: Iterable[torch.fx.Node], sources: dict[torch.fx.Node, 
         except (TypeError, ValueError, IndexError) as exc:
             raise NotRowwise(node, f"arguments not understood ({type(exc).__name__})") from None
     return dims
+
+
+def _whole_blocks(nodes: list) -> dict[Any, set]:
+    """The blocks (ROW_BLOCK) that ``nodes`` hold whole: the result and every block node it is
+    computed from are among them, and nothing but block nodes reads a block node."""
+    members: dict[Any, set] = {}
+    results: dict[Any, torch.fx.Node] = {}
+    for node in nodes:
+        tag = node.meta.get(ROW_BLOCK)
+        if tag is not None:
+            members.setdefault(tag[0], set()).add(node)
+            if tag[1]:
+                results[tag[0]] = node
+    whole = {}
+    for key, block in members.items():
+        if key not in results:
+            continue
+        ok = True
+        for node in block:
+            inside = [a for a in node.all_input_nodes if a.meta.get(ROW_BLOCK, (None,))[0] == key]
+            if any(a not in block and a.all_input_nodes for a in inside):
+                ok = False  # part of the block lies outside these nodes (constants made from
+                # nothing may: the partition hoists them, passes/constants.py)
+            if node is not results[key] and any(u not in block for u in node.users):
+                ok = False  # a value of the block's inside is read outside it
+        if ok:
+            whole[key] = block
+    return whole
+
+
+def _block_rows(out: torch.fx.Node, block: set, dims: dict) -> Any:
+    """Row dimension of a block's result (ROW_BLOCK): 0, when every input of the block that holds
+    rows holds them in dimension 0 with the result's size there; None when no input holds rows."""
+    inputs = {a for n in block for a in n.all_input_nodes if a not in block}
+    carrying = [a for a in inputs if a in dims]
+    if not carrying:
+        return None
+    shape = _shape(out)
+    if not shape:
+        raise NotRowwise(out, "the rewritten dispatch gives no tensor")
+    for a in carrying:
+        a_shape = _shape(a)
+        if dims[a] != 0 or not a_shape or not sizes_equal(a_shape[0], shape[0]):
+            raise NotRowwise(out, f"the rewritten dispatch reads {a.name} with rows along dimension "
+                                  f"{dims[a]}, not its own rows' dimension 0")
+    return 0

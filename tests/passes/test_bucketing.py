@@ -132,6 +132,27 @@ def test_serving_loop_pads_to_buckets(name):
     assert all(r["held"] == captured and r["evicted"] == 0 for r in runtime.values())
 
 
+@pytest.mark.parametrize("form", ["grouped", "small_batch"])
+def test_moe_with_static_dispatch_is_one_bucketed_region(form):
+    """The MoE layer in a static dispatch form (its (token, slot) pairs sorted by expert) is taken
+    whole by the row proof (rowdep.ROW_BLOCK): the model is one static region, padded to the
+    capture sizes, one graph per capture size hit; padding rows are routed, computed and dropped,
+    and every output equals eager's at its own batch size."""
+    rng = random.Random(4)
+    sizes = [rng.randint(2, 20) for _ in range(30)]
+    compiled = _serve("moe", sizes, static_dispatch=form)
+    st = cgbackend.stats(compiled)
+    calls = collections.Counter(_bucket(n) for n in sizes)
+    captured = sum(1 for c in calls.values() if c >= 2)  # warmup=1: the second call captures
+    assert len(set(sizes)) > len(calls) and captured >= 4
+    assert (st["static_regions"], st["dynamic_regions"]) == (1, 0), st
+    assert st["graphs_captured"] == captured and st["eager_calls"] == {"warmup": len(calls)}
+    (graph,) = cgbackend.report(compiled).graphs
+    assert [r["form"] for r in graph.dispatch["rewrites"]] == [form] * 2  # both layers
+    runtime = graph.runtime["regions"]
+    assert all(r["bucketed"] for r in runtime.values())
+
+
 def test_padded_moe_hands_padded_outputs_over_in_place():
     """Bucketed regions read the previous region's padded output where it lies: the only copies are
     the token ids (the user's input) once per replay of the first region."""

@@ -134,3 +134,56 @@ def test_reshape_after_the_rows_keeps_them():
     nodes = list(gm.graph.nodes)
     out = next(n for n in nodes if n.op == "output").args[0][0]
     assert propagate_rows(nodes, {nodes[0]: 1})[out] == 1
+
+
+def _tagged(fn, *args, block=None, result=None):
+    """The graph of ``fn`` with the nodes named in ``block`` tagged as one ROW_BLOCK whose result
+    is the node named ``result`` (what the static dispatch does with the nodes it inserts)."""
+    from cgbackend.passes.rowdep import ROW_BLOCK
+    gm = trace(fn, *args)
+    nodes = list(gm.graph.nodes)
+    calls = [n for n in nodes if n.op in ("call_function", "call_method")]
+    for i, n in enumerate(calls):
+        if i in block:
+            n.meta[ROW_BLOCK] = ("b", i == result)
+    return nodes, calls
+
+
+def _sorted_mix(x):
+    order = torch.sort(x[:, 0], stable=True)[1]  # rows visited in another order
+    y = torch.empty_like(x).index_copy(0, order, x[order] * 2)  # and written back to their places
+    return y + x
+
+
+def test_a_row_block_is_taken_whole():
+    """A tagged block's result keeps the rows of its inputs, however its ops mix them inside; the
+    same ops untagged fail the proof."""
+    nodes, calls = _tagged(_sorted_mix, X, block=range(7), result=6)
+    x = next(n for n in nodes if n.op == "placeholder")
+    assert propagate_rows(nodes, {x: 0})[calls[6]] == 0
+    plain = list(trace(_sorted_mix, X).graph.nodes)
+    with pytest.raises(NotRowwise, match="sort"):
+        propagate_rows(plain, {next(n for n in plain if n.op == "placeholder"): 0})
+
+
+def test_a_row_block_read_from_outside_or_along_other_rows_is_not_taken_whole():
+    """A value inside the block read by an op outside it: the block's ops meet the rules one by
+    one (and the sort fails). An input whose rows lie in another dimension: the block fails."""
+    def leaked(x):
+        order = torch.sort(x[:, 0], stable=True)[1]
+        y = torch.empty_like(x).index_copy(0, order, x[order] * 2) + x
+        return y, order.float().sum()  # the order read outside the block
+
+    nodes, calls = _tagged(leaked, X, block=range(7), result=6)
+    x = next(n for n in nodes if n.op == "placeholder")
+    with pytest.raises(NotRowwise, match="sort"):
+        propagate_rows(nodes, {x: 0})
+
+    def rows_in_dim1(x):
+        xt = x.t()  # outside the block: rows now in dimension 1
+        return torch.empty_like(xt).copy_(xt) + 1
+
+    nodes, calls = _tagged(rows_in_dim1, X, block=(1, 2, 3), result=3)
+    x = next(n for n in nodes if n.op == "placeholder")
+    with pytest.raises(NotRowwise, match="dimension 1"):
+        propagate_rows(nodes, {x: 0})

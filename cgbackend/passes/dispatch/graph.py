@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from ...fx_utils import fake_value, plain_name
+from ..rowdep import ROW_BLOCK
 from .records import _Skip
 
 # ----------------------------------------------------------------------------- small helpers
@@ -113,6 +114,14 @@ class _Builder:
         for node in reversed(self.created):
             self.graph.erase_node(node)
         self.created.clear()
+
+    def tag_row_block(self, result: torch.fx.Node) -> torch.fx.Node:
+        """Mark every node made so far as one block whose ``result`` keeps the rows of its inputs
+        (rowdep.ROW_BLOCK: the bucketing proof takes it whole); returns ``result``."""
+        key = result.name
+        for node in self.created:
+            node.meta[ROW_BLOCK] = (key, node is result)
+        return result
 
     def fn(self, target: Callable, *args: Any, **kwargs: Any) -> torch.fx.Node:
         return self.add("call_function", target, *args, **kwargs)

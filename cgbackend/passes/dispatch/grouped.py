@@ -454,6 +454,8 @@ def build_grouped(gm: torch.fx.GraphModule, layer: Layer, per_row: bool = False)
     slots = b.fn(torch.index_copy, b.fn(torch.empty_like, val), 0, perm, val)
     tail = _shape(val)[1:]
     per_token = slots if k == 1 else b.method("sum", b.method("reshape", slots, -1, k, *tail), 1)
+    # Row t of the result is the layer's function of row t of the accumulator, the gathered rows
+    # and the routing alone, for any number of rows: bucketing may pad the tokens (rowdep.ROW_BLOCK).
     if u0.in_place:
-        return b.method("add_", u0.acc, per_token)
-    return b.fn(operator.add, u0.acc, per_token)
+        return b.tag_row_block(b.method("add_", u0.acc, per_token))
+    return b.tag_row_block(b.fn(operator.add, u0.acc, per_token))
