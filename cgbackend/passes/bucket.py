@@ -39,7 +39,7 @@ from ..fx_utils import fake_value, plain_name, size_expr, source_location, stora
 from .effects import Effects
 from .padvalues import unsafe_padding_use
 from .partition import Partition, Region
-from .rowdep import NotRowwise, propagate_rows, rows_divide
+from .rowdep import NotRowwise, propagate_rows, rows_divide, whole_blocks
 from .shapes import Shapes
 
 __all__ = ["Buckets", "BucketPlan", "Monomial", "RegionBuckets", "SymbolBucketing", "buckets",
@@ -227,7 +227,11 @@ def _plan(region: Region, sym: sympy.Symbol) -> BucketPlan:
         dims = propagate_rows(list(region.nodes), sources, rows=sym)
     except NotRowwise as exc:
         raise _NoBucket(exc.why, exc.node) from None
-    unsafe = unsafe_padding_use(region.nodes, aranges)
+    # Inside a block the proof takes whole (rowdep.ROW_BLOCK), indices from arange over the padded
+    # size index tensors of the padded size, and its results in padding rows are those of the real
+    # rows they copy: no taint goes in or out there.
+    inside = set().union(*whole_blocks(list(region.nodes)).values())
+    unsafe = unsafe_padding_use([n for n in region.nodes if n not in inside], aranges)
     if unsafe is not None:
         raise _NoBucket(unsafe[1], unsafe[0])
     outputs: dict[int, tuple[int, Monomial]] = {}

@@ -29,20 +29,22 @@ import torch.fx
 from ..fx_utils import arg_of, fake_value, op_name, plain_name, size_expr, sizes_equal
 from .effects import is_random_node
 
-__all__ = ["NotRowwise", "propagate_rows", "rows_divide", "ROWS_IN_TUPLE", "ROW_BLOCK"]
+__all__ = ["NotRowwise", "propagate_rows", "rows_divide", "whole_blocks", "ROWS_IN_TUPLE", "ROW_BLOCK"]
 
 ROWS_IN_TUPLE = "tuple"
 
 ROW_BLOCK = "cgbackend_row_block"
-"""``node.meta`` key of the nodes the static MoE dispatch inserts for one layer's grouped or
-small-batch form (passes/dispatch/grouped.py): ``(key, is_result)``. The form sorts the layer's
-(token, slot) pairs by expert, which no op-by-op rule can show to keep rows apart, but it is
-built so that row t of its result is the layer's function of row t of its inputs alone (the
-accumulator, the gathered rows, the routing ids and weights; the expert body between gather and
-product is proven row-wise before the form is built, dispatch/match.py), for any number of rows.
-:func:`propagate_rows` takes such a block whole: its result keeps the rows of its inputs, which
-must all hold them in dimension 0 with the result's size there, and no node outside the block may
-read a node inside it (else the block is not taken whole and its ops meet the rules one by one)."""
+"""``node.meta`` key of the nodes the static MoE dispatch inserts (passes/dispatch/):
+``(key, is_result)``. The grouped and small-batch forms sort a layer's (token, slot) pairs by
+expert; the masked-dense form has each expert compute, for a token it does not receive, on the
+first row it does receive (an argmax over rows), and masks that product out. No op-by-op rule can
+show either to keep rows apart, but both are built so that row t of each result is a function of
+row t of their inputs alone (the accumulator, the gathered rows, the routing ids and weights; the
+expert body is proven row-wise before a form is built, dispatch/match.py), for any number of rows.
+:func:`propagate_rows` takes such a block whole: each result keeps the rows of the inputs it is
+computed from, which must all hold them along their one dimension of the result's row count,
+and no node outside the block may read a node inside it but its results (else the block is not taken whole and
+its ops meet the rules one by one)."""
 
 # Element-wise in the first argument; the other arguments must not depend on the rows.
 _UNARY = {
@@ -53,6 +55,7 @@ _UNARY = {
     "clamp", "clamp_min", "clamp_max", "nan_to_num", "logical_not", "bitwise_not", "softsign",
     "logsigmoid", "invert", "pos", "neg_", "abs_", "round", "floor", "ceil", "trunc",
     "isnan", "isinf", "isfinite", "sigmoid_", "tanh_", "exp_",
+    "zeros_like", "ones_like", "full_like",  # the same value in every element (not empty_like: garbage)
 }
 # Element-wise with broadcasting over all tensor arguments.
 _BINARY = {
@@ -363,7 +366,7 @@ def propagate_rows(nodes: Iterable[torch.fx.Node], sources: dict[torch.fx.Node, 
         first, dim = next(iter(sources.items()))
         rows = _shape(first)[dim]
     nodes = list(nodes)
-    blocks = _whole_blocks(nodes)
+    blocks = whole_blocks(nodes)
     for node in nodes:
         if node in dims or node.op not in ("call_function", "call_method"):
             continue
@@ -383,38 +386,60 @@ def propagate_rows(nodes: Iterable[torch.fx.Node], sources: dict[torch.fx.Node, 
     return dims
 
 
-def _whole_blocks(nodes: list) -> dict[Any, set]:
-    """The blocks (ROW_BLOCK) that ``nodes`` hold whole: the result and every block node it is
-    computed from are among them, and nothing but block nodes reads a block node."""
+def whole_blocks(nodes: list) -> dict[Any, set]:
+    """The blocks (ROW_BLOCK) that ``nodes`` hold whole: each result, and every block node a result
+    is computed from, is among them, and nothing but block nodes reads a block node that is not a
+    result."""
     members: dict[Any, set] = {}
-    results: dict[Any, torch.fx.Node] = {}
+    has_result: set = set()
     for node in nodes:
         tag = node.meta.get(ROW_BLOCK)
         if tag is not None:
             members.setdefault(tag[0], set()).add(node)
             if tag[1]:
-                results[tag[0]] = node
+                has_result.add(tag[0])
     whole = {}
     for key, block in members.items():
-        if key not in results:
+        if key not in has_result:
             continue
         ok = True
         for node in block:
             inside = [a for a in node.all_input_nodes if a.meta.get(ROW_BLOCK, (None,))[0] == key]
-            if any(a not in block and a.all_input_nodes for a in inside):
-                ok = False  # part of the block lies outside these nodes (constants made from
-                # nothing may: the partition hoists them, passes/constants.py)
-            if node is not results[key] and any(u not in block for u in node.users):
+            if any(a not in block and not _made_from_nothing(a) for a in inside):
+                ok = False  # part of the block lies outside these nodes (constants may: the
+                # partition hoists them, passes/constants.py)
+            if not node.meta[ROW_BLOCK][1] and any(u not in block for u in node.users):
                 ok = False  # a value of the block's inside is read outside it
         if ok:
             whole[key] = block
     return whole
 
 
+def _made_from_nothing(node: torch.fx.Node) -> bool:
+    """No graph input is among ``node``'s ancestors (``arange(E).view(E, 1, 1)``): a constant."""
+    stack, seen = [node], {node}
+    while stack:
+        n = stack.pop()
+        if n.op in ("placeholder", "get_attr"):
+            return False
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return True
+
+
 def _block_rows(out: torch.fx.Node, block: set, dims: dict) -> Any:
-    """Row dimension of a block's result (ROW_BLOCK): 0, when every input of the block that holds
-    rows holds them in dimension 0 with the result's size there; None when no input holds rows."""
-    inputs = {a for n in block for a in n.all_input_nodes if a not in block}
+    """Row dimension of a block's result (ROW_BLOCK): 0, when every input that holds rows of the
+    block nodes ``out`` is computed from holds them in dimension 0 with ``out``'s size there; None
+    when no such input holds rows."""
+    part, stack = {out}, [out]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a in block and a not in part:
+                part.add(a)
+                stack.append(a)
+    inputs = {a for n in part for a in n.all_input_nodes if a not in block}
     carrying = [a for a in inputs if a in dims]
     if not carrying:
         return None
@@ -422,8 +447,13 @@ def _block_rows(out: torch.fx.Node, block: set, dims: dict) -> Any:
     if not shape:
         raise NotRowwise(out, "the rewritten dispatch gives no tensor")
     for a in carrying:
-        a_shape = _shape(a)
-        if dims[a] != 0 or not a_shape or not sizes_equal(a_shape[0], shape[0]):
+        # The block reads each input's tokens along the dimension of the token count's size (the
+        # dispatch matched them so); the proof's rows must be that dimension, and the only one.
+        # (Compared as expressions: a SymInt comparison would guard on the example's sizes, and
+        # a token count equal to a fixed width in the example would then be specialized.)
+        a_shape, d, rows_expr = _shape(a), dims[a], size_expr(shape[0])
+        same = [i for i, size in enumerate(a_shape or ()) if size_expr(size) == rows_expr]
+        if not isinstance(d, int) or same != [d]:
             raise NotRowwise(out, f"the rewritten dispatch reads {a.name} with rows along dimension "
-                                  f"{dims[a]}, not its own rows' dimension 0")
+                                  f"{d}, not along its one dimension of {shape[0]} tokens")
     return 0

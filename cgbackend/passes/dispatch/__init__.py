@@ -39,7 +39,7 @@ stays as it is, dynamic, with the reason in the report.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.fx
@@ -133,6 +133,11 @@ def _note_kept(kept: list[KeptSkip], skipped_at: dict, result: DispatchResult) -
                           "was written")
 
 
+_ROW_BLOCK_PATTERNS = ("where_loop", "sorted_split")
+"""Units whose masked-dense form keeps rows apart as a whole (rowdep.ROW_BLOCK). Not
+``grouped_mm_fallback``: its groups come from the model's own offsets, counted over every row."""
+
+
 def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence = ()) -> DispatchResult:
     """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc.
     ``loops``: the loops the source rewrite changed (source.LoopRewrite); a unit of theirs left
@@ -147,6 +152,7 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence
     changed, decided = _grouped_layers(gm, mode, result) if mode in GROUPED_MODES else (False, {})
     changed = changed or folded
     cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
+    shared_block: Optional[str] = None  # the row block (rowdep.ROW_BLOCK) of the units sharing it
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         if node not in order or node.op not in ("call_function", "call_method"):
@@ -168,6 +174,13 @@ def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence
                     if isinstance(exc, _Skip):
                         raise
                     raise _Skip(f"the static form does not trace ({type(exc).__name__}: {exc})") from exc
+                if plan.pattern in _ROW_BLOCK_PATTERNS:
+                    # Row t of the result: the accumulator's row t plus, per expert, the product on
+                    # row t where the expert receives token t (zero elsewhere): row t alone. A
+                    # where-loop unit reads the combine weights its siblings built: one block.
+                    if plan.pattern == "where_loop":
+                        shared_block = shared_block or new.name
+                    builder.tag_row_block(new, shared_block if plan.pattern == "where_loop" else None)
             except _Skip as exc:
                 source, code = source_location(node)
                 skipped_at[node] = DispatchSkipped(_PATTERN_OF[matcher], source, code, module_path(node),

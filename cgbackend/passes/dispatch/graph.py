@@ -115,10 +115,11 @@ class _Builder:
             self.graph.erase_node(node)
         self.created.clear()
 
-    def tag_row_block(self, result: torch.fx.Node) -> torch.fx.Node:
-        """Mark every node made so far as one block whose ``result`` keeps the rows of its inputs
-        (rowdep.ROW_BLOCK: the bucketing proof takes it whole); returns ``result``."""
-        key = result.name
+    def tag_row_block(self, result: torch.fx.Node, key: Optional[str] = None) -> torch.fx.Node:
+        """Mark every node made so far as part of the block ``key`` (default: ``result``'s name),
+        ``result`` as one of its results, which keep the rows of their inputs (rowdep.ROW_BLOCK:
+        the bucketing proof takes the block whole); returns ``result``."""
+        key = key or result.name
         for node in self.created:
             node.meta[ROW_BLOCK] = (key, node is result)
         return result
