@@ -147,8 +147,9 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
                     return tuple(_inputs([n], args.seq, vocab, device, args.seed + 2))
 
                 # The graph memory of the largest size alone, in a compile of its own, against which
-                # that of every size is judged (they share one pool: docs/dynamic-shapes.md).
-                alone = _graph_memory(model, make, sizes[-1:], device)
+                # that of every size is judged (they share one pool: docs/dynamic-shapes.md). Off
+                # CUDA nothing is captured: there is none to measure.
+                alone = _graph_memory(model, make, sizes[-1:], device) if device.type == "cuda" else 0
                 row["largest_alone_bytes"] = alone
                 fn = _make(name, model)
                 done = cgbackend.warm_up(fn, make, sizes)
