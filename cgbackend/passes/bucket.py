@@ -174,7 +174,27 @@ def mutated_input_positions(effects: Effects, region: Region) -> set[int]:
     return written_positions(effects, region.nodes, region.inputs)
 
 
-def _plan(region: Region, sym: sympy.Symbol) -> BucketPlan:
+def _live(region: Region, effects: Effects) -> set[torch.fx.Node]:
+    """The region's nodes that its outputs, its in-place writes, its random ops or its global-state
+    ops need. The others compute values nothing reads (``expert_mask.sum(...) > 0`` left behind by
+    a static dispatch rewrite of transformers' loop over the hit experts): the row proof skips
+    them, as no row of any output depends on them. (The other checks still see every node.)"""
+    members = set(region.nodes)
+    random_nodes, barriers = set(effects.random_nodes), set(effects.barriers)
+    stack = [n for n in region.outputs if n in members]
+    stack += [n for n in region.nodes if n in effects.writes or n in random_nodes or n in barriers
+              or n.op not in ("call_function", "call_method")]
+    live = set(stack)
+    while stack:
+        node = stack.pop()
+        for a in list(node.all_input_nodes) + list(effects.preds(node)):
+            if a in members and a not in live:
+                live.add(a)
+                stack.append(a)
+    return live
+
+
+def _plan(region: Region, sym: sympy.Symbol, live: Optional[set] = None) -> BucketPlan:
     sources: dict[torch.fx.Node, int] = {}
     pad_inputs: dict[int, tuple[int, Monomial]] = {}
     value_inputs: dict[int, Monomial] = {}
@@ -224,7 +244,7 @@ def _plan(region: Region, sym: sympy.Symbol) -> BucketPlan:
             continue
         raise _NoBucket(f"uses {sym} as a number, not a size", node)
     try:
-        dims = propagate_rows(list(region.nodes), sources, rows=sym)
+        dims = propagate_rows([n for n in region.nodes if live is None or n in live], sources, rows=sym)
     except NotRowwise as exc:
         raise _NoBucket(exc.why, exc.node) from None
     # Inside a block the proof takes whole (rowdep.ROW_BLOCK), indices from arange over the padded
@@ -300,13 +320,14 @@ def buckets(partition: Partition, shapes: Shapes, effects: Effects, config: Conf
         off = ("bucketing is off (capture_sizes=())" if not config.capture_sizes
                else "the region writes one of its inputs in place" if mutated_input_positions(effects, region)
                else None)
+        live = _live(region, effects) if off is None else None
         for sym in syms:
             name = str(sym)
             if off is not None:
                 entry.symbols[name] = SymbolBucketing(name, False, off)
                 continue
             try:
-                plans[region.index][name] = _plan(region, sym)
+                plans[region.index][name] = _plan(region, sym, live)
             except _NoBucket as exc:
                 where, code = source_location(exc.node) if exc.node is not None else ("", "")
                 op = plain_name(exc.node) if exc.node is not None else ""

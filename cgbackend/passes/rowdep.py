@@ -408,11 +408,28 @@ def whole_blocks(nodes: list) -> dict[Any, set]:
             if any(a not in block and not _made_from_nothing(a) for a in inside):
                 ok = False  # part of the block lies outside these nodes (constants may: the
                 # partition hoists them, passes/constants.py)
-            if not node.meta[ROW_BLOCK][1] and any(u not in block for u in node.users):
+            if not node.meta[ROW_BLOCK][1] and any(
+                    u not in block and not _dead_in_block(u, key) for u in node.users):
                 ok = False  # a value of the block's inside is read outside it
         if ok:
             whole[key] = block
     return whole
+
+
+def _dead_in_block(node: torch.fx.Node, key: Any) -> bool:
+    """``node`` and everything that reads it are nodes of block ``key`` other than its results: a
+    part of the block nothing needs (the region's live nodes leave it out)."""
+    stack, seen = [node], {node}
+    while stack:
+        n = stack.pop()
+        tag = n.meta.get(ROW_BLOCK)
+        if tag is None or tag[0] != key or tag[1]:
+            return False
+        for u in n.users:
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return True
 
 
 def _made_from_nothing(node: torch.fx.Node) -> bool:

@@ -321,6 +321,24 @@ def test_transformers_every_token_on_one_expert(kind):
     _one_static_region(_hf_same(model, batches, static_dispatch="grouped"), "grouped")
 
 
+def test_transformers_hit_loop_in_the_masked_dense_form_is_bucketed():
+    """transformers' Mixtral (eager experts) at changing batch sizes, masked-dense form: the rewrite
+    leaves the model's ``expert_mask.sum(...) > 0`` (which experts were hit) with no reader; the row
+    proof skips what nothing reads (passes/bucket.py ``_live``) and takes the form whole, so the
+    model is one bucketed region: one graph per capture size, outputs equal eager's."""
+    model = _hf("mixtral", layers=1).eval()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="masked_dense")
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for n in (3, 4, 5, 7, 8, 6, 2, 2):  # capture sizes 4, 4, 8, 8, 8, 8, 2, 2
+            ids = torch.randint(0, 64, (n, 7), generator=g)
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-9, atol=1e-9)
+    st = cgbackend.stats(compiled)
+    assert cgbackend.report(compiled).summary["bucketed_regions"] == 1
+    assert st["graphs_captured"] == 3 and st["eager_calls"] == {"warmup": 3}, st
+
+
 @pytest.fixture(scope="module")
 def mixtral_without_static_dispatch() -> dict:
     """transformers' Mixtral compiled with static_dispatch="off", run (outputs and gradients equal to

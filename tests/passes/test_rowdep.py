@@ -187,3 +187,20 @@ def test_a_row_block_read_from_outside_or_along_other_rows_is_not_taken_whole():
     x = next(n for n in nodes if n.op == "placeholder")
     with pytest.raises(NotRowwise, match="dimension 1"):
         propagate_rows(nodes, {x: 0})
+
+
+def test_a_row_block_node_nothing_needs_may_lie_outside_the_nodes():
+    """A block node nothing reads (left out of a region's live nodes) does not break the block; a
+    block node read by an op outside the block does (the leak case above)."""
+    def with_dead(x):
+        order = torch.sort(x[:, 0], stable=True)[1]
+        y = torch.empty_like(x).index_copy(0, order, x[order] * 2)
+        unused = order.float() + 1  # tagged with the block, read by nothing
+        return y + x
+
+    nodes, calls = _tagged(with_dead, X, block=range(9), result=6)
+    dead = calls[7:9]  # unused = order.float() + 1
+    assert all(not n.users or set(n.users) <= set(dead) for n in dead)
+    live = [n for n in nodes if n not in dead]
+    x = next(n for n in nodes if n.op == "placeholder")
+    assert propagate_rows(live, {x: 0})[calls[6]] == 0
