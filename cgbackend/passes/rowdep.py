@@ -416,34 +416,32 @@ def whole_blocks(nodes: list) -> dict[Any, set]:
     return whole
 
 
-def _dead_in_block(node: torch.fx.Node, key: Any) -> bool:
-    """``node`` and everything that reads it are nodes of block ``key`` other than its results: a
-    part of the block nothing needs (the region's live nodes leave it out)."""
+def _every(node: torch.fx.Node, step: Any, ok: Any) -> bool:
+    """``ok`` holds for ``node`` and for every node reached from it through ``step``."""
     stack, seen = [node], {node}
     while stack:
         n = stack.pop()
-        tag = n.meta.get(ROW_BLOCK)
-        if tag is None or tag[0] != key or tag[1]:
+        if not ok(n):
             return False
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
+        for m in step(n):
+            if m not in seen:
+                seen.add(m)
+                stack.append(m)
     return True
+
+
+def _dead_in_block(node: torch.fx.Node, key: Any) -> bool:
+    """``node`` and everything that reads it are nodes of block ``key`` other than its results: a
+    part of the block nothing needs (the region's live nodes leave it out)."""
+    def inside(n: torch.fx.Node) -> bool:
+        tag = n.meta.get(ROW_BLOCK)
+        return tag is not None and tag[0] == key and not tag[1]
+    return _every(node, lambda n: n.users, inside)
 
 
 def _made_from_nothing(node: torch.fx.Node) -> bool:
     """No graph input is among ``node``'s ancestors (``arange(E).view(E, 1, 1)``): a constant."""
-    stack, seen = [node], {node}
-    while stack:
-        n = stack.pop()
-        if n.op in ("placeholder", "get_attr"):
-            return False
-        for a in n.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return True
+    return _every(node, lambda n: n.all_input_nodes, lambda n: n.op not in ("placeholder", "get_attr"))
 
 
 def _block_rows(out: torch.fx.Node, block: set, dims: dict) -> Any:

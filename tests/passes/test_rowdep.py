@@ -195,11 +195,11 @@ def test_a_row_block_node_nothing_needs_may_lie_outside_the_nodes():
     def with_dead(x):
         order = torch.sort(x[:, 0], stable=True)[1]
         y = torch.empty_like(x).index_copy(0, order, x[order] * 2)
-        unused = order.float() + 1  # tagged with the block, read by nothing
+        _ = order.float() + 1  # tagged with the block, read by nothing
         return y + x
 
     nodes, calls = _tagged(with_dead, X, block=range(9), result=6)
-    dead = calls[7:9]  # unused = order.float() + 1
+    dead = calls[7:9]  # order.float() + 1
     assert all(not n.users or set(n.users) <= set(dead) for n in dead)
     live = [n for n in nodes if n not in dead]
     x = next(n for n in nodes if n.op == "placeholder")
