@@ -54,7 +54,7 @@ def summary(obj: Any = None) -> str:
     replays, eager calls by reason and pool memory, then the totals."""
     from .api import stats
     from .by_name import by_name_backends, find_backend
-    from .runtime.memory import KINDS
+    from .runtime.memory import KINDS, released_kinds
     from .runtime.stats import EagerReason
     backends = by_name_backends() if obj is None else [find_backend(obj)]
     counters = stats(obj)
@@ -77,7 +77,7 @@ def summary(obj: Any = None) -> str:
     if mem.get("held") or mem.get("released"):
         parts = ", ".join(f"{k} {_mib(mem[k])}" for k in KINDS if mem.get(k))
         lines.append(f"  held between calls {_mib(mem['held'])} MiB ({parts or 'nothing'})"
-                     + (f"; saved activations released {_mib(mem['released'])} MiB" if mem.get("released") else ""))
+                     + "".join(f"; {k} released {_mib(v)} MiB" for k, v in released_kinds(mem).items()))
     if counters.get("nothing_captured_reason"):
         lines.append(f"  nothing captured: {counters['nothing_captured_reason']}")
     for reason in sorted(eager, key=lambda r: -eager[r]):

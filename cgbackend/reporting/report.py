@@ -77,6 +77,7 @@ from .entry import entry_text
 from .hints import hints_text
 from ..opaque import opaque_info
 from ..passes.cost import estimate_kernels
+from ..runtime.memory import released_kinds
 from ..runtime.timing import timing_text
 from ..reasons import Rule
 
@@ -397,8 +398,7 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
         mem = r.get("memory") or {}
         if mem.get("held") or mem.get("released"):
             mib += f", holds {mem['held'] / 2**20:.1f} MiB between calls"
-            if mem.get("released"):
-                mib += f" ({mem['released'] / 2**20:.1f} MiB of saved activations released)"
+            mib += "".join(f" ({v / 2**20:.1f} MiB of {k} released)" for k, v in released_kinds(mem).items())
         handout = (f" + {r['handout_graphs']} handout graph(s) (outputs to the caller without a copy)"
                    if r.get("handout_graphs") else "")
         lines.append(f"{'':<4}{name.split('.', 1)[-1]}: {r['graphs']} graph(s){handout}{held}{pad}{mib}, "

@@ -11,8 +11,8 @@ Two figures per entry, kept apart because they answer different questions:
 * **reserved**: how much the pool's reserved memory grew while the entry's graphs were captured
   (their temporaries and outputs; 0 with simulated graphs). It stays reserved while the graphs
   live; ``released`` says how much of a training entry's saved activations, or of the last
-  region's inference outputs (runtime/loose_outputs.py), lies there, no longer allocated (their
-  blocks are the graphs' to reuse).
+  region's inference outputs (runtime/loose_outputs.py; those alone: ``released_outputs``), lies
+  there, no longer allocated (their blocks are the graphs' to reuse).
 
 Each tensor is counted once, by its storage, in the first kind that holds it (inputs, outputs,
 grads): the figures of an entry add up to its ``held``, the entries' to their region's, and the
@@ -28,7 +28,7 @@ import torch
 from ..fx_utils import iter_tensors
 from .entries import Entry
 
-__all__ = ["KINDS", "entry_memory", "add_up"]
+__all__ = ["KINDS", "entry_memory", "add_up", "released_kinds"]
 
 KINDS = ("inputs", "outputs", "saved", "grads")
 """The parts of ``held``, in the order a storage is attributed to them."""
@@ -49,11 +49,11 @@ def _storages(values: Iterable[Any], seen: set[int]) -> int:
 
 
 def entry_memory(entry: Entry) -> dict[str, int]:
-    """The bytes one graph entry holds, by kind, with ``held`` (their sum), ``reserved`` and
-    ``released`` (module docstring)."""
+    """The bytes one graph entry holds, by kind, with ``held`` (their sum), ``reserved``,
+    ``released`` and ``released_outputs`` (module docstring)."""
     out = dict.fromkeys(KINDS, 0)
     if entry.static_ins is None:  # released (evicted) entry
-        out.update(held=0, reserved=0, released=0)
+        out.update(held=0, reserved=0, released=0, released_outputs=0)
         return out
     seen: set[int] = set()
     # Parameters and hand-offs are read in place: they belong to the model or to another graph.
@@ -71,13 +71,22 @@ def entry_memory(entry: Entry) -> dict[str, int]:
     out["held"] = sum(out[k] for k in KINDS)
     out["reserved"] = entry.nbytes
     out["released"] = released
+    out["released_outputs"] = entry.out_released
     return out
 
 
 def add_up(parts: Iterable[dict[str, int]]) -> dict[str, int]:
     """The sum of memory dicts, key by key."""
-    total = dict.fromkeys(KINDS + ("held", "reserved", "released"), 0)
+    total = dict.fromkeys(KINDS + ("held", "reserved", "released", "released_outputs"), 0)
     for part in parts:
         for key, value in part.items():
             total[key] = total.get(key, 0) + value
     return total
+
+
+def released_kinds(mem: dict[str, int]) -> dict[str, int]:
+    """What ``released`` of a memory dict is made of, by name, for the report texts: saved
+    activations and last-region outputs (the kinds with bytes only)."""
+    outputs = mem.get("released_outputs", 0)
+    parts = {"saved activations": mem.get("released", 0) - outputs, "outputs": outputs}
+    return {k: v for k, v in parts.items() if v}

@@ -139,7 +139,7 @@ def test_memory_held_between_calls_is_reported_by_kind_and_adds_up():
     assert before["inputs"] == _bytes((8, 16)) and before["outputs"] == _bytes((8, 16))
     assert before["saved"] == _bytes((8, 32)) and before["grads"] == 0 and before["released"] == 0
     assert after["inputs"] == before["inputs"] and after["outputs"] == before["outputs"]
-    assert after["saved"] == 0 and after["released"] == _bytes((8, 32))
+    assert after["saved"] == 0 and after["released"] == _bytes((8, 32)) and after["released_outputs"] == 0
     assert after["grads"] == _bytes((8, 16)) + params  # incoming gradient buffer and parameter gradients
     for mem in (before, after):
         assert mem["held"] == sum(mem[k] for k in ("inputs", "outputs", "saved", "grads"))
@@ -194,7 +194,9 @@ def test_the_last_regions_inference_outputs_are_released_and_every_result_stays_
     assert mem["outputs"] == 0 and mem["released"] == sum(logits.values()), mem
     assert {n: (part["outputs"], part["released"]) for n, part in mem["by_size"].items()} == {
         n: (0, b) for n, b in logits.items()}
-    assert mem["held"] == mem["inputs"] > 0
+    assert mem["held"] == mem["inputs"] > 0 and mem["released_outputs"] == mem["released"]
+    assert "MiB of outputs released" in cgbackend.report(compiled).to_text()
+    assert "saved activations" not in cgbackend.summary(compiled)
     (entries,) = [r.entries for g in find_backend(compiled).compiled_graphs() for r in g.runners]
     eight = next(e for e in entries.values() if e.size == 8)
     kept = []
