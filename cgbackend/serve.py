@@ -5,9 +5,10 @@ user waits, and finds out only then how much memory its graphs take. ``warm_up``
 model at each size of a list (as many calls as the ``warmup`` option asks for, then the one that
 captures), inference only, largest size first, and says what each size cost: seconds, graphs
 captured, pool memory added. The sizes share one pool: a smaller size's graph takes the memory the
-larger ones' temporaries and released outputs left, so it adds little (docs/dynamic-shapes.md). With bucketing (option ``capture_sizes``), a size stands for every request size padded to
-it: warm the capture sizes themselves. Sizes above ``max_capture_size`` are run but not captured
-(by design: see that option).
+larger ones' temporaries and released outputs left, so it adds little (docs/dynamic-shapes.md).
+With bucketing (option ``capture_sizes``), a size stands for every request size padded to it: warm
+the capture sizes themselves. Sizes above ``max_capture_size`` are run but not captured (by design:
+see that option).
 
     compiled = cgbackend.compile(model)
     done = cgbackend.warm_up(compiled, lambda n: (torch.randint(0, vocab, (n, 1), device="cuda"),),

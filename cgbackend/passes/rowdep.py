@@ -42,9 +42,9 @@ show either to keep rows apart, but both are built so that row t of each result 
 row t of their inputs alone (the accumulator, the gathered rows, the routing ids and weights; the
 expert body is proven row-wise before a form is built, dispatch/match.py), for any number of rows.
 :func:`propagate_rows` takes such a block whole: each result keeps the rows of the inputs it is
-computed from, which must all hold them along their one dimension of the result's row count,
-and no node outside the block may read a node inside it but its results (else the block is not taken whole and
-its ops meet the rules one by one)."""
+computed from, which must all hold them along their one dimension of the result's row count, and
+no node outside the block may read a node inside it but its results (else the block is not taken
+whole and its ops meet the rules one by one)."""
 
 # Element-wise in the first argument; the other arguments must not depend on the rows.
 _UNARY = {
@@ -446,8 +446,8 @@ def _made_from_nothing(node: torch.fx.Node) -> bool:
 
 def _block_rows(out: torch.fx.Node, block: set, dims: dict) -> Any:
     """Row dimension of a block's result (ROW_BLOCK): 0, when every input that holds rows of the
-    block nodes ``out`` is computed from holds them in dimension 0 with ``out``'s size there; None
-    when no such input holds rows."""
+    block nodes ``out`` is computed from holds them along its one dimension of ``out``'s row count;
+    None when no such input holds rows."""
     part, stack = {out}, [out]
     while stack:
         for a in stack.pop().all_input_nodes:

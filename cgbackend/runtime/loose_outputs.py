@@ -57,8 +57,9 @@ def releases_outputs(runner: "RegionRunner", entry: "Entry") -> bool:
             and (isinstance(entry.graph, SimulatedGraph) or _from_pointer is not None))
 
 
-def release_outputs(entry: "Entry") -> int:
-    """Release ``entry``'s static outputs (module docstring); returns the bytes released."""
+def release_outputs(entry: "Entry") -> None:
+    """Release ``entry``'s static outputs (module docstring); ``entry.out_released`` says how many
+    bytes."""
     inputs = {t.untyped_storage().data_ptr() for t in iter_tensors(entry.static_ins) if t.numel()}
     simulated = isinstance(entry.graph, SimulatedGraph)
     loose: dict[int, Any] = {}
@@ -81,10 +82,9 @@ def release_outputs(entry: "Entry") -> int:
         alias.set_(loose[ptr], value.storage_offset(), value.size(), value.stride())
         outs.append(alias)
     if not released:
-        return 0
+        return
     if simulated:
         entry.graph.released = True
     else:
         entry.outputs = type(entry.outputs)(outs) if isinstance(entry.outputs, (list, tuple)) else outs
     entry.out_released = released
-    return released
