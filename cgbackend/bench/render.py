@@ -223,7 +223,52 @@ def render_markdown(results: dict[str, Any]) -> str:
                "(--reference eager); flips: MoE routing that differs from float64's; tokens: decode tokens "
                "equal to eager's. Decode rows: ms per token.")
     out.append("")
+    if results.get("serving"):  # serve-bench --append: its own run, settings and table
+        out.append(render_serving(results["serving"], level="##"))
     return "\n".join(out)
+
+
+def render_serving(results: dict[str, Any], level: str = "#") -> str:
+    """The serving results as Markdown: a heading at ``level``, the run's settings, one table row per
+    model and contender (serve-bench's ``SERVING.md``; ``RESULTS.md`` renders the ``serving`` section of
+    ``latest.json`` with ``level="##"``)."""
+    meta = results["meta"]
+    extra = any("first_request_ms" in r for r in results["rows"])  # (results written before it: without)
+    judged = ("each judged against a float64 run: at most 2x eager's own error" if meta.get("reference") == "fp64"
+              else "each checked against eager")
+    lines = [f"{level} Serving loop: random batch sizes 1..{meta['max_batch']}", "",
+             f"- device: {meta['device']}; torch {meta['torch']}; date {meta['date']}",
+             f"- command: `{meta['command']}`",
+             f"- {meta['calls']} warm calls ({judged}), then {meta['calls']} timed calls "
+             f"with new draws; seq {meta['seq']}, dtype {meta['dtype']}, size {meta['size']}", "",
+             "| model | contender | timed loop s | ms/call | vs eager | accuracy | graphs (bound) | "
+             "static regions | bucketed | eager calls | evicted |" + (" first request ms | warm-up s (graph MiB) |" if extra else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if extra else "")]
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['contender']} | failed: {r['error']} |" + " |" * (10 if extra else 8))
+            continue
+        graphs = str(r.get("graphs_captured", "-"))
+        if "graph_bound" in r:
+            graphs += f" ({r['graph_bound']})"
+        if r["contender"] == "eager":
+            acc = "-"
+        elif r.get("accuracy_rule") == "fp64":
+            acc = f"{'ok' if r['accuracy_ok'] else 'FAIL'} {r['ref64_ratio']:.2f}x64 ({r['accuracy_err']:.1e})"
+        else:  # against eager (rows written before the float64 rule: without accuracy_rule)
+            acc = f"{'ok' if r['accuracy_ok'] else 'FAIL'} {r['accuracy_err']:.1e}"
+        eager_calls = ", ".join(f"{k} {v}" for k, v in r.get("eager_calls", {}).items()) or "-"
+        warm = "-"
+        if "warm_up_s" in r:
+            warm = f"{r['warm_up_s']:.2f} ({r['graph_memory_bytes'] / 2**20:.1f}"
+            if r.get("graph_memory_vs_largest") is not None:  # (rows written before it: without)
+                warm += f"; largest size alone {r['largest_alone_bytes'] / 2**20:.1f}, {r['graph_memory_vs_largest']}x"
+            warm += ")"
+        lines.append(f"| {r['model']} | {r['contender']} | {r['loop_s']:.3f} | {r['ms_per_call']:.3f} | "
+                     f"{r.get('vs_eager', '-')} | {acc} | {graphs} | {r.get('static_regions', '-')} | "
+                     f"{r.get('bucketed_regions', '-')} | {eager_calls} | {r.get('graphs_evicted', '-')} |"
+                     + (f" {r.get('first_request_ms', '-')} | {warm} |" if extra else ""))
+    return "\n".join(lines) + "\n"
 
 
 _RUN_KEYS = ("command", "device", "torch", "cuda", "date")
@@ -250,7 +295,10 @@ def merge_runs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     for r in rows:
         r["run"] = renumber[r["run"]]
     meta = dict(new["meta"], runs=[runs[i] for i in used])
-    return {"meta": meta, "rows": rows}
+    merged = {"meta": meta, "rows": rows}
+    if "serving" in old:  # serve-bench --append's section stays until serve-bench replaces it
+        merged["serving"] = old["serving"]
+    return merged
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

@@ -38,12 +38,12 @@ import torch
 
 from .accuracy import LIMIT, rel_err
 from .measure import cudagraph_tree_counts, log, sync
-from .render import command_line, device_name
+from .render import command_line, device_name, render_serving as render_markdown, write_json
 from .settings import DTYPES, TOLERANCE, no_cuda_refusal
 from ..config import Config
 from ..models import build_model
 
-__all__ = ["main", "run"]
+__all__ = ["main", "render_markdown", "run"]
 
 CONTENDERS = ("eager", "cgbackend", "cgbackend-warm-up", "cgbackend-inductor", "cgbackend-exact",
               "cgbackend-entry-point", "reduce-overhead")
@@ -220,46 +220,6 @@ def run_model(model_name: str, args: argparse.Namespace, device: torch.device) -
     return rows
 
 
-def render_markdown(results: dict[str, Any]) -> str:
-    meta = results["meta"]
-    extra = any("first_request_ms" in r for r in results["rows"])  # (results written before it: without)
-    judged = ("each judged against a float64 run: at most 2x eager's own error" if meta.get("reference") == "fp64"
-              else "each checked against eager")
-    lines = [f"# Serving loop: random batch sizes 1..{meta['max_batch']}", "",
-             f"- device: {meta['device']}; torch {meta['torch']}; date {meta['date']}",
-             f"- command: `{meta['command']}`",
-             f"- {meta['calls']} warm calls ({judged}), then {meta['calls']} timed calls "
-             f"with new draws; seq {meta['seq']}, dtype {meta['dtype']}, size {meta['size']}", "",
-             "| model | contender | timed loop s | ms/call | vs eager | accuracy | graphs (bound) | "
-             "static regions | bucketed | eager calls | evicted |" + (" first request ms | warm-up s (graph MiB) |" if extra else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if extra else "")]
-    for r in results["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['model']} | {r['contender']} | failed: {r['error']} |" + " |" * (10 if extra else 8))
-            continue
-        graphs = str(r.get("graphs_captured", "-"))
-        if "graph_bound" in r:
-            graphs += f" ({r['graph_bound']})"
-        if r["contender"] == "eager":
-            acc = "-"
-        elif r.get("accuracy_rule") == "fp64":
-            acc = f"{'ok' if r['accuracy_ok'] else 'FAIL'} {r['ref64_ratio']:.2f}x64 ({r['accuracy_err']:.1e})"
-        else:  # against eager (rows written before the float64 rule: without accuracy_rule)
-            acc = f"{'ok' if r['accuracy_ok'] else 'FAIL'} {r['accuracy_err']:.1e}"
-        eager_calls = ", ".join(f"{k} {v}" for k, v in r.get("eager_calls", {}).items()) or "-"
-        warm = "-"
-        if "warm_up_s" in r:
-            warm = f"{r['warm_up_s']:.2f} ({r['graph_memory_bytes'] / 2**20:.1f}"
-            if r.get("graph_memory_vs_largest") is not None:  # (rows written before it: without)
-                warm += f"; largest size alone {r['largest_alone_bytes'] / 2**20:.1f}, {r['graph_memory_vs_largest']}x"
-            warm += ")"
-        lines.append(f"| {r['model']} | {r['contender']} | {r['loop_s']:.3f} | {r['ms_per_call']:.3f} | "
-                     f"{r.get('vs_eager', '-')} | {acc} | {graphs} | {r.get('static_regions', '-')} | "
-                     f"{r.get('bucketed_regions', '-')} | {eager_calls} | {r.get('graphs_evicted', '-')} |"
-                     + (f" {r.get('first_request_ms', '-')} | {warm} |" if extra else ""))
-    return "\n".join(lines) + "\n"
-
-
 def build_parser(prog: str = "python -m cgbackend serve-bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--models", default="dense,moe", help="comma-separated reference models (default %(default)s)")
@@ -283,6 +243,10 @@ def build_parser(prog: str = "python -m cgbackend serve-bench") -> argparse.Argu
                                                   "refuses unless --device cpu is given) or cpu")
     p.add_argument("--out", default=None, help="write the JSON results here (default: not written)")
     p.add_argument("--markdown", default=None, help="write the Markdown table here (default: stdout only)")
+    p.add_argument("--append", default=None, metavar="RESULTS_JSON",
+                   help="also store the results as the 'serving' section of this bench results file "
+                        "(benchmarks/results/latest.json), replacing its earlier serving section; its "
+                        "RESULTS.md renders the section")
     return p
 
 
@@ -311,6 +275,11 @@ def run(argv: Sequence[str], prog: str = "python -m cgbackend serve-bench") -> d
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(render_markdown(results))
+    if args.append:
+        path = Path(args.append)
+        bench = json.loads(path.read_text(encoding="utf-8"))
+        bench["serving"] = results
+        write_json(bench, path)
     print(render_markdown(results))
     return results
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import numbers
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,10 +117,22 @@ def test_serving_loop_smoke_on_cpu(tmp_path):
     """The serving-loop harness end to end at tiny sizes (eager and cgbackend; no GPU: graphs are
     blocked, so only the plumbing and the accuracy check run)."""
     from cgbackend.bench.serving import run
+    from cgbackend.bench.render import merge_runs, render_markdown
     out = tmp_path / "serving.json"
     md = tmp_path / "serving.md"
+    bench_json = tmp_path / "latest.json"  # a bench results file the run appends its section to
+    bench_rows = json.loads((Path(__file__).parents[2] / "benchmarks/results/latest.json").read_text())
+    bench_json.write_text(json.dumps(dict(bench_rows, serving={"meta": {}, "rows": []})))
     results = run(["--size", "tiny", "--calls", "6", "--max-batch", "5", "--seq", "8", "--dtype", "fp32",
-                   "--models", "dense,moe", "--device", "cpu", "--out", str(out), "--markdown", str(md)])
+                   "--models", "dense,moe", "--device", "cpu", "--out", str(out), "--markdown", str(md),
+                   "--append", str(bench_json)])
+    # --append: the bench file keeps its rows and holds this run as its serving section, which its
+    # RESULTS.md renders and a later `bench --append` keeps
+    merged = json.loads(bench_json.read_text())
+    assert merged["rows"] == bench_rows["rows"] and merged["serving"] == json.loads(out.read_text())
+    assert "## Serving loop: random batch sizes 1..5" in render_markdown(merged)
+    assert "| moe | cgbackend |" in render_markdown(merged)
+    assert merge_runs(merged, dict(bench_rows, rows=[]))["serving"] == merged["serving"]
     rows = results["rows"]
     assert [(r["model"], r["contender"]) for r in rows] == [
         ("dense", "eager"), ("dense", "cgbackend"), ("moe", "eager"), ("moe", "cgbackend")]
