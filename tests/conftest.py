@@ -20,6 +20,17 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1) > 1:
 # 36 s on a 2-core machine). It changes no GPU kernel. A value set by the caller is kept.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
+# glibc's malloc hands every block of 128 KiB or more (a threshold it raises up to 32 MiB as it
+# goes) to the kernel and back with mmap/munmap, and gives the top of its heap back past 128 KiB:
+# each later allocation then page-faults fresh zeroed pages. Tracing and compiling allocate and free
+# such blocks all the time (a tenth of a test worker's CPU time was system time). The processes
+# this one starts (the xdist workers, started after this file is loaded, the fresh interpreters and
+# gloo ranks of the tests) keep those blocks in the heap: on two files of the runtime and dispatch
+# tests, system time went from 9 to 6 s and the run from 64-68 to 56-60 s. glibc reads the
+# variable when a process starts; other C libraries ignore it. A value set by the caller is kept.
+os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=268435456:"
+                      "glibc.malloc.trim_threshold=1073741824:glibc.malloc.top_pad=67108864")
+
 import pytest
 
 # torch (and cgbackend) are imported where a hook or fixture first needs them: under pytest-xdist
