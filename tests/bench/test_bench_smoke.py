@@ -130,9 +130,13 @@ def test_serving_loop_smoke_on_cpu(tmp_path):
     # RESULTS.md renders and a later `bench --append` keeps
     merged = json.loads(bench_json.read_text())
     assert merged["rows"] == bench_rows["rows"] and merged["serving"] == json.loads(out.read_text())
-    assert "## Serving loop: random batch sizes 1..5" in render_markdown(merged)
-    assert "| moe | cgbackend |" in render_markdown(merged)
+    rendered = render_markdown(merged)
+    assert "## Serving loop: random batch sizes 1..5" in rendered and "| moe | cgbackend |" in rendered
     assert merge_runs(merged, dict(bench_rows, rows=[]))["serving"] == merged["serving"]
+    # a file that is not a bench results file is refused before anything runs
+    for bad, why in ((tmp_path / "missing.json", "not a readable"), (out, "not a bench results file")):
+        with pytest.raises(SystemExit, match=why):
+            run(["--size", "tiny", "--device", "cpu", "--models", "nope", "--append", str(bad)])
     rows = results["rows"]
     assert [(r["model"], r["contender"]) for r in rows] == [
         ("dense", "eager"), ("dense", "cgbackend"), ("moe", "eager"), ("moe", "cgbackend")]
