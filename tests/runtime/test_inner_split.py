@@ -375,3 +375,68 @@ def test_inductor_failure_raises_under_strict(monkeypatch):
     compiled = cgbackend.compile(_dense().eval(), inner="inductor", strict=True, **SIM)
     with torch.no_grad(), pytest.raises(RuntimeError, match="inductor_compile_failed"):
         compiled(_inputs(1)[0])
+
+
+class _TwoBranches(nn.Module):
+    """Two independent small pointwise chains after one matmul: what combo kernels launch as one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+
+    def forward(self, x):
+        h = self.a(x)
+        q, k = h.split(16, dim=-1)
+        return torch.sin(q) * 2 + 1, torch.cos(k) - 3
+
+
+def _spy_patches(monkeypatch, fail_combo=False):
+    import torch._inductor.compile_fx as cfx
+    real = cfx.compile_fx
+    seen = []
+
+    def spy(gm, example_inputs, **kw):
+        patches = kw.get("config_patches")
+        if patches is not None and "triton.cudagraphs" in patches:  # cgbackend's call, not the inner one
+            seen.append(dict(patches))
+            if fail_combo and patches.get("combo_kernels"):
+                raise RuntimeError("combo kernels are not supported here")
+        return real(gm, example_inputs, **kw)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    return seen
+
+
+@pytest.mark.parametrize("fail_combo", [False, True])
+def test_inference_regions_get_combo_kernels_training_regions_do_not(monkeypatch, fail_combo):
+    """Inductor's combo kernels for regions compiled without gradients only; where they fail to
+    compile, the region is compiled without them (not left to eager's kernels). Outputs (and the
+    training call's gradients) equal eager's on varied inputs."""
+    pytest.importorskip("torch._inductor.config")
+    seen = _spy_patches(monkeypatch, fail_combo)
+    torch.manual_seed(0)
+    model = _TwoBranches().double()
+    compiled = cgbackend.compile(copy.deepcopy(model), inner="inductor", **SIM)
+    with torch.no_grad():
+        for x in _inputs(3, seed=5):
+            for got, want in zip(compiled(x), model(x)):
+                torch.testing.assert_close(got, want)
+    inference = list(seen)
+    assert inference and inference[0].get("combo_kernels") is True, inference
+    if fail_combo:
+        assert len(inference) == 2 and "combo_kernels" not in inference[1], inference
+    stats = cgbackend.stats(compiled)
+    assert stats["inner_compiled"] == 1 and not stats["inner_fallbacks"], stats
+    assert stats["replays"] >= 1
+
+    seen.clear()
+    train = cgbackend.compile(copy.deepcopy(model), inner="inductor", **SIM)
+    for x in _inputs(3, seed=6):
+        x = x.requires_grad_()
+        out = train(x)
+        (out[0].sum() + out[1].pow(2).sum()).backward()
+        ref_x = x.detach().clone().requires_grad_()
+        ref = model(ref_x)
+        (ref[0].sum() + ref[1].pow(2).sum()).backward()
+        torch.testing.assert_close(x.grad, ref_x.grad)
+    assert seen and all("combo_kernels" not in p for p in seen), seen
