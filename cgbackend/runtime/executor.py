@@ -408,7 +408,7 @@ class CompiledGraph:
         watch = self.shared.watch
         profiling = _profiler_enabled()
         for position, step in enumerate(self.steps):
-            ins = [env[i] for i in step.ins]
+            ins = step.take(env)
             if watch is not None:  # launch counting (explain) or per-region timing (profile=True)
                 out = watch(self, position, run_step, step, ins, call)
             elif profiling:

@@ -26,10 +26,10 @@ class _Remembered:
     """The entry, the inference mode and key parts of the call that replayed it last, and its static
     input buffers."""
 
-    __slots__ = ("entry", "inference", "tensors", "values", "params", "ptrs", "static")
+    __slots__ = ("entry", "inference", "tensors", "values", "params", "ptrs", "static", "offsets", "stores")
 
     def __init__(self, entry: Entry, inference: bool, tensors: tuple, values: tuple, params: tuple,
-                 ptrs: Optional[list], static: list) -> None:
+                 ptrs: Optional[list], static: list, offsets: tuple, stores: frozenset) -> None:
         self.entry = entry
         self.inference = inference
         self.tensors = tensors
@@ -42,17 +42,31 @@ class _Remembered:
         """The same, aligned with the inputs, for PyTorch's C++ comparison (None without it)."""
         self.static = static
         """What the copied inputs are copied into, in entry.copy_pos order (entry.copy_dst)."""
+        self.offsets = offsets
+        """(position, storage offset, element size) of each input the region writes."""
+        self.stores = stores
+        """The storages of the inputs the region writes, by data_ptr()."""
 
 
-def _shares_written(ins: list, written: tuple, others: tuple) -> bool:
+def _shares_written(ins: list, fast: _Remembered, others: tuple) -> bool:
     """Does a copied input (``others``) lie in the storage of an input the region writes? The fast
-    path's conservative form of inputs.overlap: one storage lookup per position, no spans."""
-    stores = {ins[p].untyped_storage().data_ptr() for p in written}
+    path's conservative form of inputs.overlap: one storage lookup per copied input, no spans. The
+    written inputs are parameters (FastPath.ok) whose addresses the caller found unchanged; with
+    the same storage offset and element size, each one's storage starts where it did when the entry
+    was remembered, so their storages are the remembered ones (``fast.stores``)."""
+    for pos, offset, size in fast.offsets:
+        value = ins[pos]
+        if value.storage_offset() != offset or value.element_size() != size:
+            return True  # a view elsewhere in some storage: the full path decides
+    stores = fast.stores
     for pos in others:
         value = ins[pos]
-        if value.layout is not torch.strided or value.untyped_storage().data_ptr() in stores:
+        if value.layout is not _STRIDED or value.untyped_storage().data_ptr() in stores:
             return True
     return False
+
+
+_STRIDED = torch.strided
 
 
 class FastPath:
@@ -90,9 +104,12 @@ class FastPath:
         tensors = tuple((p, ins[p].shape, ins[p].stride(), ins[p].dtype) for p in cache.other_pos
                         if kinds[p] is not VALUE)
         values = tuple((p, freeze(ins[p])) for p in cache.other_pos if kinds[p] is VALUE)
+        written = runner.written
+        offsets = tuple((p, ins[p].storage_offset(), ins[p].element_size()) for p in written)
+        stores = frozenset(ins[p].untyped_storage().data_ptr() for p in written)
         self.remembered[self._slot(ins)] = _Remembered(
             entry, torch.is_inference_mode_enabled(), tensors, values, cache.param_key, cache.aligned_ptrs(),
-            entry.copy_dst)
+            entry.copy_dst, offsets, stores)
 
     def replay(self, ins: list, call: Any) -> Any:
         """Replay the remembered entry if this call's key is its key; None otherwise. Its inputs are
@@ -112,7 +129,7 @@ class FastPath:
         cache = runner.cache
         if cache.param_pos and not cache.same_params(ins, fast.params, fast.ptrs):
             return None
-        if runner.written and _shares_written(ins, runner.written, runner.overlap_pos):
+        if runner.written and _shares_written(ins, fast, runner.overlap_pos):
             return None  # the full path tells a real overlap (run eagerly) from a shared storage
         entry = fast.entry
         pool = entry.pool
