@@ -20,6 +20,7 @@ Training works through Inductor's AOT autograd.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from typing import Any, Callable, Optional
 
@@ -204,16 +205,100 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def combo_kernels_apply() -> bool:
-    """Does a region compiled now get Inductor's combo kernels (``combo_kernels``: independent
-    small kernels, such as the rotary embedding of q and of k or the key and value cache writes of a
-    decode step, launched as one)? Inside a CUDA graph each launch still costs the GPU its gap, and
-    a decode step of a small model is tens of such launches: on an H100, a step of the Llama decode
-    benchmark (batch 8) took 185 us of GPU time with them, 205 us without. Only for regions compiled without gradients
-    (inference, decode): a training region keeps Inductor's default code, forward and backward.
-    Feature-tested (torch 2.11 and 2.13 have the option)."""
+def inference_patches() -> dict[str, Any]:
+    """Inductor options a region compiled now gets beyond Inductor's defaults: only for regions
+    compiled without gradients (inference, decode); a training region keeps Inductor's default
+    code, forward and backward. Feature-tested (torch 2.11 and 2.13 have it).
+
+    ``combo_kernels``: independent small kernels, such as the rotary embedding of q and of k or the
+    key and value cache writes of a decode step, launched as one. Inside a CUDA graph each launch
+    still costs the GPU its gap, and a decode step of a small model is tens of such launches: on an
+    H100, a step of the Llama decode benchmark (batch 8) took 185 us of GPU time with them, 205 us
+    without."""
     from torch._inductor import config as inductor_config
-    return hasattr(inductor_config, "combo_kernels") and not torch.is_grad_enabled()
+    if torch.is_grad_enabled() or not hasattr(inductor_config, "combo_kernels"):
+        return {}
+    return {"combo_kernels": True}
+
+
+TOPK_SORT_MAX = 512
+"""Widest dimension whose ``topk`` an inference region computes by a sort (:func:`topk_as_sort`):
+a MoE router's experts (8 to 256), not a vocabulary, where ATen's topk is the faster kernel."""
+
+
+def topk_by_sort(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
+    """``torch.topk`` as a stable sort and a slice: the k largest (smallest) values in descending
+    (ascending) order and their indices, as topk returns them with ``sorted=True`` (also a valid
+    result where ``sorted=False`` leaves the order free); among equal values the lower index comes
+    first, where topk leaves the choice unspecified."""
+    values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
+    return values.narrow(dim, 0, k).contiguous(), indices.narrow(dim, 0, k).contiguous()
+
+
+def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
+    """(x, k, dim, largest, sorted) of a ``torch.topk`` / ``Tensor.topk`` node that a sort can
+    replace, or None."""
+    is_topk = ((node.op == "call_function" and node.target is torch.topk)
+               or (node.op == "call_method" and node.target == "topk"))
+    if not is_topk or "out" in node.kwargs:
+        return None
+    names = ("input", "k", "dim", "largest", "sorted")
+    found = dict(zip(names, node.args))
+    for key, value in node.kwargs.items():
+        found["input" if key == "self" else key] = value
+    x, k = found.get("input"), found.get("k")
+    dim, largest, ordered = found.get("dim", -1), found.get("largest", True), found.get("sorted", True)
+    if not isinstance(x, torch.fx.Node) or not isinstance(k, int) or not isinstance(dim, int) \
+            or not isinstance(largest, bool) or not isinstance(ordered, bool):
+        return None
+    value = fake_value(x)
+    if value is None or value.dim() == 0:
+        return None
+    width = value.shape[dim]
+    if not isinstance(width, int) or width > TOPK_SORT_MAX or value.is_complex():
+        return None
+    if any(u.op != "call_function" or u.target is not operator.getitem for u in node.users):
+        return None
+    return x, k, dim, largest, ordered
+
+
+def topk_as_sort(module: torch.fx.GraphModule) -> int:
+    """Compute a region's narrow ``topk`` calls (a MoE router's choice of experts) by
+    :func:`topk_by_sort`, in place; returns how many. Inductor lowers the stable sort to one Triton
+    kernel that the softmax before it can join; ATen's topk is two kernels (a gather, then a bitonic
+    sort of the k values). Only for inference regions compiled by Inductor (inductor_compile): the
+    eager kernels (``inner="eager"``) stay bitwise eager's."""
+    done = 0
+    for node in list(module.graph.nodes):
+        parts = _topk_parts(node)
+        if parts is None:
+            continue
+        x, k, dim, largest, ordered = parts
+        with module.graph.inserting_before(node):
+            new = module.graph.call_function(topk_by_sort, (x, k, dim, largest, ordered))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        module.graph.erase_node(node)
+        done += 1
+    if done:
+        module.recompile()
+    return done
+
+
+def _copy_module(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(module.graph, {})
+    graph.output(out).meta = dict(next(iter(reversed(module.graph.nodes))).meta)
+    return torch.fx.GraphModule(module, graph)
+
+
+def _has_sort_kernel() -> bool:
+    """Does this Inductor lower a sort to a kernel of its own (torch 2.11 and 2.13 do)?"""
+    try:
+        from torch._inductor import ir
+    except ImportError:  # pragma: no cover
+        return False
+    return hasattr(ir, "Sort")
 
 
 def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
@@ -222,21 +307,22 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
 
     gate = _Gated(module)
     module, views = _hoist_input_views(module)
+    if not torch.is_grad_enabled() and _has_sort_kernel():
+        if any(_topk_parts(n) is not None for n in module.graph.nodes):
+            module = _copy_module(module)  # the region's own module stays as traced (eager fallback)
+            topk_as_sort(module)
     example_inputs = _example_inputs(module)
     patches: dict[str, Any] = {"triton.cudagraphs": False, "triton.cudagraph_trees": False}
-    combo = combo_kernels_apply()
-    if combo:
-        patches["combo_kernels"] = True
+    extra = inference_patches()
     with no_donated_buffers():
         try:
-            compiled = compile_fx(module, example_inputs, config_patches=patches)
+            compiled = compile_fx(module, example_inputs, config_patches={**patches, **extra})
         except Exception as exc:
-            if not combo:
+            if not extra:
                 raise
-            # Combo kernels are Inductor's horizontal fusion, off by default: where they fail to
-            # compile, the region gets Inductor's default code (logged; the region is compiled).
-            log.info("cgbackend: Inductor's combo kernels failed (%s); compiling without them", first_line(exc))
-            patches.pop("combo_kernels")
+            # An option off by Inductor's default: where a compile fails with it, the region gets
+            # Inductor's default code (logged; the region is still compiled).
+            log.info("cgbackend: Inductor failed with %s (%s); compiling without", ", ".join(extra), first_line(exc))
             compiled = compile_fx(module, example_inputs, config_patches=patches)
 
     def run(*args: Any) -> Any:

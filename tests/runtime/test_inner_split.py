@@ -393,27 +393,28 @@ class _TwoBranches(nn.Module):
 def _spy_patches(monkeypatch, fail_combo=False):
     import torch._inductor.compile_fx as cfx
     real = cfx.compile_fx
-    seen = []
+    seen, seen_ops = [], []
 
     def spy(gm, example_inputs, **kw):
         patches = kw.get("config_patches")
         if patches is not None and "triton.cudagraphs" in patches:  # cgbackend's call, not the inner one
             seen.append(dict(patches))
+            seen_ops.append([n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")])
             if fail_combo and patches.get("combo_kernels"):
                 raise RuntimeError("combo kernels are not supported here")
         return real(gm, example_inputs, **kw)
 
     monkeypatch.setattr(cfx, "compile_fx", spy)
-    return seen
+    return seen, seen_ops
 
 
 @pytest.mark.parametrize("fail_combo", [False, True])
 def test_inference_regions_get_combo_kernels_training_regions_do_not(monkeypatch, fail_combo):
-    """Inductor's combo kernels for regions compiled without gradients only; where they fail to
-    compile, the region is compiled without them (not left to eager's kernels). Outputs (and the
+    """Inductor's combo kernels for regions compiled without gradients only; where a compile fails
+    with them, the region is compiled without them (not left to eager's kernels). Outputs (and the
     training call's gradients) equal eager's on varied inputs."""
     pytest.importorskip("torch._inductor.config")
-    seen = _spy_patches(monkeypatch, fail_combo)
+    seen, _ = _spy_patches(monkeypatch, fail_combo)
     torch.manual_seed(0)
     model = _TwoBranches().double()
     compiled = cgbackend.compile(copy.deepcopy(model), inner="inductor", **SIM)
@@ -440,3 +441,50 @@ def test_inference_regions_get_combo_kernels_training_regions_do_not(monkeypatch
         (ref[0].sum() + ref[1].pow(2).sum()).backward()
         torch.testing.assert_close(x.grad, ref_x.grad)
     assert seen and all("combo_kernels" not in p for p in seen), seen
+
+
+class _Router(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(16, 12)
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, 4, dim=-1)
+        return weights / weights.sum(-1, keepdim=True), experts
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_topk_as_sort_picks_the_same_experts_in_the_same_order(monkeypatch, grad):
+    """A router's topk compiled as a stable sort and a slice (inference regions under Inductor;
+    training regions keep topk): the same indices, in the same (descending) order, and the same
+    values as eager's topk, batch after batch (random routers: no ties); gradients equal eager's."""
+    pytest.importorskip("torch._inductor.config")
+    from cgbackend.runtime.inner import _has_sort_kernel, topk_by_sort
+    if not _has_sort_kernel():
+        pytest.skip("this Inductor has no sort kernel")
+    _, ops = _spy_patches(monkeypatch)
+    torch.manual_seed(0)
+    model = _Router().double()
+    mine = copy.deepcopy(model)
+    compiled = cgbackend.compile(mine, inner="inductor", **SIM)
+    scale = torch.arange(1.0, 5.0, dtype=torch.float64)
+    with torch.set_grad_enabled(grad):
+        for x in _inputs(4, seed=7):
+            mine.zero_grad()
+            model.zero_grad()
+            (w, e), (rw, re) = compiled(x), model(x)
+            assert torch.equal(e, re)
+            torch.testing.assert_close(w, rw)
+            if grad:
+                (w * scale).sum().backward()
+                (rw * scale).sum().backward()
+                for (name, p), (_, q) in zip(mine.named_parameters(), model.named_parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)  # float32 softmax
+    stats = cgbackend.stats(compiled)
+    assert stats["inner_compiled"] == 1 and not stats["inner_fallbacks"] and stats["replays"] >= 2, stats
+    assert ops, ops
+    if grad:
+        assert all(topk_by_sort not in o for o in ops) and any(torch.topk in o for o in ops), ops
+    else:
+        assert all(torch.topk not in o for o in ops) and all(topk_by_sort in o for o in ops), ops
