@@ -252,33 +252,56 @@ def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
             or not isinstance(largest, bool) or not isinstance(ordered, bool):
         return None
     value = fake_value(x)
-    if value is None or value.dim() == 0:
+    if value is None or value.dim() == 0 or getattr(value, "fake_mode", None) is None \
+            or "example_value" not in x.meta:
         return None
     width = value.shape[dim]
-    if not isinstance(width, int) or width > TOPK_SORT_MAX or value.is_complex():
+    if not isinstance(width, int) or width > TOPK_SORT_MAX or not value.dtype.is_floating_point:
         return None
-    if any(u.op != "call_function" or u.target is not operator.getitem for u in node.users):
+    if any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1)
+           for u in node.users):
         return None
     return x, k, dim, largest, ordered
 
 
+def _traced(graph: torch.fx.Graph, fn: Callable[..., Any], args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
+    """A new ``call_function`` node with the fake value Dynamo's nodes carry (``example_value``;
+    ``val`` too), computed from its arguments' (the caller is in their fake mode): AOT autograd's
+    cache takes only graphs whose nodes have them."""
+    node = graph.call_function(fn, args, kwargs or {})
+    fake_args = torch.fx.node.map_arg(args, lambda n: n.meta["example_value"])
+    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, lambda n: n.meta["example_value"])
+    node.meta["example_value"] = node.meta["val"] = fn(*fake_args, **fake_kwargs)
+    return node
+
+
 def topk_as_sort(module: torch.fx.GraphModule) -> int:
-    """Compute a region's narrow ``topk`` calls (a MoE router's choice of experts) by
-    :func:`topk_by_sort`, in place; returns how many. Inductor lowers the stable sort to one Triton
-    kernel that the softmax before it can join; ATen's topk is two kernels (a gather, then a bitonic
-    sort of the k values). Only for inference regions compiled by Inductor (inductor_compile): the
-    eager kernels (``inner="eager"``) stay bitwise eager's."""
+    """Compute a region's narrow ``topk`` calls (a MoE router's choice of experts) as
+    :func:`topk_by_sort` does, in place; returns how many. Inductor lowers the stable sort to one
+    Triton kernel that the softmax before it can join; ATen's topk is two kernels (a gather, then a
+    bitonic sort of the k values). Written as plain torch calls (``torch.sort``, ``narrow``,
+    ``clone``, each node with its fake value), so the graph stays one that Inductor's caches take. Only for inference regions
+    compiled by Inductor (inductor_compile): the eager kernels (``inner="eager"``) stay bitwise
+    eager's."""
+    graph = module.graph
     done = 0
-    for node in list(module.graph.nodes):
+    for node in list(graph.nodes):
         parts = _topk_parts(node)
         if parts is None:
             continue
-        x, k, dim, largest, ordered = parts
-        with module.graph.inserting_before(node):
-            new = module.graph.call_function(topk_by_sort, (x, k, dim, largest, ordered))
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        module.graph.erase_node(node)
+        x, k, dim, largest, _ = parts
+        fake = fake_value(x)
+        with graph.inserting_before(node), fake.fake_mode:
+            both = _traced(graph, torch.sort, (x,), {"dim": dim, "descending": largest, "stable": True})
+            results = []
+            for j in (0, 1):
+                part = _traced(graph, operator.getitem, (both, j))
+                part = _traced(graph, torch.narrow, (part, dim, 0, k))
+                results.append(_traced(graph, torch.clone, (part,), {"memory_format": torch.contiguous_format}))
+        for user in list(node.users):
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
         done += 1
     if done:
         module.recompile()

@@ -460,7 +460,7 @@ def test_topk_as_sort_picks_the_same_experts_in_the_same_order(monkeypatch, grad
     training regions keep topk): the same indices, in the same (descending) order, and the same
     values as eager's topk, batch after batch (random routers: no ties); gradients equal eager's."""
     pytest.importorskip("torch._inductor.config")
-    from cgbackend.runtime.inner import _has_sort_kernel, topk_by_sort
+    from cgbackend.runtime.inner import _has_sort_kernel
     if not _has_sort_kernel():
         pytest.skip("this Inductor has no sort kernel")
     _, ops = _spy_patches(monkeypatch)
@@ -485,6 +485,54 @@ def test_topk_as_sort_picks_the_same_experts_in_the_same_order(monkeypatch, grad
     assert stats["inner_compiled"] == 1 and not stats["inner_fallbacks"] and stats["replays"] >= 2, stats
     assert ops, ops
     if grad:
-        assert all(topk_by_sort not in o for o in ops) and any(torch.topk in o for o in ops), ops
+        assert all(torch.sort not in o for o in ops) and any(torch.topk in o for o in ops), ops
     else:
-        assert all(torch.topk not in o for o in ops) and all(topk_by_sort in o for o in ops), ops
+        assert all(torch.topk not in o for o in ops) and all(torch.sort in o for o in ops), ops
+
+
+def test_topk_by_sort_returns_what_topk_returns():
+    """Values equal topk's and in its order; indices point at those values; with ties (repeated
+    values) the lower index comes first. Both directions, several dims, NaN as the largest."""
+    from cgbackend.runtime.inner import topk_by_sort
+    g = torch.Generator().manual_seed(3)
+    for shape, dim, k in (((5, 12), -1, 4), ((3, 7, 6), 1, 2), ((9,), 0, 9)):
+        for largest in (True, False):
+            x = torch.randn(*shape, generator=g)
+            x = torch.where(torch.rand(*shape, generator=g) < 0.3, torch.round(x), x)  # ties
+            v, i = topk_by_sort(x, k, dim, largest)
+            rv, _ = torch.topk(x, k, dim=dim, largest=largest)
+            assert torch.equal(v, rv) and v.is_contiguous() and i.is_contiguous()
+            assert torch.equal(x.gather(dim, i), v)
+            same = v.narrow(dim, 1, k - 1) == v.narrow(dim, 0, k - 1) if k > 1 else None
+            if same is not None and same.any():
+                assert (i.narrow(dim, 1, k - 1) > i.narrow(dim, 0, k - 1))[same].all()
+    x = torch.tensor([[1.0, float("nan"), 3.0, 2.0]])
+    v, i = topk_by_sort(x, 2)
+    rv, ri = torch.topk(x, 2)
+    assert torch.equal(i, ri) and torch.isnan(v[0, 0]) and v[0, 1] == rv[0, 1]
+
+
+def test_topk_kept_where_a_sort_would_not_pay_or_could_not_stand_in():
+    """Wide dimensions (a vocabulary), integer values, and a result used other than by
+    indexing keep ``torch.topk``."""
+    from cgbackend.runtime.inner import TOPK_SORT_MAX, topk_as_sort
+
+    class Many(nn.Module):
+        def forward(self, a, b, c):
+            w, i = torch.topk(a, 4)
+            wide = torch.topk(b, 4).values
+            ints = torch.topk(c, 2)[1]
+            return w, i, wide, ints
+
+    a, b, c = torch.randn(3, 16), torch.randn(3, TOPK_SORT_MAX + 1), torch.randint(0, 9, (3, 8))
+    gm = torch.fx.symbolic_trace(Many())
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    FakeTensorProp(gm).propagate(a, b, c)
+    for node in gm.graph.nodes:
+        node.meta["example_value"] = node.meta.get("val")  # as Dynamo's graphs carry them
+    assert topk_as_sort(gm) == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.sort) == 1 and targets.count(torch.topk) == 2
+    got, want = gm(a, b, c), Many()(a, b, c)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
