@@ -264,14 +264,20 @@ def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
     return x, k, dim, largest, ordered
 
 
-def _traced(graph: torch.fx.Graph, fn: Callable[..., Any], args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
-    """A new ``call_function`` node with the fake value Dynamo's nodes carry (``example_value``;
-    ``val`` too), computed from its arguments' (the caller is in their fake mode): AOT autograd's
-    cache takes only graphs whose nodes have them."""
-    node = graph.call_function(fn, args, kwargs or {})
+def _traced(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
+    """A new ``call_function`` node (``call_method`` where ``fn`` is a method's name) with the fake
+    value Dynamo's nodes carry (``example_value``; ``val`` too), computed from its arguments' (the
+    caller is in their fake mode): AOT autograd's cache takes only graphs whose nodes have them."""
+    kwargs = kwargs or {}
     fake_args = torch.fx.node.map_arg(args, lambda n: n.meta["example_value"])
-    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, lambda n: n.meta["example_value"])
-    node.meta["example_value"] = node.meta["val"] = fn(*fake_args, **fake_kwargs)
+    fake_kwargs = torch.fx.node.map_arg(kwargs, lambda n: n.meta["example_value"])
+    if isinstance(fn, str):
+        node = graph.call_method(fn, args, kwargs)
+        value = getattr(fake_args[0], fn)(*fake_args[1:], **fake_kwargs)
+    else:
+        node = graph.call_function(fn, args, kwargs)
+        value = fn(*fake_args, **fake_kwargs)
+    node.meta["example_value"] = node.meta["val"] = value
     return node
 
 
@@ -280,7 +286,8 @@ def topk_as_sort(module: torch.fx.GraphModule) -> int:
     :func:`topk_by_sort` does, in place; returns how many. Inductor lowers the stable sort to one
     Triton kernel that the softmax before it can join; ATen's topk is two kernels (a gather, then a
     bitonic sort of the k values). Written as plain torch calls (``torch.sort``, ``narrow``,
-    ``clone``, each node with its fake value), so the graph stays one that Inductor's caches take. Only for inference regions
+    ``contiguous``, each node with its fake value), so the graph stays one that Inductor's caches
+    take. Only for inference regions
     compiled by Inductor (inductor_compile): the eager kernels (``inner="eager"``) stay bitwise
     eager's."""
     graph = module.graph
@@ -297,7 +304,7 @@ def topk_as_sort(module: torch.fx.GraphModule) -> int:
             for j in (0, 1):
                 part = _traced(graph, operator.getitem, (both, j))
                 part = _traced(graph, torch.narrow, (part, dim, 0, k))
-                results.append(_traced(graph, torch.clone, (part,), {"memory_format": torch.contiguous_format}))
+                results.append(_traced(graph, "contiguous", (part,)))
         for user in list(node.users):
             user.replace_all_uses_with(results[user.args[1]])
             graph.erase_node(user)
