@@ -115,13 +115,21 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         traced_forward = compiled.forward
         whole = WholeGraphUnderDDP if is_ddp(model) else contextlib.nullcontext
 
-        if whole is contextlib.nullcontext and not overrides and not loops:
-            # Nothing to install around a call (no DDP, no regional or rewritten forwards): the host
-            # time before the graph launches is a decode step's time, and each context entered here
-            # is part of it (2.4 us a call on the CI machine's Llama decode step).
-            @functools.wraps(traced_forward)
-            def forward(*args: Any, **kwargs: Any) -> Any:
-                return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
+        if whole is contextlib.nullcontext and not overrides:
+            # Only the contexts a call needs (no DDP, no regional forwards; rewritten loops only where
+            # there are some): the host time before the graph launches is a decode step's time,
+            # and each context entered here is part of it (2.4 us a call on the CI machine's Llama
+            # decode step).
+            if not loops:
+                @functools.wraps(traced_forward)
+                def forward(*args: Any, **kwargs: Any) -> Any:
+                    return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
+            else:
+                with_loops = loops.call
+
+                @functools.wraps(traced_forward)
+                def forward(*args: Any, **kwargs: Any) -> Any:
+                    return with_loops(_call_tracing_dynamic_ops, instance, traced_forward, args, kwargs)
         else:
             @functools.wraps(traced_forward)
             def forward(*args: Any, **kwargs: Any) -> Any:
