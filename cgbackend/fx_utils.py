@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import sympy
 import torch
@@ -18,6 +18,16 @@ import torch.fx
 META_KEY = "cgbackend"
 
 _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def copy_module(module: torch.fx.GraphModule, env: Optional[dict] = None) -> torch.fx.GraphModule:
+    """``module``'s graph copied node by node (meta shallow-copied, the output node's too), over the
+    same root module; ``env`` (if given) receives each old node's copy. A caller that changes the
+    copy's graph recompiles it."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(module.graph, {} if env is None else env)
+    graph.output(out).meta = dict(next(iter(reversed(module.graph.nodes))).meta)
+    return torch.fx.GraphModule(module, graph)
 
 
 def fake_value(node: torch.fx.Node) -> Any:

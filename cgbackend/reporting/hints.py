@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch.fx
 
 from ..config import Config
-from ..fx_utils import source_frame, source_location, user_function
+from ..fx_utils import copy_module, source_frame, source_location, user_function
 
 __all__ = ["build_hints", "hint_option", "hints_text", "option_cli", "option_python", "source_text"]
 
@@ -93,14 +93,6 @@ def _frame_of(analyses: list, where: str) -> Optional[dict[str, Any]]:
     return None
 
 
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The graph copied node by node (meta shallow-copied), over the same root module."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return torch.fx.GraphModule(gm, graph)
-
-
 def _static_fraction(analysis: Any) -> float:
     from ..passes.cost import estimate_kernels
     static = total = 0
@@ -122,7 +114,7 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
     where = ""
     for analysis in analyses:
         try:
-            after = analyze(_copy(analysis.gm), auto, training=analysis.classification.training,
+            after = analyze(copy_module(analysis.gm), auto, training=analysis.classification.training,
                             compute_device=analysis.classification.compute_device)
         except Exception:  # an estimate: a graph the copy cannot analyze gets no hint
             return None

@@ -29,7 +29,7 @@ import torch.fx
 
 from .. import progress
 from ..config import Config
-from ..fx_utils import fake_value
+from ..fx_utils import copy_module, fake_value
 from .capture import first_line
 from .layouts import AdaptedCall, InputLayouts
 
@@ -100,9 +100,9 @@ def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModu
              and fake_value(n) is not None]
     if not hoist:
         return module, []
-    graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = graph.graph_copy(module.graph, env)
+    copied = copy_module(module, env)
+    graph = copied.graph
     last = env[placeholders[-1]]
     views = []
     for n in hoist:
@@ -113,8 +113,8 @@ def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModu
         graph.erase_node(env[n])
         last = new
         views.append((n.target, [index[a] if isinstance(a, torch.fx.Node) else (a,) for a in n.args]))
-    graph.output(out).meta = dict(next(iter(reversed(module.graph.nodes))).meta)
-    return torch.fx.GraphModule(module, graph), views
+    copied.recompile()
+    return copied, views
 
 
 class _Reach:
@@ -315,13 +315,6 @@ def topk_as_sort(module: torch.fx.GraphModule) -> int:
     return done
 
 
-def _copy_module(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(module.graph, {})
-    graph.output(out).meta = dict(next(iter(reversed(module.graph.nodes))).meta)
-    return torch.fx.GraphModule(module, graph)
-
-
 def _has_sort_kernel() -> bool:
     """Does this Inductor lower a sort to a kernel of its own (torch 2.11 and 2.13 do)?"""
     try:
@@ -339,7 +332,7 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
     module, views = _hoist_input_views(module)
     if not torch.is_grad_enabled() and _has_sort_kernel():
         if any(_topk_parts(n) is not None for n in module.graph.nodes):
-            module = _copy_module(module)  # the region's own module stays as traced (eager fallback)
+            module = copy_module(module)  # the region's own module stays as traced (eager fallback)
             topk_as_sort(module)
     example_inputs = _example_inputs(module)
     patches: dict[str, Any] = {"triton.cudagraphs": False, "triton.cudagraph_trees": False}

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value
+from ..fx_utils import copy_module, fake_value
 
 __all__ = ["Layout", "InputLayouts", "AdaptedCall", "input_buffer", "compact_view", "copy_into",
            "describe_inputs"]
@@ -192,17 +192,15 @@ class InputLayouts:
         plan = cls(layouts, written)
         if not replace:
             return plan, module
-        graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
-        out = graph.graph_copy(module.graph, env)
-        graph.output(out).meta = dict(next(iter(reversed(module.graph.nodes))).meta)
+        copied = copy_module(module, env)
         for pos, fake in replace.items():
             node = env[placeholders[pos]]
             node.meta = dict(node.meta)
             node.meta["val"] = fake
             if "example_value" in node.meta:
                 node.meta["example_value"] = fake
-        return plan, torch.fx.GraphModule(module, graph)
+        return plan, copied
 
     def layout(self, pos: int) -> Optional[Layout]:
         return self.layouts.get(pos)
