@@ -226,15 +226,6 @@ TOPK_SORT_MAX = 512
 a MoE router's experts (8 to 256), not a vocabulary, where ATen's topk is the faster kernel."""
 
 
-def topk_by_sort(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
-    """``torch.topk`` as a stable sort and a slice: the k largest (smallest) values in descending
-    (ascending) order and their indices, as topk returns them with ``sorted=True`` (also a valid
-    result where ``sorted=False`` leaves the order free); among equal values the lower index comes
-    first, where topk leaves the choice unspecified."""
-    values, indices = torch.sort(x, dim=dim, descending=largest, stable=True)
-    return values.narrow(dim, 0, k).contiguous(), indices.narrow(dim, 0, k).contiguous()
-
-
 def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
     """(x, k, dim, largest, sorted) of a ``torch.topk`` / ``Tensor.topk`` node that a sort can
     replace, or None."""
@@ -282,8 +273,11 @@ def _traced(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: Optional[dict] 
 
 
 def topk_as_sort(module: torch.fx.GraphModule) -> int:
-    """Compute a region's narrow ``topk`` calls (a MoE router's choice of experts) as
-    :func:`topk_by_sort` does, in place; returns how many. Inductor lowers the stable sort to one
+    """Compute a region's narrow ``topk`` calls (a MoE router's choice of experts) as a stable sort
+    and a slice, in place; returns how many. The k largest (smallest) values in descending
+    (ascending) order and their indices, as topk returns them with ``sorted=True`` (also a valid
+    result where ``sorted=False`` leaves the order free); among equal values the lower index comes
+    first, where topk leaves the choice unspecified. Inductor lowers the stable sort to one
     Triton kernel that the softmax before it can join; ATen's topk is two kernels (a gather, then a
     bitonic sort of the k values). Written as plain torch calls (``torch.sort``, ``narrow``,
     ``contiguous``, each node with its fake value), so the graph stays one that Inductor's caches
