@@ -120,16 +120,11 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
             # there are some): the host time before the graph launches is a decode step's time,
             # and each context entered here is part of it (2.4 us a call on the CI machine's Llama
             # decode step).
-            if not loops:
-                @functools.wraps(traced_forward)
-                def forward(*args: Any, **kwargs: Any) -> Any:
-                    return _call_tracing_dynamic_ops(instance, traced_forward, args, kwargs)
-            else:
-                with_loops = loops.call
+            call = functools.partial(loops.call, _call_tracing_dynamic_ops) if loops else _call_tracing_dynamic_ops
 
-                @functools.wraps(traced_forward)
-                def forward(*args: Any, **kwargs: Any) -> Any:
-                    return with_loops(_call_tracing_dynamic_ops, instance, traced_forward, args, kwargs)
+            @functools.wraps(traced_forward)
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                return call(instance, traced_forward, args, kwargs)
         else:
             @functools.wraps(traced_forward)
             def forward(*args: Any, **kwargs: Any) -> Any:

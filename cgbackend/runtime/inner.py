@@ -281,9 +281,8 @@ def topk_as_sort(module: torch.fx.GraphModule) -> int:
     Triton kernel that the softmax before it can join; ATen's topk is two kernels (a gather, then a
     bitonic sort of the k values). Written as plain torch calls (``torch.sort``, ``narrow``,
     ``contiguous``, each node with its fake value), so the graph stays one that Inductor's caches
-    take. Only for inference regions
-    compiled by Inductor (inductor_compile): the eager kernels (``inner="eager"``) stay bitwise
-    eager's."""
+    take. Only for inference regions compiled by Inductor (inductor_compile): the eager kernels
+    (``inner="eager"``) stay bitwise eager's."""
     graph = module.graph
     done = 0
     for node in list(graph.nodes):
