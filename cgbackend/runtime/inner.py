@@ -221,13 +221,18 @@ def inference_patches() -> dict[str, Any]:
     return {"combo_kernels": True}
 
 
-TOPK_SORT_MAX = 512
-"""Widest dimension whose ``topk`` an inference region computes by a sort (:func:`topk_as_sort`):
+TOPK_SELECT_MAX_WIDTH = 512
+"""Widest dimension whose ``topk`` an inference region computes by selection (:func:`topk_by_keys`):
 a MoE router's experts (8 to 256), not a vocabulary, where ATen's topk is the faster kernel."""
+TOPK_SELECT_MAX_K = 16
+"""Largest ``k`` computed by selection: each of the k picks is one reduction over the dimension."""
+_SELECT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Values whose float32 bit pattern orders them (float64 would not fit a key with its index)."""
+_INT32_MAX, _INT64_MIN = 2 ** 31 - 1, -(2 ** 63)
 
 
 def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
-    """(x, k, dim, largest, sorted) of a ``torch.topk`` / ``Tensor.topk`` node that a sort can
+    """(x, k, dim, largest, sorted) of a ``torch.topk`` / ``Tensor.topk`` node that selection can
     replace, or None."""
     is_topk = ((node.op == "call_function" and node.target is torch.topk)
                or (node.op == "call_method" and node.target == "topk"))
@@ -244,15 +249,15 @@ def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
         return None
     value = fake_value(x)
     if value is None or value.dim() == 0 or getattr(value, "fake_mode", None) is None \
-            or "example_value" not in x.meta:
+            or "example_value" not in x.meta or value.dtype not in _SELECT_DTYPES:
         return None
     width = value.shape[dim]
-    if not isinstance(width, int) or width > TOPK_SORT_MAX or not value.dtype.is_floating_point:
+    if not isinstance(width, int) or width > TOPK_SELECT_MAX_WIDTH or not 1 <= k <= min(width, TOPK_SELECT_MAX_K):
         return None
     if any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1)
            for u in node.users):
         return None
-    return x, k, dim, largest, ordered
+    return x, k, dim % value.dim(), largest, ordered
 
 
 def _traced(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
@@ -272,17 +277,52 @@ def _traced(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: Optional[dict] 
     return node
 
 
-def topk_as_sort(module: torch.fx.GraphModule) -> int:
-    """Compute a region's narrow ``topk`` calls (a MoE router's choice of experts) as a stable sort
-    and a slice, in place; returns how many. The k largest (smallest) values in descending
-    (ascending) order and their indices, as topk returns them with ``sorted=True`` (also a valid
-    result where ``sorted=False`` leaves the order free); among equal values the lower index comes
-    first, where topk leaves the choice unspecified. Inductor lowers the stable sort to one
-    Triton kernel that the softmax before it can join; ATen's topk is two kernels (a gather, then a
-    bitonic sort of the k values). Written as plain torch calls (``torch.sort``, ``narrow``,
-    ``contiguous``, each node with its fake value), so the graph stays one that Inductor's caches
-    take. Only for inference regions compiled by Inductor (inductor_compile): the eager kernels
-    (``inner="eager"``) stay bitwise eager's."""
+def _selection(graph: torch.fx.Graph, x: torch.fx.Node, k: int, dim: int, largest: bool) -> tuple:
+    """Nodes computing topk's (values, indices) of ``x`` along ``dim`` by k picks of the largest
+    key. A value's key is its float32 bit pattern made monotonic (as a signed integer: negative
+    patterns have their magnitude bits flipped), -0.0 folded onto 0.0 and every NaN above +inf as
+    topk ranks it (below every number where ``largest=False``), bit-inverted where
+    ``largest=False``; shifted up 32 bits with the index's complement below, so every key in a row
+    is distinct and a tie goes to the lower index. Each pick is a max reduction; the picked key is
+    then set below every real key."""
+    value = fake_value(x)
+    width, trailing = value.shape[dim], value.dim() - 1 - dim
+
+    def op(fn: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        return _traced(graph, fn, args, kwargs)
+
+    bits = op("view", op("float", x), torch.int32)
+    key = op(torch.where, op(torch.ge, bits, 0), bits, op(torch.bitwise_xor, bits, _INT32_MAX))
+    key = op(torch.where, op(torch.eq, x, 0), 0, key)
+    if not largest:
+        key = op(torch.bitwise_not, key)
+    # NaN ranks above +inf (largest) or last (smallest): one above the picked marker's top half.
+    key = op(torch.where, op(torch.isnan, x), _INT32_MAX if largest else -_INT32_MAX, key)
+    below = op(torch.arange, width - 1, -1, -1, dtype=torch.int64, device=value.device)
+    if trailing:
+        below = op("view", below, (width,) + (1,) * trailing)
+    key = op(torch.add, op(torch.mul, op("to", key, torch.int64), 2 ** 32), below)
+    picks = []
+    for j in range(k):
+        top = op(torch.amax, key, dim, True)
+        picks.append(op(torch.rsub, op(torch.bitwise_and, top, 2 ** 32 - 1), width - 1))
+        if j + 1 < k:
+            key = op(torch.where, op(torch.eq, key, top), _INT64_MIN, key)
+    index = op(torch.cat, picks, dim) if k > 1 else picks[0]
+    return op(torch.gather, x, dim, index), index
+
+
+def topk_by_keys(module: torch.fx.GraphModule) -> int:
+    """Compute a region's small ``topk`` calls (a MoE router's choice of experts) by selection, in
+    place; returns how many. The k largest (smallest) values in descending (ascending) order and
+    their indices, as topk returns them with ``sorted=True`` (also a valid result where
+    ``sorted=False`` leaves the order free); among equal values (-0.0 equals 0.0, NaN equals NaN)
+    the lower index comes first, where topk leaves the choice unspecified. Inductor fuses the k max
+    reductions with the softmax before them into one kernel; ATen's topk is two kernels (a gather,
+    then a bitonic sort of the k values), and a sort (Inductor's other one-kernel form) takes its
+    Triton compile 20-30 s. Written as plain torch calls, each node with its fake value, so the
+    graph stays one that Inductor's caches take. Only for inference regions compiled by Inductor
+    (inductor_compile): the eager kernels (``inner="eager"``) stay bitwise eager's."""
     graph = module.graph
     done = 0
     for node in list(graph.nodes):
@@ -290,14 +330,8 @@ def topk_as_sort(module: torch.fx.GraphModule) -> int:
         if parts is None:
             continue
         x, k, dim, largest, _ = parts
-        fake = fake_value(x)
-        with graph.inserting_before(node), fake.fake_mode:
-            both = _traced(graph, torch.sort, (x,), {"dim": dim, "descending": largest, "stable": True})
-            results = []
-            for j in (0, 1):
-                part = _traced(graph, operator.getitem, (both, j))
-                part = _traced(graph, torch.narrow, (part, dim, 0, k))
-                results.append(_traced(graph, "contiguous", (part,)))
+        with graph.inserting_before(node), fake_value(x).fake_mode:
+            results = _selection(graph, x, k, dim, largest)
         for user in list(node.users):
             user.replace_all_uses_with(results[user.args[1]])
             graph.erase_node(user)
@@ -308,25 +342,15 @@ def topk_as_sort(module: torch.fx.GraphModule) -> int:
     return done
 
 
-def _has_sort_kernel() -> bool:
-    """Does this Inductor lower a sort to a kernel of its own (torch 2.11 and 2.13 do)?"""
-    try:
-        from torch._inductor import ir
-    except ImportError:  # pragma: no cover
-        return False
-    return hasattr(ir, "Sort")
-
-
 def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
     """Compile one region's FX module with Inductor (no CUDA graphs of its own)."""
     from torch._inductor.compile_fx import compile_fx  # imported only when a region is compiled
 
     gate = _Gated(module)
     module, views = _hoist_input_views(module)
-    if not torch.is_grad_enabled() and _has_sort_kernel():
-        if any(_topk_parts(n) is not None for n in module.graph.nodes):
-            module = copy_module(module)  # the region's own module stays as traced (eager fallback)
-            topk_as_sort(module)
+    if not torch.is_grad_enabled() and any(_topk_parts(n) is not None for n in module.graph.nodes):
+        module = copy_module(module)  # the region's own module stays as traced (eager fallback)
+        topk_by_keys(module)
     example_inputs = _example_inputs(module)
     patches: dict[str, Any] = {"triton.cudagraphs": False, "triton.cudagraph_trees": False}
     extra = inference_patches()
