@@ -228,7 +228,11 @@ TOPK_SELECT_MAX_K = 16
 """Largest ``k`` computed by selection: each of the k picks is one reduction over the dimension."""
 _SELECT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Values whose float32 bit pattern orders them (float64 would not fit a key with its index)."""
-_INT32_MAX, _INT64_MIN = 2 ** 31 - 1, -(2 ** 63)
+_INT32_MAX = 2 ** 31 - 1
+_PICKED = -(2 ** 63) + 1
+"""A picked key's new value: below every real key (those are at least ``(-2**31 + 1) * 2**32``),
+and not int64's minimum, whose literal (``-9223372036854775808``) a kernel source would write as
+the negation of a constant that only fits an unsigned type."""
 
 
 def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
@@ -307,7 +311,7 @@ def _selection(graph: torch.fx.Graph, x: torch.fx.Node, k: int, dim: int, larges
         top = op(torch.amax, key, dim, True)
         picks.append(op(torch.rsub, op(torch.bitwise_and, top, 2 ** 32 - 1), width - 1))
         if j + 1 < k:
-            key = op(torch.where, op(torch.eq, key, top), _INT64_MIN, key)
+            key = op(torch.where, op(torch.eq, key, top), _PICKED, key)
     index = op(torch.cat, picks, dim) if k > 1 else picks[0]
     return op(torch.gather, x, dim, index), index
 
