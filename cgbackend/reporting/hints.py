@@ -18,6 +18,11 @@ static_dispatch="auto")``), both ready to paste (:func:`option_cli`, :func:`opti
   ``range(E)`` has a fixed length (and the hint says why the rewrite declined).
 * ``inner_compiler``: static regions run eager's kernels (``inner="eager"`` in effect);
   ``inner="inductor"`` fuses them.
+* ``graph_memory``: a bucketed region's graph at its largest capture size is estimated
+  (memory_estimate.py) at :data:`MEMORY_HINT_BYTES` or more and at least twice the graph the
+  traced sizes use: ``max_capture_size`` at the traced sizes' capture size bounds the pool there
+  (larger calls run the region's compiled code without a graph); fewer ``capture_sizes`` cut the
+  static input copies every captured size keeps.
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ import torch.fx
 from ..config import Config
 from ..fx_utils import copy_module, source_frame, source_location, user_function
 
-__all__ = ["build_hints", "hint_option", "hints_text", "option_cli", "option_python", "source_text"]
+__all__ = ["MEMORY_HINT_BYTES", "build_hints", "hint_option", "hints_text", "option_cli", "option_python",
+           "source_text"]
+
+MEMORY_HINT_BYTES = 256 * 2 ** 20
+"""A bucketed region's largest graph from which the report suggests ``max_capture_size``."""
 
 _FOR_LOOP = re.compile(r"^\s*for\s+.+?\s+in\s+(?P<iter>.+):\s*(#.*)?$")
 _DATA_DEPENDENT = re.compile(r"data.dependent|unbacked|nonzero|dynamic shape operator|\bu\d+\b", re.I)
@@ -220,6 +229,37 @@ def _inner_hint(report: Any, config: Config) -> Optional[dict[str, Any]]:
         option=("inner", "inductor"))
 
 
+def _memory_hint(report: Any, config: Config) -> Optional[dict[str, Any]]:
+    """The bucketed region whose largest graph is the largest, where a max_capture_size at the
+    traced sizes would cut it at least in half (see the module docstring)."""
+    best = None
+    for region in report.regions():
+        memory = region.memory
+        if len(memory) < 2 or memory[0]["size"] is None:
+            continue
+        largest = max(memory, key=lambda m: m["bytes"])
+        traced = next((m for m in memory if m["traced"]), None)
+        if traced is None or traced["size"] >= largest["size"] or largest["bytes"] < MEMORY_HINT_BYTES \
+                or largest["bytes"] < 2 * traced["bytes"]:
+            continue
+        if config.max_capture_size and config.max_capture_size <= traced["size"]:
+            continue
+        if best is None or largest["bytes"] > best[1]["bytes"]:
+            best = (region, largest, traced, sum(m["copied_input_bytes"] for m in memory), len(memory))
+    if best is None:
+        return None
+    region, largest, traced, copies, sizes = best
+    mib = 2 ** 20
+    return _hint(
+        "graph_memory",
+        f"{region.id}'s graphs grow with its padded size: about {largest['bytes'] / mib:.0f} MiB of pool at "
+        f"capture size {largest['size']}, {traced['bytes'] / mib:.1f} MiB at {traced['size']} (the size traced "
+        f"here; estimates before capture). max_capture_size={traced['size']} keeps the pool there: a call "
+        f"above it runs the region's compiled code without a graph (counted). Each captured size also keeps "
+        f"its own copies of the inputs, {copies / mib:.1f} MiB over all {sizes} sizes: fewer capture_sizes "
+        f"cut those", option=("max_capture_size", traced["size"]))
+
+
 def build_hints(report: Any, analyses: list, config: Config, loops: Optional[list] = None) -> list[dict[str, Any]]:
     """Hints for a report built from ``analyses`` (in graph order) under ``config``; ``loops``:
     what static dispatch's loop rewrite would do to the model's loops (forwards.survey)."""
@@ -231,6 +271,9 @@ def build_hints(report: Any, analyses: list, config: Config, loops: Optional[lis
     inner = _inner_hint(report, config)
     if inner is not None:
         hints.append(inner)
+    memory = _memory_hint(report, config)
+    if memory is not None:
+        hints.append(memory)
     return hints
 
 

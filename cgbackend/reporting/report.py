@@ -24,7 +24,10 @@ kernel launches per call if nothing is graphed), ``est_launches_graphed``
 "role", "rule"}``; ``rule`` is null for nodes that are graphed), ``hoisted_syncs``
 (dynamic regions: host syncs the scheduler moved earlier), ``buckets`` (static regions with
 size symbols: ``{symbol: {"bucketable", "padded", "why", "op", "source", "code"}}``; the padded
-symbol keys graphs on capture sizes, the others on exact values).
+symbol keys graphs on capture sizes, the others on exact values), ``memory`` (static regions: the
+estimated pool bytes of one captured graph, per capture size where bucketed: ``[{"size", "bytes",
+"peak_bytes", "output_bytes", "copied_input_bytes", "unknown_values", "traced"}]``,
+memory_estimate.py; ``summary["est_graph_bytes"]`` adds each region's largest over a call).
 
 Regions also have ``opaque`` (module calls Dynamo cannot trace, made one node each: ``{"module",
 "kind", "node", "graphed", "why"}``); the report has ``opaque_modules`` (``{"wrapped",
@@ -50,7 +53,7 @@ estimated kernels per region; ``eager_call`` and ``uncompiled`` are null, ``uppe
 when Dynamo broke a graph; ``launch_coverage`` is null until a call after warm-up ran.
 
 ``hints[]`` (top level, hints.py): ``{"kind": "static_dispatch" | "data_dependent_loop" |
-"inner_compiler", "message", "option", "source"}``; ``option`` is the option to set (``{"option":
+"inner_compiler" | "graph_memory", "message", "option", "source"}``; ``option`` is the option to set (``{"option":
 name, "value": value}``), ``source`` the user's line (``{"path", "line", "function", "code"}``);
 either may be null.
 
@@ -68,6 +71,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 from typing import Any, Optional
 
 from ..passes.pipeline import Analysis
@@ -75,6 +79,7 @@ from .coverage import launch_text
 from ..fx_utils import module_path, op_name
 from .entry import entry_text
 from .hints import hints_text
+from .memory_estimate import analysis_memory, memory_text
 from ..opaque import opaque_info
 from ..passes.cost import estimate_kernels
 from ..runtime.memory import released_kinds
@@ -84,6 +89,8 @@ from ..reasons import Rule
 __all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]
 
 SCHEMA = "cgbackend.report/1"
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -110,6 +117,10 @@ class RegionReport:
     opaque: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Opaque module calls in this region (opaque.py: Transformer Engine modules): ``{"module",
     "kind", "node", "graphed", "why"}``; ``why`` says why a call in a dynamic region runs eagerly."""
+    memory: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Static regions: the estimated pool memory of one captured graph (memory_estimate.py), one
+    entry per capture size of a bucketed region, else one at the traced sizes: ``{"size", "bytes",
+    "peak_bytes", "output_bytes", "copied_input_bytes", "unknown_values"}``."""
 
 
 @dataclasses.dataclass
@@ -265,6 +276,7 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
             hoisted_syncs=analysis.schedule.moved.get(region.index, 0),
             buckets=_buckets_of(analysis, region.index),
             opaque=opaque,
+            memory=_memory_of(analysis, region) if region.is_static else [],
         ))
     ops = sum(r.ops for r in regions)
     static_ops = sum(r.ops for r in regions if r.kind == "static")
@@ -273,6 +285,16 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
                        training=analysis.classification.training, regions=regions,
                        break_reason=break_reason, notes=list(notes or []),
                        dispatch=analysis.dispatch.to_dict())
+
+
+def _memory_of(analysis: Analysis, region: Any) -> list[dict[str, Any]]:
+    """A static region's graph memory estimate; none (logged) where a traced value defeats it: the
+    report stands without it."""
+    try:
+        return [m.to_dict() for m in analysis_memory(analysis, region)]
+    except Exception as exc:  # an estimate: never the reason a report fails
+        log.debug("cgbackend: no graph memory estimate for region %s: %s", region.name, exc)
+        return []
 
 
 def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> dict[str, Any]:
@@ -310,6 +332,8 @@ def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> 
         "est_kernels_eager": kernels_static + kernels_dynamic,
         "est_launches_graphed": launches + kernels_dynamic,
         "opaque_calls_graphed": sum(len(r.opaque) for r in static_regions),
+        "est_graph_bytes": sum(g.runs_per_call * max((m["bytes"] for m in r.memory), default=0)
+                               for g in graphs for r in g.regions if r.kind == "static"),
         "opaque_calls_eager": sum(len(r.opaque) for r in dynamic_regions),
         "static_kernel_fraction": round(kernels_static / (kernels_static + kernels_dynamic), 4)
         if kernels_static + kernels_dynamic else 0.0,
@@ -523,6 +547,9 @@ def render_text(report: Report) -> str:
         + (f"; Dynamo graphs run {s['graph_runs_per_call']} times per call"
            if s['graph_runs_per_call'] != s['graphs'] else ""),
     ]
+    if s.get("est_graph_bytes"):
+        lines.append(f"  graph memory (estimate, before capture): at most {s['est_graph_bytes'] / 2**20:.1f} MiB "
+                     "for one graph of each static region (each at its largest capture size)")
     if report.traced_as:
         lines.append(f"  traced as {report.traced_as['mode']}: {report.traced_as['why']}")
     lines.extend(launch_text(s))
@@ -565,6 +592,7 @@ def render_text(report: Report) -> str:
                 lines.append(f"{'':<10}symbols: {syms}")
             if r.buckets:
                 lines.extend(_buckets_text(r.buckets))
+            lines.extend(memory_text(r.memory, g.training))
             for call in r.opaque:
                 how = "inside this region's CUDA graphs" if call["graphed"] else f"eager: {call['why']}"
                 lines.append(f"{'':<10}opaque call {call['module']} ({call['kind']}): {how}")
