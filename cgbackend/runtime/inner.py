@@ -300,7 +300,8 @@ def _selection(graph: torch.fx.Graph, x: torch.fx.Node, k: int, dim: int, larges
     key = op(torch.where, op(torch.eq, x, 0), 0, key)
     if not largest:
         key = op(torch.bitwise_not, key)
-    # NaN ranks above +inf (largest) or last (smallest): one above the picked marker's top half.
+    # NaN: above +inf's key where largest, below -inf's (inverted) key where smallest, and there
+    # still above the picked marker's upper half.
     key = op(torch.where, op(torch.isnan, x), _INT32_MAX if largest else -_INT32_MAX, key)
     below = op(torch.arange, width - 1, -1, -1, dtype=torch.int64, device=value.device)
     if trailing:
@@ -323,8 +324,8 @@ def topk_by_keys(module: torch.fx.GraphModule) -> int:
     ``sorted=False`` leaves the order free); among equal values (-0.0 equals 0.0, NaN equals NaN)
     the lower index comes first, where topk leaves the choice unspecified. Inductor fuses the k max
     reductions with the softmax before them into one kernel; ATen's topk is two kernels (a gather,
-    then a bitonic sort of the k values), and a sort (Inductor's other one-kernel form) takes its
-    Triton compile 20-30 s. Written as plain torch calls, each node with its fake value, so the
+    then a bitonic sort of the k values), and a sort (Inductor's other one-kernel form) took 25-32 s
+    more Triton compile than topk on an H100's host. Written as plain torch calls, each node with its fake value, so the
     graph stays one that Inductor's caches take. Only for inference regions compiled by Inductor
     (inductor_compile): the eager kernels (``inner="eager"``) stay bitwise eager's."""
     graph = module.graph
