@@ -128,3 +128,23 @@ def test_no_hint_for_small_graphs():
     report = _explain(_MLP(), x)
     assert report.regions()[0].memory[-1]["bytes"] < MEMORY_HINT_BYTES
     assert not [hint for hint in report.hints if hint["kind"] == "graph_memory"]
+
+
+def test_the_estimate_agrees_with_what_the_runtime_holds_per_size():
+    """A compiled model's report: per capture size, the estimate's input copies and outputs equal
+    the bytes the runtime's memory accounting holds for them (runtime/memory.py; simulated graphs):
+    the estimate decides which inputs are copied as the runtime does."""
+    model = _MLP()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, capture_sizes=(8, 16, 32))
+    with torch.no_grad():
+        for n in (5, 5, 12, 12, 20, 20, 30, 7):
+            x = torch.randn(n, 64)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x))
+    held = cgbackend.stats(compiled)["memory"]["by_size"]
+    (region,) = cgbackend.report(compiled).regions()
+    assert sorted(held) == [m["size"] for m in region.memory] == [8, 16, 32], (held, region.memory)
+    for m in region.memory:
+        size = held[m["size"]]
+        assert m["copied_input_bytes"] == size["inputs"] > 0, (m, size)
+        assert m["output_bytes"] == size["outputs"] + size["released_outputs"] > 0, (m, size)
