@@ -79,11 +79,10 @@ def _traced_values(values: Sequence[Any]) -> dict:
     return {}
 
 
-def _evaluator(values: Sequence[Any], padded: Optional[str]) -> Callable[[Any, Optional[int]], Optional[int]]:
+def _evaluator(known: dict, padded: Optional[str]) -> Callable[[Any, Optional[int]], Optional[int]]:
     """A function (bytes as an int or SymInt, capture size) -> int, or None where a size has no
     value (unbacked): the padded symbol set to the capture size, the others to their traced
-    values."""
-    known = _traced_values(values)
+    values (``known``: :func:`_traced_values`)."""
 
     def value(n: Any, size: Optional[int]) -> Optional[int]:
         if isinstance(n, int):
@@ -113,28 +112,35 @@ def region_memory(region: Any, copied: Callable[[torch.fx.Node], bool], padded: 
     in ``sizes`` where ``padded`` names the bucketed symbol, else one at the traced sizes.
     ``copied(input node)``: whether the runtime copies that input into a static buffer."""
     nodes = list(region.nodes)
-    inside_inputs = {sid for inp in region.inputs for sid, _ in _storages(inp)}
+    found: dict[torch.fx.Node, list] = {}
+
+    def storages(node: torch.fx.Node) -> list[tuple[int, Any]]:  # each node's looked up once
+        if node not in found:
+            found[node] = _storages(node)
+        return found[node]
+
+    inside_inputs = {sid for inp in region.inputs for sid, _ in storages(inp)}
     produced: dict[int, tuple[int, Any]] = {}  # storage -> (index of the node making it, bytes)
     last: dict[int, int] = {}
     for i, node in enumerate(nodes):
         for inp in node.all_input_nodes:
-            for sid, _ in _storages(inp):
+            for sid, _ in storages(inp):
                 if sid in produced:
                     last[sid] = i
-        for sid, nbytes in _storages(node):
+        for sid, nbytes in storages(node):
             if sid in inside_inputs:
                 continue  # written in place into an input: no new block
             if sid not in produced:
                 produced[sid] = (i, nbytes)
             last[sid] = max(last.get(sid, i), i)
     end = len(nodes)
-    out_sids = {sid for out in region.outputs for sid, _ in _storages(out) if sid in produced}
+    out_sids = {sid for out in region.outputs for sid, _ in storages(out) if sid in produced}
     for sid in out_sids:
         last[sid] = end
     copies = [t.numel() * t.element_size() for inp in region.inputs if copied(inp)
               for t in iter_tensors(fake_value(inp))]
-    values = [t for n in nodes[:1] + list(region.inputs) for t in iter_tensors(fake_value(n))]
-    evaluate = _evaluator(values, padded)
+    known = _traced_values([t for n in nodes[:1] + list(region.inputs) for t in iter_tensors(fake_value(n))])
+    evaluate = _evaluator(known, padded)
 
     def one(size: Optional[int]) -> GraphMemory:
         unknown = 0
@@ -169,7 +175,7 @@ def region_memory(region: Any, copied: Callable[[torch.fx.Node], bool], padded: 
         graph.traced = True
         return [graph]
     graphs = [one(s) for s in sizes]
-    traced = next((int(v) for sym, v in _traced_values(values).items() if str(sym) == padded), None)
+    traced = next((int(v) for sym, v in known.items() if str(sym) == padded), None)
     rounded = [g for g in graphs if traced is not None and g.size >= traced]
     if rounded:
         rounded[0].traced = True
