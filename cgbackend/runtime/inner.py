@@ -236,8 +236,8 @@ the negation of a constant that only fits an unsigned type."""
 
 
 def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
-    """(x, k, dim, largest, sorted) of a ``torch.topk`` / ``Tensor.topk`` node that selection can
-    replace, or None."""
+    """(x, k, dim, largest) of a ``torch.topk`` / ``Tensor.topk`` node that selection can replace,
+    or None (its ``sorted`` must be a literal too: selection returns the values sorted either way)."""
     is_topk = ((node.op == "call_function" and node.target is torch.topk)
                or (node.op == "call_method" and node.target == "topk"))
     if not is_topk or "out" in node.kwargs:
@@ -261,7 +261,7 @@ def _topk_parts(node: torch.fx.Node) -> Optional[tuple]:
     if any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] not in (0, 1)
            for u in node.users):
         return None
-    return x, k, dim % value.dim(), largest, ordered
+    return x, k, dim % value.dim(), largest
 
 
 def _traced(graph: torch.fx.Graph, fn: Any, args: tuple, kwargs: Optional[dict] = None) -> torch.fx.Node:
@@ -334,7 +334,7 @@ def topk_by_keys(module: torch.fx.GraphModule) -> int:
         parts = _topk_parts(node)
         if parts is None:
             continue
-        x, k, dim, largest, _ = parts
+        x, k, dim, largest = parts
         with graph.inserting_before(node), fake_value(x).fake_mode:
             results = _selection(graph, x, k, dim, largest)
         for user in list(node.users):
