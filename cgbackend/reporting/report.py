@@ -120,7 +120,7 @@ class RegionReport:
     memory: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Static regions: the estimated pool memory of one captured graph (memory_estimate.py), one
     entry per capture size of a bucketed region, else one at the traced sizes: ``{"size", "bytes",
-    "peak_bytes", "output_bytes", "copied_input_bytes", "unknown_values"}``."""
+    "peak_bytes", "output_bytes", "copied_input_bytes", "unknown_values", "traced"}``."""
 
 
 @dataclasses.dataclass
