@@ -17,6 +17,7 @@ import cgbackend.passes.pipeline as pipeline
 from cgbackend.models.layers import Expert
 from cgbackend.passes.dispatch import fold
 
+from fx_helpers import autograd_cache_check
 from log_helpers import records_of
 from moe_helpers import RoutedExperts
 
@@ -396,22 +397,15 @@ def test_the_graph_inductor_gets_from_an_inference_fold_is_cacheable(monkeypatch
     """Every node of the region that Inductor compiles passes AOTAutograd's cache check, the block's
     rows included (a node without Dynamo's fake value made the cache bypass it: a second process
     compiled every layer again). Inductor itself is not run: the spy hands the module back."""
-    autograd_cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
-    check = getattr(autograd_cache, "check_node_safe", None)
-    bypass = getattr(autograd_cache, "BypassAOTAutogradCache", None)
-    if check is None or bypass is None:
+    refusals = autograd_cache_check()
+    if refusals is None:
         pytest.skip("this torch has no AOTAutograd cache check")
     import torch._inductor.compile_fx as cfx
     refused, rows = [], []
 
     def spy(gm, example_inputs, **kw):
-        for node in gm.graph.nodes:
-            try:
-                check(node)
-            except bypass as exc:
-                refused.append(str(exc).splitlines()[0])
-            if node.op == "placeholder" and node.meta.get("cgb_row"):
-                rows.append(node.name)
+        refused.extend(refusals(gm.graph.nodes))
+        rows.extend(n.name for n in gm.graph.nodes if n.op == "placeholder" and n.meta.get("cgb_row"))
         return gm.forward
 
     monkeypatch.setattr(cfx, "compile_fx", spy)

@@ -18,6 +18,8 @@ from cgbackend.config import Config
 from cgbackend.runtime.inner import InnerFallback, resolve_inner
 from cgbackend.runtime.warmup import OpSyncDetector
 
+from fx_helpers import autograd_cache_check
+
 SIM = dict(simulate_graphs=True, warmup=1)
 
 
@@ -512,18 +514,9 @@ def _topk_rewritten(x, k, dim=-1, largest=True):
 def _assert_cacheable(gm):
     """Every node passes AOT autograd's cache check (a refused node makes a second process compile
     the region again)."""
-    autograd_cache = pytest.importorskip("torch._functorch._aot_autograd.autograd_cache")
-    check = getattr(autograd_cache, "check_node_safe", None)
-    bypass = getattr(autograd_cache, "BypassAOTAutogradCache", None)
-    if check is None or bypass is None:
-        return
-    refused = []
-    for node in gm.graph.nodes:
-        try:
-            check(node)
-        except bypass as exc:
-            refused.append(str(exc).splitlines()[0])
-    assert not refused, refused
+    refusals = autograd_cache_check()
+    if refusals is not None:
+        assert not refusals(gm.graph.nodes)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
