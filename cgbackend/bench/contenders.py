@@ -120,6 +120,10 @@ STOCK_CONTENDERS = ("eager", "inductor", "reduce-overhead", "reduce-overhead-dyn
 
 GROUPED_CONTENDERS = ("grouped-reduce-overhead", "hf-grouped-mm-reduce-overhead")
 
+YARDSTICKS = ("step-floor",)
+"""Rows that measure a bound, not a way of running the model: not judged for accuracy (they do not
+compute it), never best and never a win; other rows get ``ratio_to_step_floor`` against them."""
+
 
 """The hand-written grouped-GEMM forms (this module) that ``ratio_to_grouped`` divides by."""
 
@@ -236,3 +240,45 @@ register_contender(Contender(
     modes=("decode", "infer", "train"),
     description='transformers experts with set_experts_implementation("grouped_mm"), same weights, under '
                 'torch.compile(mode="reduce-overhead") (CPU: backend="eager")'))
+
+
+# --------------------------------------------- yardsticks
+
+
+class _StepFloor(torch.autograd.Function):
+    """Forward: a copy of the input (no model compute). Backward: the prepared gradient of every
+    parameter, each a fresh alias, as a graphed backward hands its static gradients out (so
+    AccumulateGrad keeps them without a copy)."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: tuple, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return x.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        return (None, None) + tuple(g.detach() for g in ctx.grads)
+
+
+def _step_floor(model: nn.Module) -> Callable[..., Any]:
+    params = tuple(p for p in model.parameters() if p.requires_grad)
+    grads = tuple(torch.zeros_like(p) for p in params)  # zeros: SGD leaves the weights as they are
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return _StepFloor.apply(grads, x, *params)
+    return step
+
+
+def _hidden_in_hidden_out(spec: Any) -> Optional[str]:
+    if spec.family == "shape":
+        return None
+    return f"{spec.name} does not map hidden states to hidden states (the step floor's output is its input)"
+
+
+register_contender(Contender(
+    "step-floor", _step_floor, stock=False, applies_to=_hidden_in_hidden_out, modes=("train",),
+    description="a yardstick, not a way of running the model: the training step's work per parameter "
+                "with no model compute (zero_grad; one autograd Function over every parameter whose "
+                "backward hands out ready gradients, fresh aliases as a graphed backward's; "
+                "AccumulateGrad for each; the same SGD step). No implementation that keeps the "
+                "model's parameters and the user's optimizer can take a step faster than this"))

@@ -107,7 +107,7 @@ SHAPE_MAX_SEQ = 4096
 
 _MOE_SHAPE_CONTENDERS = ("eager", "cgbackend", "cgbackend-static-dispatch", "grouped-reduce-overhead")
 _DENSE_SHAPE_CONTENDERS = ("eager", "reduce-overhead", "cgbackend", "cgbackend-eager-kernels")
-_MOE_128E_CONTENDERS = ("eager", "cgbackend", "grouped-reduce-overhead")
+_MOE_128E_CONTENDERS = ("eager", "cgbackend", "grouped-reduce-overhead", "step-floor")
 _SHAPE_DEFAULTS = dict(batches=4, warmup=6, iters=40, acc_batches=1, time_budget=3.0, tokens=(4096,),
                        tiny_tokens=(64,))
 

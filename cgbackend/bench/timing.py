@@ -15,7 +15,7 @@ import torch
 
 from ..runtime.capture import clear_blas_workspaces
 from .cases import Case, Runner, STATS_KEYS, empty_row, judge_row, new_model, skip_reason, timed_iterations
-from .contenders import CONTENDERS, Contender, GROUPED_CONTENDERS, STOCK_CONTENDERS
+from .contenders import CONTENDERS, Contender, GROUPED_CONTENDERS, STOCK_CONTENDERS, YARDSTICKS
 from .measure import (by_first_line, cleanup, counter, cudagraph_tree_counts, error_text, graph_breaks, log,
                       memory_baseline, percentile, sync)
 from .settings import Settings
@@ -142,17 +142,19 @@ def prepare_contender(case: Case, contender: Contender, settings: Settings,
                 warm.append(time.perf_counter() - t0)
 
             stage = "accuracy"
+            judged = contender.name not in YARDSTICKS  # a yardstick computes no model: nothing to judge
             errs: dict[str, tuple[float, str]] = {}
             errs64: dict[str, tuple[float, str]] = {}
             flips: list[Optional[float]] = []
-            for j, i in enumerate(case.acc_indices):
+            for j, i in enumerate(case.acc_indices if judged else ()):
                 got = runner.results_for(i)
                 merge(errs, group_errors(got, case.ref[j]))
                 if case.ref64:
                     merge(errs64, group_errors(got, case.ref64[j]))
                     flips.append(flip_fraction(got.get("routing"), case.ref64[j].get("routing")))
                 del got
-            judge_row(row, case, settings, errs, errs64, flips)
+            if judged:
+                judge_row(row, case, settings, errs, errs64, flips)
         row["graph_breaks"], row["graph_break_reasons"] = tally.graph_breaks()
         if cuda and not alone:
             read_peak(row, case, device)
@@ -403,9 +405,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 r["ratio_to_floor"] = r["median_ms"] / r["floor_ms"]
             if best is not None and r["accuracy_ok"] is not False and best["median_ms"] > 0:
                 r["ratio_to_best_stock"] = r["median_ms"] / best["median_ms"]
-                r["beats_best_stock"] = bool(r["ratio_to_best_stock"] < 1.0 and r["contender"] != best["contender"])
+                r["beats_best_stock"] = bool(r["ratio_to_best_stock"] < 1.0 and r["contender"] != best["contender"]
+                                             and r["contender"] not in YARDSTICKS)
         # The yardsticks: the hand-written grouped form and reduce-overhead.
-        for key, names in (("ratio_to_grouped", GROUPED_CONTENDERS), ("ratio_to_reduce_overhead", ("reduce-overhead",))):
+        for key, names in (("ratio_to_grouped", GROUPED_CONTENDERS), ("ratio_to_reduce_overhead", ("reduce-overhead",)),
+                           ("ratio_to_step_floor", YARDSTICKS)):
             other = next((o for o in ok if o["contender"] in names and o["median_ms"] > 0), None)
             for r in group:
                 r[key] = (r["median_ms"] / other["median_ms"]

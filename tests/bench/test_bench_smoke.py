@@ -234,6 +234,43 @@ def test_grouped_contender_same_weights_in_bf16(tmp_path):
         assert row["routing_flip_frac"] is not None
 
 
+def test_step_floor_yardstick(tmp_path):
+    """The step floor runs in the training rows of moe-128e by default (not in inference), computes
+    no model (weights unchanged by its SGD steps, every parameter given a gradient), is not judged
+    and never a win, and the other rows carry their ratio to it."""
+    from cgbackend.bench.models import MODELS as BENCH_MODELS
+    assert "step-floor" in BENCH_MODELS["moe-128e"].contenders
+    results, rows = _run(tmp_path, "--models", "moe-128e", "--modes", "infer,train", "--tokens", "16",
+                         "--contenders", "eager,step-floor")
+    assert ("moe-128e", "infer", "step-floor", 16) not in rows
+    floor = rows[("moe-128e", "train", "step-floor", 16)]
+    assert floor["error"] is None and floor["median_ms"] > 0
+    assert floor["accuracy_ok"] is None and floor["ref64_err"] is None and floor["beats_best_stock"] is False
+    assert floor["ratio_to_step_floor"] == pytest.approx(1.0)
+    eager = rows[("moe-128e", "train", "eager", 16)]
+    assert eager["ratio_to_step_floor"] == pytest.approx(eager["median_ms"] / floor["median_ms"])
+    assert rows[("moe-128e", "infer", "eager", 16)]["ratio_to_step_floor"] is None
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    step = contenders.CONTENDERS["step-floor"].make(model)
+    x = torch.randn(3, 4)
+    out = step(x)
+    assert torch.equal(out, x) and out.requires_grad
+    out.pow(2).mean().backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+    rows_in = [{"model": "m", "mode": "train", "contender": c, "median_ms": ms, "accuracy_ok": ok,
+                "error": None, "floor_ms": None} for c, ms, ok in
+               (("eager", 10.0, True), ("step-floor", 1.0, None), ("cgbackend", 2.0, True))]
+    timing.add_ratios(rows_in)
+    by = {r["contender"]: r for r in rows_in}
+    assert by["step-floor"]["beats_best_stock"] is False and by["cgbackend"]["beats_best_stock"] is True
+    assert by["cgbackend"]["ratio_to_step_floor"] == pytest.approx(2.0)
+
+
 def test_token_sweep_rows_and_mode_selection(tmp_path):
     """--tokens gives one row group per count under the same model name; --reference eager keeps
     the old rule; a mode a model does not run is skipped and listed in meta."""
