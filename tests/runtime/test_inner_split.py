@@ -489,11 +489,20 @@ def test_topk_by_keys_picks_the_same_experts_in_the_same_order(monkeypatch, grad
         assert all(torch.topk not in o for o in ops) and all(o.count(torch.amax) == 4 for o in ops), ops
 
 
+def _fake_traced(module, *args):
+    """``module`` traced by torch.fx, each node carrying its fake value as Dynamo's graphs do
+    (``val`` and ``example_value``)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    gm = torch.fx.symbolic_trace(module)
+    FakeTensorProp(gm).propagate(*args)
+    for node in gm.graph.nodes:
+        node.meta["example_value"] = node.meta.get("val")
+    return gm
+
+
 def _topk_rewritten(x, k, dim=-1, largest=True):
     """``torch.topk(x, k, dim, largest)`` run through the region rewrite (topk_by_keys), on a graph
     carrying Dynamo's kind of fake values."""
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
     from cgbackend.runtime.inner import topk_by_keys
 
     class One(nn.Module):
@@ -501,10 +510,7 @@ def _topk_rewritten(x, k, dim=-1, largest=True):
             w, i = torch.topk(x, k, dim=dim, largest=largest)
             return w, i
 
-    gm = torch.fx.symbolic_trace(One())
-    FakeTensorProp(gm).propagate(x)
-    for node in gm.graph.nodes:
-        node.meta["example_value"] = node.meta.get("val")  # as Dynamo's graphs carry them
+    gm = _fake_traced(One(), x)
     assert topk_by_keys(gm) == 1
     assert not any(n.target is torch.topk for n in gm.graph.nodes)
     _assert_cacheable(gm)
@@ -559,11 +565,7 @@ def test_topk_kept_where_selection_would_not_pay_or_could_not_stand_in():
 
     args = (torch.randn(3, 32), torch.randn(3, TOPK_SELECT_MAX_WIDTH + 1), torch.randint(0, 9, (3, 8)),
             torch.randn(3, 8, dtype=torch.float64))
-    gm = torch.fx.symbolic_trace(Many())
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    FakeTensorProp(gm).propagate(*args)
-    for node in gm.graph.nodes:
-        node.meta["example_value"] = node.meta.get("val")  # as Dynamo's graphs carry them
+    gm = _fake_traced(Many(), *args)
     assert topk_by_keys(gm) == 1
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.amax) == 4 and targets.count(torch.topk) == 4
