@@ -27,7 +27,7 @@ import torch
 
 from ..fx_utils import fake_value, iter_tensors
 
-__all__ = ["GraphMemory", "region_memory"]
+__all__ = ["GraphMemory", "analysis_memory", "memory_text", "region_memory"]
 
 
 @dataclasses.dataclass
