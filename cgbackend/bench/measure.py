@@ -3,10 +3,11 @@ texts, Dynamo's and cudagraph trees' counters, clean-up between contenders."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from ..runtime.capture import clear_blas_workspaces
@@ -119,6 +120,38 @@ def memory_baseline(device: torch.device, alone: bool, row: dict) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         row["mem_baseline_bytes"] = int(torch.cuda.memory_allocated(device))
+
+
+class PeakWindow:
+    """A contender's peak device memory over its own calls, leaving out what the harness allocates
+    between them (:meth:`excluded`): judging a training step's accuracy takes float32 differences of
+    every gradient against the reference (896 MiB for ``dense-llama8b-shape``), which would
+    otherwise stack on whatever the contender holds between steps and become its peak."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.allocated = 0
+        self.reserved = 0
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """The peak so far is kept; the counter restarts when the block ends."""
+        if self.device.type != "cuda":
+            yield
+            return
+        torch.cuda.synchronize(self.device)
+        self.allocated = max(self.allocated, torch.cuda.max_memory_allocated(self.device))
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved(self.device))
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peaks(self) -> tuple[int, int]:
+        """(allocated, reserved): the highest of the windows kept and the one still open."""
+        return (max(self.allocated, int(torch.cuda.max_memory_allocated(self.device))),
+                max(self.reserved, int(torch.cuda.max_memory_reserved(self.device))))
 
 
 def sanitize(value: Any) -> Any:

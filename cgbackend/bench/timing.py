@@ -17,7 +17,7 @@ from ..runtime.capture import clear_blas_workspaces
 from .cases import Case, Runner, STATS_KEYS, empty_row, judge_row, new_model, skip_reason, timed_iterations
 from .contenders import CONTENDERS, Contender, GROUPED_CONTENDERS, STOCK_CONTENDERS, YARDSTICKS
 from .measure import (by_first_line, cleanup, counter, cudagraph_tree_counts, error_text, graph_breaks, log,
-                      memory_baseline, percentile, sync)
+                      memory_baseline, percentile, sync, PeakWindow)
 from .settings import Settings
 
 
@@ -92,6 +92,8 @@ class _Pending:
     warm: list[float]
     tally: Tally
     iters: int
+    window: Optional[PeakWindow] = None
+    """The contender's peak memory, the accuracy comparisons left out (read by ``finish_row``)."""
     times: list[float] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     """Wall time spent on this contender so far (preparing and its timing blocks)."""
@@ -123,6 +125,7 @@ def prepare_contender(case: Case, contender: Contender, settings: Settings,
     runner = None
     cuda = device.type == "cuda"
     tally = Tally(device)
+    window = PeakWindow(device)
     try:
         memory_baseline(device, alone, row)
         with tally:
@@ -148,18 +151,19 @@ def prepare_contender(case: Case, contender: Contender, settings: Settings,
             flips: list[Optional[float]] = []
             for j, i in enumerate(case.acc_indices if judged else ()):
                 got = runner.results_for(i)
-                merge(errs, group_errors(got, case.ref[j]))
-                if case.ref64:
-                    merge(errs64, group_errors(got, case.ref64[j]))
-                    flips.append(flip_fraction(got.get("routing"), case.ref64[j].get("routing")))
+                with window.excluded():  # the harness's own memory, not the contender's
+                    merge(errs, group_errors(got, case.ref[j]))
+                    if case.ref64:
+                        merge(errs64, group_errors(got, case.ref64[j]))
+                        flips.append(flip_fraction(got.get("routing"), case.ref64[j].get("routing")))
                 del got
             if judged:
                 judge_row(row, case, settings, errs, errs64, flips)
         row["graph_breaks"], row["graph_break_reasons"] = tally.graph_breaks()
         if cuda and not alone:
-            read_peak(row, case, device)
+            read_peak(row, case, device, window)
         row["timed_iters"] = timed_iterations(settings, warm)
-        return row, _Pending(row, contender, runner, warm, tally, row["timed_iters"])
+        return row, _Pending(row, contender, runner, warm, tally, row["timed_iters"], window)
     except Exception as exc:
         row["error"], row["error_stage"] = error_text(exc), stage
         if settings.verbose:
@@ -170,14 +174,17 @@ def prepare_contender(case: Case, contender: Contender, settings: Settings,
         return row, None
 
 
-def read_peak(row: dict[str, Any], case: Case, device: torch.device) -> None:
-    """Peak memory since this contender's start, less what earlier contenders of the case still
-    held then (``case.mem_baseline``: what the first one started with); and what it holds now,
-    between calls or steps (``read_held``)."""
+def read_peak(row: dict[str, Any], case: Case, device: torch.device,
+              window: Optional[PeakWindow] = None) -> None:
+    """Peak memory since this contender's start (over ``window``'s calls: the accuracy comparisons
+    left out), less what earlier contenders of the case still held then (``case.mem_baseline``:
+    what the first one started with); and what it holds now, between calls or steps
+    (``read_held``)."""
     held = row["mem_baseline_bytes"] - (case.mem_baseline if case.mem_baseline is not None
                                         else row["mem_baseline_bytes"])
-    row["peak_mem_bytes"] = int(torch.cuda.max_memory_allocated(device)) - held
-    row["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device)) - held
+    allocated, reserved = (window or PeakWindow(device)).peaks()
+    row["peak_mem_bytes"] = allocated - held
+    row["peak_reserved_bytes"] = reserved - held
     row["peak_mem_over_baseline_bytes"] = row["peak_mem_bytes"] - (row["mem_baseline_bytes"] - held)
     read_held(row, device)
 
@@ -266,7 +273,7 @@ def finish_row(pending: _Pending, case: Case, settings: Settings, alone: bool = 
                 row["first_call_s"] = warm[0]
                 row["compile_s"] = max(0.0, sum(warm) - len(warm) * row["median_ms"] / 1e3)
             if device.type == "cuda" and alone:
-                read_peak(row, case, device)
+                read_peak(row, case, device, pending.window)
         put_counts(row, tally, pending.contender, pending.runner.fn)
     except Exception as exc:
         row["error"], row["error_stage"] = error_text(exc), "counters"
