@@ -62,7 +62,9 @@ class Backward:
         runner = self.runner
         shared = runner.shared
         try:
-            grad_outs = [static_buffer_like(entry.outputs[i]) for i in entry.diff_out]
+            # An output only the caller reads takes its gradient in its own memory (recorder.py).
+            grad_outs = [entry.outputs[i] if i in entry.grad_out_shared else static_buffer_like(entry.outputs[i])
+                         for i in entry.diff_out]
             fill_grads(grad_outs, entry.diff_out, grads)
         except torch.OutOfMemoryError as exc:
             self._capture_failed(first_line(exc), entry)
@@ -120,6 +122,7 @@ class Backward:
         entry.held = HeldStorages(static_grad_ins) if handout_supported() else None
         shared.register_persistent([g for g in static_grad_ins if g is not None], handoff=False)
         shared.counters.bwd_graphs += 1
+        shared.counters.grad_outputs_shared += len(entry.grad_out_shared)
         runner.recorder.count_capture(entry, elapsed, reserved(device) - reserved_before, forward=False)
 
     def reclaim_grads(self, entry: TrainEntry, leaves: list[torch.Tensor]) -> bool:

@@ -170,7 +170,8 @@ class TrainEntry(Entry):
 
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",
-                 "leaves", "reach", "saved_modified", "saved_pos", "released", "saved_bytes")
+                 "leaves", "reach", "saved_modified", "saved_pos", "released", "saved_bytes",
+                 "grad_out_shared")
 
     def in_use(self) -> bool:
         live = self.pool.live

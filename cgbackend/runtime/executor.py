@@ -299,6 +299,8 @@ class CompiledGraph:
                               bucket=bucket, device=_region_device(region), hooks=hooks)
         runner.lazy_inner = lazy
         runner.recomputable = hooks is None and _runs_twice_alike(self.analysis.effects, region.nodes, region.inputs)
+        runner.caller_only = frozenset(i for i, node in enumerate(region.outputs)
+                                       if node.users and all(u.op == "output" for u in node.users))
         runner.on_sync = self._request_split
         if self.blocked is not None:
             runner.disable(self.blocked, _BLOCKED_DETAIL.get(self.blocked, self.blocked))

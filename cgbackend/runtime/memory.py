@@ -6,8 +6,9 @@ Two figures per entry, kept apart because they answer different questions:
   ``inputs`` (the static buffers caller tensors are copied into), ``outputs`` (its static outputs;
   views of its inputs excluded), ``saved`` (what a training forward's autograd graph keeps for the
   backward, beyond its inputs and outputs: zero once released, runtime/backward.py) and ``grads``
-  (a training entry's incoming-gradient buffers and the gradients its backward graph writes, which
-  autograd hands out as ``.grad``). The CUDA caching allocator counts these as allocated.
+  (a training entry's incoming-gradient buffers, except those lying in an output's memory,
+  counted there; and the gradients its backward graph writes, which autograd hands out as
+  ``.grad``). The CUDA caching allocator counts these as allocated.
 * **reserved**: how much the pool's reserved memory grew while the entry's graphs were captured
   (their temporaries and outputs; 0 with simulated graphs). It stays reserved while the graphs
   live; ``released`` says how much of a training entry's saved activations, or of the last

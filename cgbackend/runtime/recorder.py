@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from ..fx_utils import iter_tensors
-from .capture import CaptureError, SimulatedGraph, first_line
+from .capture import CaptureError, SimulatedGraph, first_line, non_overlapping
 from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reserved
 from .handout import HandoutGraph, handout_supported
 from .inputs import InputViews, SavedTensors, fill_padding
@@ -235,6 +235,28 @@ class Recorder:
         # input nor an output of the region.
         own = {t.untyped_storage().data_ptr() for t in iter_tensors([entry.static_ins, entry.outputs]) if t.numel()}
         entry.saved_bytes = sum(n for ptr, n in saved.items() if ptr and ptr not in own)
+        entry.grad_out_shared = self._grad_out_shared(entry, saved)
+
+    def _grad_out_shared(self, entry: TrainEntry, saved: dict[int, int]) -> frozenset[int]:
+        """Differentiable outputs whose static memory can take the incoming gradient at backward
+        (Backward.capture), instead of a buffer of their size held for good: between the forward
+        replay and the backward, nothing reads them. Only the caller does (``caller_only``), and it
+        got a copy; the forward saved nothing on their storage for its backward; and no other output
+        or static input lies in that storage. Every later forward replay writes them again."""
+        storages: dict[int, int] = {}
+        for t in iter_tensors([entry.static_ins, entry.outputs]):
+            if t.numel():
+                ptr = t.untyped_storage().data_ptr()
+                storages[ptr] = storages.get(ptr, 0) + 1
+        shared = []
+        for i in entry.diff_out:
+            out = entry.outputs[i]
+            if i not in self.runner.caller_only or not out.numel() or not non_overlapping(out):
+                continue
+            ptr = out.untyped_storage().data_ptr()
+            if ptr not in saved and storages.get(ptr) == 1:
+                shared.append(i)
+        return frozenset(shared)
 
     def caller_memory(self, entry: Entry) -> list[int]:
         """Positions whose static tensor stands for a caller's memory: copies and parameters."""

@@ -88,6 +88,11 @@ class RegionRunner:
         """Captures of entries and handout graphs (recorder.py)."""
         self.backward = Backward(self)
         """Backward graphs of training entries (backward.py)."""
+        self.caller_only: frozenset[int] = frozenset()
+        """Positions of the outputs only the caller reads (set by the executor: in the Dynamo graph
+        their one user is its output node, so they reach the caller as copies and no graph or eager
+        op reads the static buffer). A training entry's backward may take its incoming gradient into
+        such an output's memory (recorder.py, ``grad_out_shared``)."""
         self.recomputable = False
         """Running the region's code again on the same inputs gives the same outputs and changes
         nothing else (set by the executor): its training entries may free their saved activations

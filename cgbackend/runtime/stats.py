@@ -107,6 +107,10 @@ class Counters:
     saved_released_bytes: int = 0
     """Bytes of those saved activations (tensors the forward saved that are neither its inputs nor
     its outputs)."""
+    grad_outputs_shared: int = 0
+    """Incoming-gradient buffers of captured backward graphs that are the memory of their own output
+    (an output only the caller reads, which it got as a copy; runtime/recorder.py): no buffer of
+    its size is held for them between steps."""
     bwd_recomputes: int = 0
     """Backwards of released entries that could not replay their graph (an eager_calls reason says
     why) and ran autograd through the region's forward computed again."""

@@ -140,13 +140,73 @@ def test_memory_held_between_calls_is_reported_by_kind_and_adds_up():
     assert before["saved"] == _bytes((8, 32)) and before["grads"] == 0 and before["released"] == 0
     assert after["inputs"] == before["inputs"] and after["outputs"] == before["outputs"]
     assert after["saved"] == 0 and after["released"] == _bytes((8, 32)) and after["released_outputs"] == 0
-    assert after["grads"] == _bytes((8, 16)) + params  # incoming gradient buffer and parameter gradients
+    # The parameters' gradients; the incoming gradient lies in the output's memory (only the caller
+    # reads the output, and it got a copy), so it adds nothing.
+    assert after["grads"] == params and cgbackend.stats(compiled)["grad_outputs_shared"] == 1
     for mem in (before, after):
         assert mem["held"] == sum(mem[k] for k in ("inputs", "outputs", "saved", "grads"))
         assert mem["reserved"] == 0 and mem["by_size"] == {}  # simulated graphs reserve nothing
     regions = cgbackend.report(compiled).graphs[0].runtime["regions"]
     assert sum(r["memory"]["held"] for r in regions.values()) == after["held"]
     assert "MiB of saved activations released" in cgbackend.report(compiled).to_text()
+
+
+class _TwoOut(nn.Module):
+    """Three outputs: ``h`` the caller reads and the region uses again (for ``y``), ``y`` saved for
+    its own backward (tanh's gradient reads its result) and ``z`` only the caller reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = torch.tanh(self.b(h))
+        z = self.b(h).relu() * 2
+        return h, y, z
+
+
+def _shared_outputs(compiled) -> list:
+    """Per training entry, the outputs whose memory the backward graph's incoming gradient uses."""
+    out = []
+    for e in _train_entries(compiled):
+        pos = [k for k, i in enumerate(e.diff_out)
+               if e.static_grad_outs[k].untyped_storage().data_ptr() == e.outputs[i].untyped_storage().data_ptr()]
+        assert sorted(e.diff_out[k] for k in pos) == sorted(e.grad_out_shared)
+        out.append(sorted(e.grad_out_shared))
+    return out
+
+
+def test_incoming_gradient_takes_the_memory_of_an_output_only_the_caller_reads():
+    """Of three outputs, only the one that nothing in the graph reads again and that its backward
+    does not need lends its memory to the incoming gradient; outputs and gradients equal eager's on
+    varied inputs and incoming gradients, with the outputs of every step kept by the caller."""
+    torch.manual_seed(0)
+    ref = _TwoOut().train()
+    mine = copy.deepcopy(ref)
+    compiled = cgbackend.compile(mine, **SIM)
+    kept, expected = [], []
+    for i in range(5):
+        x = torch.randn(8, 16)
+        w = [torch.randn(8, 16) for _ in range(3)]
+        results = []
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad(set_to_none=True)
+            outs = fn(x)
+            sum((o * g).sum() for o, g in zip(outs, w)).backward()
+            results.append(([o.detach() for o in outs], [p.grad for p in model.parameters()]))
+        kept.append(results[1][0])
+        expected.append(results[0][0])
+        (ref_outs, ref_grads), (outs, grads) = results
+        assert all(torch.equal(a, b) for a, b in zip(ref_outs + ref_grads, outs + grads)), i
+        # Gradients held into the next forward would keep it from replaying (the replay-order rule)
+        del results, grads, ref_grads
+    for i, (got, want) in enumerate(zip(kept, expected)):  # each step's outputs, as the caller kept them
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), i
+    assert _shared_outputs(compiled) == [[2]]
+    st = cgbackend.stats(compiled)
+    assert st["grad_outputs_shared"] == 1 and st["bwd_replays"] == 4 and st["bwd_recomputes"] == 0
+    assert st["eager_calls"] == {"warmup": 1}
 
 
 def _bucketed_dense(seed: int):
