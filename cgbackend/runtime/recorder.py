@@ -5,6 +5,7 @@ eagerly (RegionRunner decides, after asking eager whose error it was)."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import time
@@ -231,30 +232,29 @@ class Recorder:
         entry.leaves = []
         entry.reach = None
         self._register_outputs(entry, skip=entry.diff_out)
+        # How many of the region's inputs and outputs lie in each storage, read once for both uses.
+        own = collections.Counter(t.untyped_storage().data_ptr()
+                                  for t in iter_tensors([entry.static_ins, entry.outputs]) if t.numel())
         # What the forward's autograd graph alone keeps alive: saved tensors that are neither an
         # input nor an output of the region.
-        own = {t.untyped_storage().data_ptr() for t in iter_tensors([entry.static_ins, entry.outputs]) if t.numel()}
         entry.saved_bytes = sum(n for ptr, n in saved.items() if ptr and ptr not in own)
-        entry.grad_out_shared = self._grad_out_shared(entry, saved)
+        entry.grad_out_shared = self._grad_out_shared(entry, saved, own)
 
-    def _grad_out_shared(self, entry: TrainEntry, saved: dict[int, int]) -> frozenset[int]:
+    def _grad_out_shared(self, entry: TrainEntry, saved: dict[int, int],
+                         own: "collections.Counter[int]") -> frozenset[int]:
         """Differentiable outputs whose static memory can take the incoming gradient at backward
         (Backward.capture), instead of a buffer of their size held for good: between the forward
         replay and the backward, nothing reads them. Only the caller does (``caller_only``), and it
         got a copy; the forward saved nothing on their storage for its backward; and no other output
-        or static input lies in that storage. Every later forward replay writes them again."""
-        storages: dict[int, int] = {}
-        for t in iter_tensors([entry.static_ins, entry.outputs]):
-            if t.numel():
-                ptr = t.untyped_storage().data_ptr()
-                storages[ptr] = storages.get(ptr, 0) + 1
+        or static input lies in that storage (``own``: tensors per storage). Every later forward
+        replay writes them again."""
         shared = []
         for i in entry.diff_out:
             out = entry.outputs[i]
             if i not in self.runner.caller_only or not out.numel() or not non_overlapping(out):
                 continue
             ptr = out.untyped_storage().data_ptr()
-            if ptr not in saved and storages.get(ptr) == 1:
+            if ptr not in saved and own[ptr] == 1:
                 shared.append(i)
         return frozenset(shared)
 
