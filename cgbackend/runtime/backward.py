@@ -28,7 +28,7 @@ import torch
 from .capture import CaptureError, SimulatedGraph, first_line
 from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
 from .handout import HeldStorages, handout_supported
-from .inner import no_donated_buffers
+from .inner import donating, no_donated_buffers
 from .inputs import saved_modified_error
 from .params import ParamPolicy
 from .reach import unreached
@@ -81,10 +81,10 @@ class Backward:
         # right after would need the graph again: it keeps it.
         # Inductor's code runs its backward once outside a capture first (AOT autograd compiles it
         # on first use), unless a warm-up call's backward already did.
-        prewarm = getattr(runner.fn, "needs_backward_prewarm", False)
+        prewarm = (getattr(runner.fn, "needs_backward_prewarm", False)
+                   and not getattr(runner.fn, "backward_seen", False))
         consume = (runner.recomputable and pool.awaiting_backward == 1
-                   and not isinstance(entry.graph, SimulatedGraph)
-                   and (not prewarm or getattr(runner.fn, "backward_seen", False)))
+                   and not isinstance(entry.graph, SimulatedGraph) and not prewarm)
         if consume:
             pool.sealed = True
 
@@ -94,9 +94,11 @@ class Backward:
                                                retain_graph=not consume, allow_unused=True)
             return tuple(grads_in)
 
-        if prewarm and not consume:
-            # Inductor compiles the keep-graph variant of its backward on first use: not in a capture.
-            self.eager(entry, grads)
+        if prewarm:
+            # Not in a capture. Code compiled with donated buffers may write into the saved tensors
+            # it reads, and the backward graph replays right after its capture on this forward's:
+            # its first backward runs on the forward computed again (only such regions donate).
+            self.eager(entry, grads, recompute=donating(runner.fn), count=False)
         device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None
         reserved_before = reserved(device, settle=not shared.capturer.simulate)
         start = time.perf_counter()
@@ -204,8 +206,10 @@ class Backward:
         counters.saved_released += 1
         counters.saved_released_bytes += entry.saved_bytes
 
-    def eager(self, entry: TrainEntry, grads: tuple) -> tuple:
-        """Backward without the backward graph: autograd through the captured forward's graph."""
+    def eager(self, entry: TrainEntry, grads: tuple, recompute: bool = False, count: bool = True) -> tuple:
+        """Backward without the backward graph: autograd through the captured forward's graph, or
+        through the forward computed again (``recompute``, or once that graph is released;
+        counted in ``bwd_recomputes`` unless ``count`` is False)."""
         grad_outs = []
         for i in entry.diff_out:
             grad = grads[i]
@@ -214,12 +218,12 @@ class Backward:
         hooks = self.runner.hooks
         quiet = hooks.quiet_backward() if hooks is not None else contextlib.nullcontext()
         with no_donated_buffers(), quiet:
-            if entry.released:
+            if recompute or entry.released:
                 # The captured forward's autograd graph is gone: run the region's code again on the
                 # static inputs (still this call's values) and differentiate that.
                 with torch.enable_grad():
                     outs = self.runner.fn(*entry.static_ins)
-                self.runner.shared.counters.bwd_recomputes += 1
+                self.runner.shared.counters.bwd_recomputes += count
                 return torch.autograd.grad([outs[i] for i in entry.diff_out], inputs, grad_outputs=grad_outs,
                                            allow_unused=True)
             return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
@@ -238,10 +242,18 @@ class Backward:
             counters.copied_by_kind["param"] += copied
         moved = (ParamPolicy.moved(entry.static_ins, entry.param_addrs)
                  if entry.param_addrs and not ParamPolicy.unmoved(entry.static_ins, entry.param_check) else None)
-        fresh = moved is None and entry.bwd_graph is None and entry.bwd_failed is None
+        ctx.backwards += 1
+        # A second backward through one forward (retain_graph=True): the first may have written
+        # over saved activations (a backward graph that consumed them reuses their blocks, donated
+        # buffers are written in place); it runs on the forward computed again. Both kinds are
+        # regions that can compute their forward again.
+        again = ctx.backwards > 1 and (entry.released or donating(runner.fn))
+        fresh = moved is None and entry.bwd_graph is None and entry.bwd_failed is None and not again
         if fresh:
             self.capture(entry, grads)
-        if moved is not None:
+        if again:
+            reason = EagerReason.SECOND_BACKWARD
+        elif moved is not None:
             # An engine re-allocated a parameter since the forward was captured (FSDP2 without
             # cgbackend.distributed.track_fsdp): a graph would read the old address.
             log.debug("cgbackend: %s backward: parameter moved (%s)", runner.name, moved)
@@ -256,7 +268,7 @@ class Backward:
             reason = None
         if reason is not None:
             runner.count_eager(reason)
-            grads_in = self.eager(entry, grads)
+            grads_in = self.eager(entry, grads, recompute=again)
         else:
             if not fresh:
                 copied = fill_grads(entry.static_grad_outs, entry.diff_out, grads)
@@ -289,6 +301,7 @@ class RegionFunction(torch.autograd.Function):
         ctx.runner, ctx.entry, ctx.call = runner, entry, call
         ctx.generation = call.generation
         ctx.leaves = [t for t in tensors if t.requires_grad and t.is_leaf]
+        ctx.backwards = 0
         # Volatile parameters (FSDP2's) by position: copied into the entry again before backward.
         ctx.volatile = [(p, full[p]) for p in entry.volatile_pos]
         call.add_token()

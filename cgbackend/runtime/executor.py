@@ -283,6 +283,7 @@ class CompiledGraph:
         mutated = mutated_input_positions(self.analysis.effects, region)
         fn = module
         lazy = None
+        recomputable = hooks is None and _runs_twice_alike(self.analysis.effects, region.nodes, region.inputs)
         if self._inner is not None:
             # Inductor would trace an opaque call with fake tensors and keep only its shape:
             # regions holding one run their FX module as it is.
@@ -290,7 +291,8 @@ class CompiledGraph:
         elif self.inner_mode == "inductor" and self.blocked is None:
             lazy = LazyInner(module, name, self.shared.counters, strict=self.config.strict,
                              copied=tuple(p for p, k in enumerate(kinds) if k in (COPY, EAGER)),
-                             written=tuple(sorted(mutated)))
+                             written=tuple(sorted(mutated)),
+                             donate=recomputable and not self.shared.capturer.simulate)
             if opaque_calls:  # a policy, not an error: counted, never raised under strict
                 lazy.strict = False
                 lazy.fall_back(InnerFallback.OPAQUE_CALL, "opaque module call in the region")
@@ -298,7 +300,7 @@ class CompiledGraph:
         runner = RegionRunner(name, fn, kinds, producers, mutated, self.shared,
                               bucket=bucket, device=_region_device(region), hooks=hooks)
         runner.lazy_inner = lazy
-        runner.recomputable = hooks is None and _runs_twice_alike(self.analysis.effects, region.nodes, region.inputs)
+        runner.recomputable = recomputable
         runner.caller_only = frozenset(i for i, node in enumerate(region.outputs)
                                        if node.users and all(u.op == "output" for u in node.users))
         runner.on_sync = self._request_split

@@ -19,6 +19,7 @@ Training works through Inductor's AOT autograd.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import time
@@ -33,16 +34,31 @@ from ..fx_utils import copy_module, fake_value
 from .capture import first_line
 from .layouts import AdaptedCall, InputLayouts
 
-__all__ = ["InnerFallback", "LazyInner", "inductor_compile", "no_donated_buffers", "resolve_inner"]
+__all__ = ["InnerFallback", "LazyInner", "compiled_call", "donating", "inductor_compile", "no_donated_buffers",
+           "resolve_inner"]
 
 log = logging.getLogger(__name__)
 
 
 def no_donated_buffers():
-    """Donated buffers let AOT autograd's backward reuse saved tensors' memory, which forbids
-    retain_graph=True; cgbackend keeps the captured forward's autograd graph to capture the backward
-    (and to run it eagerly if that capture fails). Read at compile time and at backward time."""
+    """Around the backward runs cgbackend makes itself: AOT autograd refuses a backward that keeps
+    the graph once its code reuses saved tensors' memory (donated buffers), and the captures and
+    eager fallbacks keep it. Each of those runs once per forward (replay), so the saved tensors it
+    overwrites are written again before anything reads them (runtime/backward.py)."""
     return torch._functorch.config.patch(donated_buffer=False)
+
+
+def compiled_call(fn: Any) -> Any:
+    """The Inductor call under a region's callable (AdaptedCall wraps it), or ``fn``."""
+    return fn.fn if isinstance(fn, AdaptedCall) else fn
+
+
+def donating(fn: Any) -> bool:
+    """Was a region's code compiled with donated buffers? Its backward may then write into saved
+    tensors it has read: AOT autograd compiles that backward when it first runs, donating only if
+    that run keeps no graph, but a backward loaded from its cache (compiled so before, in this
+    process or an earlier one) donates whatever runs first. So any backward of such code may."""
+    return getattr(compiled_call(fn), "donating", False)
 
 
 class InnerFallback:
@@ -347,8 +363,14 @@ def topk_by_keys(module: torch.fx.GraphModule) -> int:
     return done
 
 
-def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
-    """Compile one region's FX module with Inductor (no CUDA graphs of its own)."""
+def inductor_compile(module: torch.fx.GraphModule, donate: bool = False) -> Callable[..., Any]:
+    """Compile one region's FX module with Inductor (no CUDA graphs of its own).
+
+    ``donate``: let its backward reuse the memory of the saved tensors it has read (AOT autograd's
+    donated buffers, on by default under torch.compile), in the region's warm-up calls and its
+    backward graph (dense-llama8b-shape, H100: the first warm-up backward peaks 81 MiB lower).
+    Only for a region that can compute its forward again: the caller reads each forward's saved
+    tensors in one backward, and computes the forward again for any other (runtime/backward.py)."""
     from torch._inductor.compile_fx import compile_fx  # imported only when a region is compiled
 
     gate = _Gated(module)
@@ -359,7 +381,10 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
     example_inputs = _example_inputs(module)
     patches: dict[str, Any] = {"triton.cudagraphs": False, "triton.cudagraph_trees": False}
     extra = inference_patches()
-    with no_donated_buffers():
+    donating = donate and torch.is_grad_enabled() and bool(torch._functorch.config.donated_buffer)
+    # Read when AOT autograd partitions the region: at compile and on the first call.
+    donation = functools.partial(torch._functorch.config.patch, donated_buffer=donating)
+    with donation():
         try:
             compiled = compile_fx(module, example_inputs, config_patches={**patches, **extra})
         except Exception as exc:
@@ -373,7 +398,7 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
     def run(*args: Any) -> Any:
         if views:
             args = args + tuple(fn(*[args[a] if isinstance(a, int) else a[0] for a in spec]) for fn, spec in views)
-        with no_donated_buffers():  # parts of AOT compile on first call
+        with donation():  # parts of AOT compile on first call
             return compiled(*args)
 
     def call(*args: Any) -> Any:  # Dynamo's calling convention: compiled(*args)
@@ -386,6 +411,8 @@ def inductor_compile(module: torch.fx.GraphModule) -> Callable[..., Any]:
     call.backward_seen = False
     """Set once a backward of the compiled code ran outside a capture (AOT autograd compiles its
     backward then): runtime/backward.py may capture a backward without running one first."""
+    call.donating = donating
+    """Compiled with donated buffers: any backward of it may write into saved tensors (donating)."""
     return call
 
 
@@ -409,12 +436,16 @@ class LazyInner:
     code's to choose, runtime/layouts.py); ``written``: those the region writes in place."""
 
     __slots__ = ("module", "name", "counters", "strict", "compiler", "state", "reason", "detail",
-                 "seconds", "copied", "written")
+                 "seconds", "copied", "written", "donate")
 
     def __init__(self, module: torch.fx.GraphModule, name: str, counters: Any, strict: bool = False,
-                 compiler: Optional[Callable[[torch.fx.GraphModule], Callable[..., Any]]] = None,
-                 copied: tuple[int, ...] = (), written: tuple[int, ...] = ()) -> None:
+                 compiler: Optional[Callable[..., Callable[..., Any]]] = None,
+                 copied: tuple[int, ...] = (), written: tuple[int, ...] = (), donate: bool = False) -> None:
         self.module = module
+        self.donate = donate
+        """Compile with donated buffers (inductor_compile): only for a region that can compute its
+        forward again, and not for simulated graphs (their capture runs the backward that their
+        first replay runs again)."""
         self.copied = copied
         self.written = written
         self.strict = strict
@@ -433,7 +464,7 @@ class LazyInner:
         start = time.perf_counter()
         try:
             layouts, module = InputLayouts.plan(self.module, self.copied, self.written)
-            fn = self.compiler(module)
+            fn = self.compiler(module, donate=True) if self.donate else self.compiler(module)
         except Exception as exc:  # any Inductor error: this region keeps eager's kernels
             return self.fall_back(InnerFallback.COMPILE_FAILED, first_line(exc))
         finally:

@@ -32,6 +32,7 @@ class EagerReason:
     CALL_RAISED = "call_raised"
     INPUT_LAYOUT = "input_layout"
     ABOVE_MAX_CAPTURE = "above_max_capture_size"
+    SECOND_BACKWARD = "second_backward"
 
     DESCRIPTIONS = {
         WARMUP: "eager warm-up call before capture (option warmup)",
@@ -72,6 +73,9 @@ class EagerReason:
                       "cannot be copied into the compiled layout (runtime/layouts.py)",
         ABOVE_MAX_CAPTURE: "an inference call of a bucketed region above max_capture_size: the region's "
                            "code ran without a graph (no capture, no graph memory for that size)",
+        SECOND_BACKWARD: "a second backward through one training forward (retain_graph=True), after "
+                         "the first reused the saved activations' memory: autograd through the "
+                         "region's forward computed again on its static inputs",
     }
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
 import cgbackend
 from cgbackend.api import find_backend
 from cgbackend.models import build_model, make_inputs
+from cgbackend.runtime.inner import compiled_call, donating
 
 SIM = dict(simulate_graphs=True, warmup=1, static_dispatch="off")
 
@@ -318,3 +320,51 @@ def test_inductor_code_notes_that_its_backward_ran_outside_a_capture():
     assert fns and all(f.needs_backward_prewarm and not f.backward_seen for f in fns)
     compiled(x).pow(2).mean().backward()
     assert all(f.backward_seen for f in fns)
+
+
+def test_simulated_graphs_compile_without_donated_buffers():
+    """A simulated capture runs the backward that its first replay runs again: AOT autograd's
+    donated buffers (a backward writing into saved tensors it has read) would corrupt the second
+    run, so regions are compiled without them there (on a GPU: test_cuda_training.py)."""
+    seen = []
+    real = cgbackend.runtime.inner.inductor_compile
+
+    def recording(module, donate=False):
+        seen.append(donate)
+        return real(module, donate=donate)
+
+    torch.manual_seed(0)
+    base = _Two().train()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cgbackend.runtime.inner, "inductor_compile", recording)
+        compiled = cgbackend.compile(mine, simulate_graphs=True, warmup=1, inner="inductor",
+                                     static_dispatch="off")
+        for i in range(3):
+            x = torch.randn(8, 16)
+            for model, fn in ((ref, ref), (mine, compiled)):
+                model.zero_grad(set_to_none=True)
+                fn(x).pow(2).mean().backward()
+            for a, b in zip(ref.parameters(), mine.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
+    fns = [compiled_call(r.fn) for g in find_backend(compiled).compiled_graphs() for r in g.runners]
+    assert fns and seen == [False] * len(fns)
+    assert not any(donating(f) for f in fns) and cgbackend.stats(compiled)["bwd_replays"] >= 1
+
+
+def test_a_second_backward_through_one_forward_computes_the_forward_again():
+    """retain_graph=True, then a second backward through the same forward: after the first has
+    replayed a backward graph that reused the saved activations' memory (released), the second runs
+    autograd through the forward computed again, and both add up to eager's gradients."""
+    ref, mine, compiled = _pair(build_model("dense").train())
+    for i, x in enumerate(make_inputs("dense", ref, n=5, seed=19)):
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad(set_to_none=True)
+            loss = fn(x).float().pow(2).mean()
+            loss.backward(retain_graph=True)
+            (2 * loss).backward()
+        for a, b in zip(ref.parameters(), mine.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
+    st = cgbackend.stats(compiled)
+    assert all(e.released for e in _train_entries(compiled)) and st["bwd_replays"] >= 3
+    assert st["eager_calls"]["second_backward"] == st["bwd_replays"] + st["bwd_graphs"] - 1, st["eager_calls"]
