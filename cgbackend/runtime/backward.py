@@ -18,6 +18,7 @@ no input written in place, no opaque module call."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import time
@@ -27,9 +28,11 @@ import torch
 
 from .capture import CaptureError, SimulatedGraph, first_line
 from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
+from ..fx_utils import iter_tensors
 from .handout import HeldStorages, handout_supported
-from .inner import donating, no_donated_buffers
+from .inner import KEEP_GRAPH, donating, no_donated_buffers
 from .inputs import saved_modified_error
+from .loose_outputs import StorageWeakRef, loose_alias, loose_supported
 from .params import ParamPolicy
 from .reach import unreached
 from .stats import EagerReason
@@ -85,8 +88,10 @@ class Backward:
                    and not getattr(runner.fn, "backward_seen", False))
         consume = (runner.recomputable and pool.awaiting_backward == 1
                    and not isinstance(entry.graph, SimulatedGraph) and not prewarm)
+        released_in = []
         if consume:
             pool.sealed = True
+            released_in = self.release_inputs(entry)
 
         def run() -> Any:
             with no_donated_buffers():
@@ -109,11 +114,13 @@ class Backward:
         except CaptureError as exc:
             if consume:  # the attempt may have used the autograd graph up
                 self.release_saved(entry)
+                self.count_released_inputs(entry, released_in)
             self._capture_failed(str(exc), entry)
             return
         elapsed = time.perf_counter() - start
         if consume:
             self.release_saved(entry)
+            self.count_released_inputs(entry, released_in)
         entry.bwd_graph = graph
         entry.bwd_index = entry.pool.new_index()
         entry.pool.backward_settled()
@@ -198,6 +205,42 @@ class Backward:
         pool.releasable.append((self, entry))
         pool.release_ready()
 
+    def release_inputs(self, entry: TrainEntry) -> list:
+        """Before the last backward graph of a pool is captured, consuming the saved activations:
+        the static inputs made in the pool that need no gradient are kept only as tensors on
+        storages that do not own their memory. Once the capture's autograd graph has used what it
+        saved of them, their blocks are free for that graph's later temporaries, as cudagraph trees
+        frees its recording inputs after their last use. Each forward replay's staging copy writes
+        them first; between the forward replay and the backward graph nothing but a backward on
+        the forward computed again reads them, and it runs instead of the graph (Backward.run).
+        Only where a backward that keeps the graph can be told (KEEP_GRAPH). Returns what to
+        count once the capture is over (count_released_inputs)."""
+        if not entry.pooled_pos or KEEP_GRAPH is None or not loose_supported() or StorageWeakRef is None:
+            return []
+        own = collections.Counter(t.untyped_storage().data_ptr()
+                                  for t in iter_tensors([entry.static_ins, entry.outputs]) if t.numel())
+        pending = []
+        for pos in entry.pooled_pos:
+            buf = entry.static_ins[pos]
+            storage = buf.untyped_storage()
+            if own[storage.data_ptr()] != 1:  # an output lies in it too
+                continue
+            alias = loose_alias(buf)
+            entry.static_ins[pos] = alias
+            entry.copy_dst[entry.copy_pos.index(pos)] = alias
+            pending.append((pos, StorageWeakRef(storage), storage.nbytes()))
+            del buf, storage
+        return pending
+
+    @staticmethod
+    def count_released_inputs(entry: TrainEntry, pending: list) -> None:
+        """The released inputs whose memory went back to the pool: nothing else held them (the
+        capture's autograd graph, which saved some, is gone by now). One still held elsewhere
+        stays allocated, and its alias reads it."""
+        for pos, ref, nbytes in pending:
+            if ref.expired():
+                entry.released_in[pos] = nbytes
+
     def release_saved(self, entry: TrainEntry) -> None:
         """Drop the capture's autograd graph (and with it the saved activations it held)."""
         entry.capture_outs = None
@@ -243,16 +286,18 @@ class Backward:
         moved = (ParamPolicy.moved(entry.static_ins, entry.param_addrs)
                  if entry.param_addrs and not ParamPolicy.unmoved(entry.static_ins, entry.param_check) else None)
         ctx.backwards += 1
-        # A second backward through one forward (retain_graph=True): the first may have written
-        # over saved activations (a backward graph that consumed them reuses their blocks, donated
-        # buffers are written in place); it runs on the forward computed again. Both kinds are
-        # regions that can compute their forward again.
-        again = ctx.backwards > 1 and (entry.released or donating(runner.fn))
+        # A backward that keeps the graph (retain_graph=True), or one after it through the same
+        # forward: where the backward graph writes over what it reads (saved activations it
+        # consumed or released, static inputs it was given, donated buffers), the graph replays
+        # only for a lone backward; the others run on the forward computed again from the static
+        # inputs, which nothing but that backward graph writes between forward replays.
+        again = ((entry.released or entry.released_in or donating(runner.fn))
+                 and (ctx.backwards > 1 or (KEEP_GRAPH is not None and KEEP_GRAPH())))
         fresh = moved is None and entry.bwd_graph is None and entry.bwd_failed is None and not again
         if fresh:
             self.capture(entry, grads)
         if again:
-            reason = EagerReason.SECOND_BACKWARD
+            reason = EagerReason.KEPT_GRAPH
         elif moved is not None:
             # An engine re-allocated a parameter since the forward was captured (FSDP2 without
             # cgbackend.distributed.track_fsdp): a graph would read the old address.

@@ -171,7 +171,15 @@ class TrainEntry(Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",
                  "leaves", "reach", "saved_modified", "saved_pos", "released", "saved_bytes",
-                 "grad_out_shared")
+                 "grad_out_shared", "pooled_pos", "released_in")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pooled_pos: list[int] = []
+        """Copied inputs whose static buffer was made in the graph pool (recorder.py)."""
+        self.released_in: dict[int, int] = {}
+        """Position -> bytes of the static inputs the runtime holds no more: their blocks are the
+        backward graph's (Backward.release_inputs); each replay's staging copy writes them again."""
 
     def in_use(self) -> bool:
         live = self.pool.live

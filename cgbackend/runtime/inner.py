@@ -34,7 +34,7 @@ from ..fx_utils import copy_module, fake_value
 from .capture import first_line
 from .layouts import AdaptedCall, InputLayouts
 
-__all__ = ["InnerFallback", "LazyInner", "compiled_call", "donating", "inductor_compile", "no_donated_buffers",
+__all__ = ["InnerFallback", "KEEP_GRAPH", "LazyInner", "compiled_call", "donating", "inductor_compile", "no_donated_buffers",
            "resolve_inner"]
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,12 @@ def no_donated_buffers():
     eager fallbacks keep it. Each of those runs once per forward (replay), so the saved tensors it
     overwrites are written again before anything reads them (runtime/backward.py)."""
     return torch._functorch.config.patch(donated_buffer=False)
+
+
+KEEP_GRAPH: Optional[Callable[[], bool]] = getattr(getattr(torch._C, "_autograd", None),
+                                                  "_get_current_graph_task_keep_graph", None)
+"""Does the running backward keep its graph (retain_graph=True)? Private, feature-tested (AOT
+autograd reads it to choose its backward); None without it."""
 
 
 def compiled_call(fn: Any) -> Any:

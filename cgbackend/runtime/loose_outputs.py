@@ -43,10 +43,32 @@ if TYPE_CHECKING:
     from .entries import Entry
     from .region import RegionRunner
 
-__all__ = ["releases_outputs", "release_outputs"]
+__all__ = ["StorageWeakRef", "loose_alias", "loose_supported", "releases_outputs", "release_outputs"]
+
+try:  # cudagraph trees checks its storages with it
+    from torch.multiprocessing.reductions import StorageWeakRef
+except ImportError:  # pragma: no cover - present in torch 2.11 and 2.13
+    StorageWeakRef = None  # type: ignore[assignment,misc]
 
 _from_pointer: Optional[Callable[..., Any]] = getattr(torch._C, "_construct_storage_from_data_pointer", None)
 """Feature-tested private API (torch 2.11 and 2.13): a storage on memory it does not own."""
+
+
+def loose_supported() -> bool:
+    return _from_pointer is not None
+
+
+def _on(storage: Any, value: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing ``storage`` as ``value`` views its own."""
+    alias = torch.empty(0, dtype=value.dtype, device=value.device)
+    alias.set_(storage, value.storage_offset(), value.size(), value.stride())
+    return alias
+
+
+def loose_alias(value: torch.Tensor) -> torch.Tensor:
+    """``value`` on a storage that does not own its memory (the caller drops ``value`` next)."""
+    storage = value.untyped_storage()
+    return _on(_from_pointer(storage.data_ptr(), value.device, storage.nbytes()), value)
 
 
 def releases_outputs(runner: "RegionRunner", entry: "Entry") -> bool:
@@ -78,9 +100,7 @@ def release_outputs(entry: "Entry") -> None:
         if simulated:
             outs.append(value)
             continue
-        alias = torch.empty(0, dtype=value.dtype, device=value.device)
-        alias.set_(loose[ptr], value.storage_offset(), value.size(), value.stride())
-        outs.append(alias)
+        outs.append(_on(loose[ptr], value))
     if not released:
         return
     if simulated:

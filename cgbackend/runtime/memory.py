@@ -11,9 +11,10 @@ Two figures per entry, kept apart because they answer different questions:
   ``.grad``). The CUDA caching allocator counts these as allocated.
 * **reserved**: how much the pool's reserved memory grew while the entry's graphs were captured
   (their temporaries and outputs; 0 with simulated graphs). It stays reserved while the graphs
-  live; ``released`` says how much of a training entry's saved activations, or of the last
-  region's inference outputs (runtime/loose_outputs.py; those alone: ``released_outputs``), lies
-  there, no longer allocated (their blocks are the graphs' to reuse).
+  live; ``released`` says how much of a training entry's saved activations and static inputs
+  (runtime/backward.py), or of the last region's inference outputs (runtime/loose_outputs.py;
+  those alone: ``released_outputs``; static inputs: ``released_inputs``), lies there, no longer
+  allocated (their blocks are the graphs' to reuse).
 
 Each tensor is counted once, by its storage, in the first kind that holds it (inputs, outputs,
 grads): the figures of an entry add up to its ``held``, the entries' to their region's, and the
@@ -51,14 +52,15 @@ def _storages(values: Iterable[Any], seen: set[int]) -> int:
 
 def entry_memory(entry: Entry) -> dict[str, int]:
     """The bytes one graph entry holds, by kind, with ``held`` (their sum), ``reserved``,
-    ``released`` and ``released_outputs`` (module docstring)."""
+    ``released``, ``released_outputs`` and ``released_inputs`` (module docstring)."""
     out = dict.fromkeys(KINDS, 0)
     if entry.static_ins is None:  # released (evicted) entry
-        out.update(held=0, reserved=0, released=0, released_outputs=0)
+        out.update(held=0, reserved=0, released=0, released_outputs=0, released_inputs=0)
         return out
     seen: set[int] = set()
     # Parameters and hand-offs are read in place: they belong to the model or to another graph.
-    out["inputs"] = _storages((entry.static_ins[p] for p in entry.copy_pos), seen)
+    released_in = getattr(entry, "released_in", {})  # a training entry's (runtime/backward.py)
+    out["inputs"] = _storages((entry.static_ins[p] for p in entry.copy_pos if p not in released_in), seen)
     views = entry.input_views.views if entry.input_views is not None else {}
     released = entry.out_released
     if not released:
@@ -68,17 +70,19 @@ def entry_memory(entry: Entry) -> dict[str, int]:
             released += entry.saved_bytes
         else:
             out["saved"] = entry.saved_bytes
+        released += sum(released_in.values())
         out["grads"] = _storages(list(entry.static_grad_outs or ()) + list(entry.static_grad_ins or ()), seen)
     out["held"] = sum(out[k] for k in KINDS)
     out["reserved"] = entry.nbytes
     out["released"] = released
     out["released_outputs"] = entry.out_released
+    out["released_inputs"] = sum(released_in.values())
     return out
 
 
 def add_up(parts: Iterable[dict[str, int]]) -> dict[str, int]:
     """The sum of memory dicts, key by key."""
-    total = dict.fromkeys(KINDS + ("held", "reserved", "released", "released_outputs"), 0)
+    total = dict.fromkeys(KINDS + ("held", "reserved", "released", "released_outputs", "released_inputs"), 0)
     for part in parts:
         for key, value in part.items():
             total[key] = total.get(key, 0) + value
@@ -87,7 +91,8 @@ def add_up(parts: Iterable[dict[str, int]]) -> dict[str, int]:
 
 def released_kinds(mem: dict[str, int]) -> dict[str, int]:
     """What ``released`` of a memory dict is made of, by name, for the report texts: saved
-    activations and last-region outputs (the kinds with bytes only)."""
-    outputs = mem.get("released_outputs", 0)
-    parts = {"saved activations": mem.get("released", 0) - outputs, "outputs": outputs}
+    activations, training static inputs and last-region outputs (the kinds with bytes only)."""
+    outputs, inputs = mem.get("released_outputs", 0), mem.get("released_inputs", 0)
+    parts = {"saved activations": mem.get("released", 0) - outputs - inputs, "static inputs": inputs,
+             "outputs": outputs}
     return {k: v for k, v in parts.items() if v}

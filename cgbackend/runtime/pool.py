@@ -8,7 +8,10 @@ memory.
 
 The rule. cgbackend never frees a graph's static inputs, saved activations or
 outputs, except the last region's inference outputs, which are copied for the
-caller before any other replay (runtime/loose_outputs.py). So the only memory
+caller before any other replay (runtime/loose_outputs.py), and the static
+inputs a pool's last backward graph receives (runtime/backward.py,
+``Backward.release_inputs``: captured last, into a sealed pool, no other graph
+can hold them). So the only memory
 two graphs of a pool share is what a graph captured earlier no longer needs
 between replays (its temporaries, with its cuBLAS workspace: capture.py; those
 released outputs), which a graph captured later may have received for
@@ -33,12 +36,21 @@ static buffers; cudagraph trees does the same with its pool's dead tensors.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
-from typing import Any
+import weakref
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["PoolState", "PoolSet"]
+__all__ = ["PoolState", "PoolSet", "POOL_ROUTING"]
+
+_begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+_end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+_release = getattr(torch._C, "_cuda_releasePool", None)
+POOL_ROUTING = _begin is not None and _end is not None and _release is not None
+"""Can tensors be allocated in a graph pool outside a capture (the caching allocator's routing,
+private: feature-tested; torch.cuda.use_mem_pool uses it)?"""
 
 
 @dataclasses.dataclass
@@ -60,6 +72,33 @@ class PoolState:
     releasable: list = dataclasses.field(default_factory=list)
     """Training entries waiting for ``awaiting_backward`` to reach 0 to release their saved
     activations, with the backward side that releases them."""
+
+    routed: bool = False
+    """This pool's use count holds one reference of ours (``allocating``), dropped when it goes."""
+
+    def allocating(self) -> Any:
+        """Route this thread's allocations into the pool (outside a capture): the tensors made
+        are pool blocks, which once freed only a capture into this pool can receive."""
+        if self.handle is None or not POOL_ROUTING:
+            return contextlib.nullcontext()
+        return self._routed()
+
+    @contextlib.contextmanager
+    def _routed(self) -> Iterator[None]:
+        device = torch.device(self.device).index
+        device = torch.cuda.current_device() if device is None else device
+        _begin(device, self.handle)  # the allocator takes a reference on the pool for each begin
+        try:
+            yield
+        finally:
+            _end(device, self.handle)
+            if self.routed:
+                _release(device, self.handle)
+            else:
+                # One reference kept while this PoolState lives: the pool may have no graph yet,
+                # and a pool whose references all went may not be taken again.
+                self.routed = True
+                weakref.finalize(self, _release, device, self.handle).atexit = False
 
     def new_index(self) -> int:
         self.next_index += 1

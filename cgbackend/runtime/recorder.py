@@ -6,6 +6,7 @@ eagerly (RegionRunner decides, after asking eager whose error it was)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import logging
 import time
@@ -102,11 +103,17 @@ class Recorder:
                 handoff_pos.append(pos)
                 continue
             # In the layout the compiled code reads (runtime/layouts.py): the staging copy converts.
-            buf, dims = input_buffer(value, layouts.layout(pos) if layouts is not None else None)
+            # A training forward's input that needs no gradient is made in the graph pool: its
+            # block may go to its backward graph once the forward has read it (Backward.capture).
+            pooled = grad_path and not value.requires_grad and not volatile
+            with entry.pool.allocating() if pooled else contextlib.nullcontext():
+                buf, dims = input_buffer(value, layouts.layout(pos) if layouts is not None else None)
             with torch.no_grad():
                 copy_into(buf, value, dims)
             if dims:
                 entry.compact[pos] = dims
+            elif pooled and entry.pool.routed:
+                entry.pooled_pos.append(pos)
             if grad_path and value.requires_grad:
                 buf.requires_grad_(True)
             static_ins.append(buf)

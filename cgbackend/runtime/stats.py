@@ -32,7 +32,7 @@ class EagerReason:
     CALL_RAISED = "call_raised"
     INPUT_LAYOUT = "input_layout"
     ABOVE_MAX_CAPTURE = "above_max_capture_size"
-    SECOND_BACKWARD = "second_backward"
+    KEPT_GRAPH = "retained_graph_backward"
 
     DESCRIPTIONS = {
         WARMUP: "eager warm-up call before capture (option warmup)",
@@ -73,9 +73,10 @@ class EagerReason:
                       "cannot be copied into the compiled layout (runtime/layouts.py)",
         ABOVE_MAX_CAPTURE: "an inference call of a bucketed region above max_capture_size: the region's "
                            "code ran without a graph (no capture, no graph memory for that size)",
-        SECOND_BACKWARD: "a second backward through one training forward (retain_graph=True), after "
-                         "the first reused the saved activations' memory: autograd through the "
-                         "region's forward computed again on its static inputs",
+        KEPT_GRAPH: "a backward that keeps the forward's graph (retain_graph=True), or a later one "
+                    "through the same forward, where the backward graph writes over what it reads "
+                    "(released saved activations or static inputs, donated buffers): autograd "
+                    "through the region's forward computed again on its static inputs",
     }
 
 
