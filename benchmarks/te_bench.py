@@ -2,6 +2,7 @@
 cgbackend, side by side in one run on one model.
 
     python benchmarks/te_bench.py [--layers 4] [--seq 128] [--batch 4] [--steps 50] [--fp8 delayed]
+                                  [--out FILE.json] [--append benchmarks/results/latest.json]
 
 Model: ``--layers`` x te.TransformerLayer(1024, 4096, 16 heads), bf16 parameters, inputs
 seq x batch x 1024, FP8 autocast with the chosen recipe ("delayed", "current" or "off"). A step
@@ -10,7 +11,9 @@ copy of the same initial weights on the same rotating inputs (16 distinct batche
 first: the first checked step's loss and gradients of every contender are compared with eager
 TE's on a fresh copy; then each contender's median step time over ``--steps`` timed steps after
 warm-up, with its peak memory over those steps and what it holds after a step (both over what was
-allocated before it was made). Writes ``benchmarks/results/te.json`` (``--out``).
+allocated before it was made). Writes ``--out`` (a JSON file) if given, and with ``--append`` puts
+the run into that bench results file's ``te`` section under its recipe (``latest.json``: RESULTS.md
+renders it, cgbackend.bench.render.render_te).
 """
 
 from __future__ import annotations
@@ -38,8 +41,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--fp8", choices=("delayed", "current", "off"), default="delayed")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "te.json"))
+    ap.add_argument("--out", default=None, help="write this run's JSON here")
+    ap.add_argument("--append", default=None,
+                    help="a bench results file (benchmarks/results/latest.json) whose 'te' section gets this run")
     args = ap.parse_args()
+    if args.append and not os.path.isfile(args.append):  # before the run, not after it
+        raise SystemExit(f"--append: no such results file {args.append}")
 
     import transformer_engine as te_pkg
     import transformer_engine.pytorch as te
@@ -187,9 +194,19 @@ def main() -> None:
     cg = rows[2]
     print(f"cgbackend: graphs {cg.get('graphs')}, eager calls {cg.get('eager_calls')}, "
           f"capture failures {cg.get('capture_failures')}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    run = {"meta": meta, "rows": rows}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(run, f, indent=2)
+    if args.append:  # read again now: another run may have written it meanwhile
+        from pathlib import Path
+
+        from cgbackend.bench.render import write_json
+        with open(args.append) as f:
+            bench = json.load(f)
+        bench.setdefault("te", {})[args.fp8] = run
+        write_json(bench, Path(args.append))
 
 
 if __name__ == "__main__":

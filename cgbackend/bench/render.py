@@ -225,6 +225,40 @@ def render_markdown(results: dict[str, Any]) -> str:
     out.append("")
     if results.get("serving"):  # serve-bench --append: its own run, settings and table
         out.append(render_serving(results["serving"], level="##"))
+    if results.get("te"):  # benchmarks/te_bench.py --append: one run per FP8 recipe
+        out.append(render_te(results["te"], level="##"))
+    return "\n".join(out)
+
+
+TE_RECIPES = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "off": "off (bf16)"}
+
+
+def render_te(te: dict[str, Any], level: str = "#") -> str:
+    """The Transformer Engine training rows (``te`` section of ``latest.json``, written by
+    ``benchmarks/te_bench.py --append``): one table, a row per FP8 recipe and contender."""
+    out = [f"{level} Transformer Engine training step", ""]
+    first = next(iter(te.values()))["meta"]
+    out.append(f"{first['layers']} x te.TransformerLayer(1024, 4096, 16), {first['seq']} x {first['batch']} "
+               "tokens, forward, float32 mean-square loss and backward; median of "
+               f"{first['steps']} timed steps. Memory in MiB over what was allocated before the contender "
+               "was made: peak over its warm-up and timed steps, and held after a step.")
+    out.append("")
+    out.append("| recipe | contender | median ms | x eager | x TE-graphed | peak MiB | peak x TE-graphed "
+               "| held MiB | loss / grad rel. error | ok | device, torch, TE, date |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for recipe, run in te.items():
+        meta = run["meta"]
+        where = f"{meta['device']}, {meta['torch']}, TE {meta['transformer_engine']}, {meta['date']}"
+        for r in run["rows"]:
+            cells = [TE_RECIPES.get(recipe, recipe), r["contender"], fmt(r["median_ms"]), fmt(r["vs_eager"]),
+                     fmt(r["vs_te_graphed"]), mib(r["peak_mem_over_baseline_bytes"]),
+                     fmt(r["peak_vs_te_graphed"]), mib(r["held_mem_over_baseline_bytes"]),
+                     f"{r['loss_rel_err']:.1e} / {r['grad_rel_err']:.1e}", "yes" if r["accuracy_ok"] else "NO", where]
+            out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    commands = sorted({run["meta"]["command"] for run in te.values()})
+    out.append("Commands: " + "; ".join(f"`{c}`" for c in commands))
+    out.append("")
     return "\n".join(out)
 
 
@@ -296,8 +330,9 @@ def merge_runs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         r["run"] = renumber[r["run"]]
     meta = dict(new["meta"], runs=[runs[i] for i in used])
     merged = {"meta": meta, "rows": rows}
-    if "serving" in old:  # serve-bench --append's section stays until serve-bench replaces it
-        merged["serving"] = old["serving"]
+    for section in ("serving", "te"):  # serve-bench's and te_bench's sections stay until they replace them
+        if section in old:
+            merged[section] = old[section]
     return merged
 
 
