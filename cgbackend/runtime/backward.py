@@ -14,7 +14,11 @@ held (``settle``; pool.py says when that is safe): between steps only its static
 allocated. A backward that cannot replay its graph then runs autograd through a recomputed
 forward (the region's code on the static inputs, which hold this call's values until its backward
 is over). Only regions that compute the same thing twice release: no random op, no global state,
-no input written in place, no opaque module call."""
+no input written in place, no opaque module call. Their static inputs that need no gradient go to
+the pool's last backward graph too (``release_inputs``), and their Inductor code may donate saved
+tensors to its backward (inner.donating): a backward graph that writes over what it reads replays
+once per forward, and a backward that keeps the graph (retain_graph=True), or a later one through
+the same forward, runs on the forward computed again instead."""
 
 from __future__ import annotations
 
