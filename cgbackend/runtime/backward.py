@@ -22,7 +22,6 @@ the same forward, runs on the forward computed again instead."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import time
@@ -32,7 +31,6 @@ import torch
 
 from .capture import CaptureError, SimulatedGraph, first_line
 from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
-from ..fx_utils import iter_tensors
 from .handout import HeldStorages, handout_supported
 from .inner import KEEP_GRAPH, donating, no_donated_buffers
 from .inputs import saved_modified_error
@@ -221,14 +219,10 @@ class Backward:
         count once the capture is over (count_released_inputs)."""
         if not entry.pooled_pos or KEEP_GRAPH is None or not loose_supported() or StorageWeakRef is None:
             return []
-        own = collections.Counter(t.untyped_storage().data_ptr()
-                                  for t in iter_tensors([entry.static_ins, entry.outputs]) if t.numel())
         pending = []
-        for pos in entry.pooled_pos:
+        for pos in entry.pooled_pos:  # none shares its storage with an output (recorder.py)
             buf = entry.static_ins[pos]
             storage = buf.untyped_storage()
-            if own[storage.data_ptr()] != 1:  # an output lies in it too
-                continue
             alias = loose_alias(buf)
             entry.static_ins[pos] = alias
             entry.copy_dst[entry.copy_pos.index(pos)] = alias

@@ -176,7 +176,8 @@ class TrainEntry(Entry):
     def __init__(self) -> None:
         super().__init__()
         self.pooled_pos: list[int] = []
-        """Copied inputs whose static buffer was made in the graph pool (recorder.py)."""
+        """Copied inputs whose static buffer was made in the graph pool, alone in its storage (no
+        output lies there): those Backward.release_inputs may give to the backward graph."""
         self.released_in: dict[int, int] = {}
         """Position -> bytes of the static inputs the runtime holds no more: their blocks are the
         backward graph's (Backward.release_inputs); each replay's staging copy writes them again."""

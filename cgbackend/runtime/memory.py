@@ -60,6 +60,7 @@ def entry_memory(entry: Entry) -> dict[str, int]:
     seen: set[int] = set()
     # Parameters and hand-offs are read in place: they belong to the model or to another graph.
     released_in = getattr(entry, "released_in", {})  # a training entry's (runtime/backward.py)
+    released_inputs = sum(released_in.values())
     out["inputs"] = _storages((entry.static_ins[p] for p in entry.copy_pos if p not in released_in), seen)
     views = entry.input_views.views if entry.input_views is not None else {}
     released = entry.out_released
@@ -70,13 +71,13 @@ def entry_memory(entry: Entry) -> dict[str, int]:
             released += entry.saved_bytes
         else:
             out["saved"] = entry.saved_bytes
-        released += sum(released_in.values())
+        released += released_inputs
         out["grads"] = _storages(list(entry.static_grad_outs or ()) + list(entry.static_grad_ins or ()), seen)
     out["held"] = sum(out[k] for k in KINDS)
     out["reserved"] = entry.nbytes
     out["released"] = released
     out["released_outputs"] = entry.out_released
-    out["released_inputs"] = sum(released_in.values())
+    out["released_inputs"] = released_inputs
     return out
 
 

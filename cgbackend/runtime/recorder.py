@@ -239,12 +239,15 @@ class Recorder:
         entry.leaves = []
         entry.reach = None
         self._register_outputs(entry, skip=entry.diff_out)
-        # How many of the region's inputs and outputs lie in each storage, read once for both uses.
+        # How many of the region's inputs and outputs lie in each storage, read once for every use.
         own = collections.Counter(t.untyped_storage().data_ptr()
                                   for t in iter_tensors([entry.static_ins, entry.outputs]) if t.numel())
         # What the forward's autograd graph alone keeps alive: saved tensors that are neither an
         # input nor an output of the region.
         entry.saved_bytes = sum(n for ptr, n in saved.items() if ptr and ptr not in own)
+        # Pooled inputs go to the backward graph (Backward.release_inputs) only alone in their storage.
+        entry.pooled_pos = [p for p in entry.pooled_pos
+                            if own[entry.static_ins[p].untyped_storage().data_ptr()] == 1]
         entry.grad_out_shared = self._grad_out_shared(entry, saved, own)
 
     def _grad_out_shared(self, entry: TrainEntry, saved: dict[int, int],
