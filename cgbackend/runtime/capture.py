@@ -202,11 +202,14 @@ def _blas_workspace_in_pool() -> Iterator[None]:
     PyTorch keeps a cuBLAS workspace for every (handle, stream) it has seen (32 MiB on Hopper), so
     a side stream for captures would cost a second one next to the eager stream's for good. Here
     the workspaces are dropped before the capture, so the graph's is allocated inside the capture,
-    from the graph pool (``torch.cuda.current_blas_handle()`` sets it up first thing, so every
-    capture gets the same block back), and dropped again when the capture ends: a freed
-    temporary, which graphs captured later may reuse under the replay-order rule (pool.py) like
-    any other. Dropping the eager stream's workspace first keeps the two from coexisting at the
-    capture's peak; the next eager product allocates it again."""
+    from the graph pool, by the first product that needs it (on this thread for a forward, on
+    autograd's device thread for a backward: cuBLAS handles are per thread), and dropped again
+    when the capture ends: a freed temporary, which graphs captured later may reuse under the
+    replay-order rule (pool.py) like any other. A capture with no PyTorch product (Transformer
+    Engine's GEMMs bring their own workspace) makes none; one made up front on this thread was
+    32 MiB at every backward capture's peak that no kernel of the backward used. Dropping the
+    eager stream's workspace first keeps the two from coexisting at the capture's peak; the next
+    eager product allocates it again."""
     if not POOLED_WORKSPACES:
         yield
         return
@@ -281,8 +284,6 @@ class Capturer:
             with _gc_paused(), _autocast_cache_off(), torch.cuda.device(device), _blas_workspace_in_pool():
                 with torch.cuda.graph(graph, pool=pool.handle, stream=stream,
                                       capture_error_mode="thread_local"):
-                    if POOLED_WORKSPACES:
-                        torch.cuda.current_blas_handle()
                     outputs = guarded()
         except Exception as exc:
             self._recover(graph, stream, device)
