@@ -13,12 +13,15 @@ Once its backward graph exists, an entry frees the saved activations the capture
 held (``settle``; pool.py says when that is safe): between steps only its static buffers stay
 allocated. A backward that cannot replay its graph then runs autograd through a recomputed
 forward (the region's code on the static inputs, which hold this call's values until its backward
-is over). Only regions that compute the same thing twice release: no random op, no global state,
-no input written in place, no opaque module call. Their static inputs that need no gradient go to
-the pool's last backward graph too (``release_inputs``), and their Inductor code may donate saved
-tensors to its backward (inner.donating): a backward graph that writes over what it reads replays
-once per forward, and a backward that keeps the graph (retain_graph=True), or a later one through
-the same forward, runs on the forward computed again instead."""
+is over). That takes a region that computes the same thing twice: no random op, no global state,
+no input written in place, no opaque module call. Any other region keeps the capture's autograd
+graph and loosens what it saved instead (saved.py): its blocks go to the backward graph the same
+way, and the backwards that cannot replay the graph run through that autograd graph on this
+forward replay's values. The static inputs that need no gradient go to the pool's last backward
+graph too (``release_inputs``), and a recomputable region's Inductor code may donate saved tensors
+to its backward (inner.donating): a backward graph that writes over what it reads replays once per
+forward, and a backward that keeps the graph (retain_graph=True), or a later one through the same
+forward, runs on the forward computed again (or through the kept graph) instead."""
 
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from ..fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph, first_line
 from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
 from .handout import HeldStorages, handout_supported
@@ -37,6 +41,7 @@ from .inputs import saved_modified_error
 from .loose_outputs import StorageWeakRef, loose_alias, loose_supported
 from .params import ParamPolicy
 from .reach import unreached
+from .saved import Loosening, loosening_supported, pool_ranges
 from .stats import EagerReason
 
 if TYPE_CHECKING:
@@ -54,6 +59,7 @@ def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
 
 
 QUEUE_CALLBACK = _queue_callback()
+LOOSENING = loosening_supported()
 
 
 class Backward:
@@ -86,19 +92,29 @@ class Backward:
         # right after would need the graph again: it keeps it.
         # Inductor's code runs its backward once outside a capture first (AOT autograd compiles it
         # on first use), unless a warm-up call's backward already did.
+        # A region that cannot compute its forward again keeps that autograd graph for the backwards
+        # that cannot replay the graph, its saved tensors loosened as the capture reads them
+        # (saved.py).
         prewarm = (getattr(runner.fn, "needs_backward_prewarm", False)
                    and not getattr(runner.fn, "backward_seen", False))
-        consume = (runner.recomputable and pool.awaiting_backward == 1
+        consume = ((runner.recomputable or self.loosens(entry)) and pool.awaiting_backward == 1
                    and not isinstance(entry.graph, SimulatedGraph) and not prewarm)
+        loosening = None
+        if consume and not runner.recomputable:
+            loosening = self.loosening(entry)
+            consume = loosening is not None
         released_in = []
         if consume:
             pool.sealed = True
             released_in = self.release_inputs(entry)
 
         def run() -> Any:
-            with no_donated_buffers():
+            during = (loosening.during(entry.autograd_outputs()) if loosening is not None
+                      else contextlib.nullcontext())
+            with no_donated_buffers(), during:
                 grads_in = torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
-                                               retain_graph=not consume, allow_unused=True)
+                                               retain_graph=not consume or loosening is not None,
+                                               allow_unused=True)
             return tuple(grads_in)
 
         if prewarm:
@@ -115,13 +131,13 @@ class Backward:
                 reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
         except CaptureError as exc:
             if consume:  # the attempt may have used the autograd graph up
-                self.release_saved(entry)
+                self.release_saved(entry, loosening)
                 self.count_released_inputs(entry, released_in)
             self._capture_failed(str(exc), entry)
             return
         elapsed = time.perf_counter() - start
         if consume:
-            self.release_saved(entry)
+            self.release_saved(entry, loosening)
             self.count_released_inputs(entry, released_in)
         entry.bwd_graph = graph
         entry.bwd_index = entry.pool.new_index()
@@ -198,7 +214,7 @@ class Backward:
         """After a backward of ``entry`` through its backward graph: its saved activations are to
         be freed once no capture can receive their blocks (pool.py, "Released memory"). The pool
         is sealed now; the release waits for the pool's other awaited backward graphs."""
-        if entry.released or entry.bwd_graph is None or not self.runner.recomputable:
+        if entry.released or entry.bwd_graph is None or not (self.runner.recomputable or self.loosens(entry)):
             return
         pool = entry.pool
         if any(e is entry for _, e in pool.releasable):
@@ -239,9 +255,35 @@ class Backward:
             if ref.expired():
                 entry.released_in[pos] = nbytes
 
-    def release_saved(self, entry: TrainEntry) -> None:
-        """Drop the capture's autograd graph (and with it the saved activations it held)."""
-        entry.capture_outs = None
+    def loosens(self, entry: TrainEntry) -> bool:
+        """Does ``entry`` release its saved activations by loosening them (saved.py): a region that
+        cannot compute its forward again, with CUDA graphs, where torch has what it takes?"""
+        return (not self.runner.recomputable and LOOSENING and entry.saved is not None
+                and not isinstance(entry.graph, SimulatedGraph))
+
+    @staticmethod
+    def loosening(entry: TrainEntry) -> Optional[Loosening]:
+        """The loosening of ``entry``'s saved tensors made in its pool, or None where the allocator
+        does not tell the pool's segments."""
+        pool = entry.pool
+        ranges = pool_ranges(pool.handle, torch.device(pool.device))
+        if ranges is None:
+            return None
+        own = {t.untyped_storage().data_ptr() for t in iter_tensors([entry.static_ins, entry.outputs])
+               if t.numel() and t.layout == torch.strided}
+        return Loosening(entry.saved, ranges, own)
+
+    def release_saved(self, entry: TrainEntry, loosening: Optional[Loosening] = None) -> None:
+        """Drop the capture's autograd graph (and with it the saved activations it held); for a
+        region that cannot compute its forward again, keep the graph and loosen what it saved."""
+        if self.runner.recomputable:
+            entry.capture_outs = None
+        else:
+            loosening = loosening or self.loosening(entry)
+            if loosening is None:
+                return
+            loosening.rest()
+            entry.saved_bytes = loosening.freed_bytes()
         entry.released = True
         counters = self.runner.shared.counters
         counters.saved_released += 1
@@ -259,7 +301,7 @@ class Backward:
         hooks = self.runner.hooks
         quiet = hooks.quiet_backward() if hooks is not None else contextlib.nullcontext()
         with no_donated_buffers(), quiet:
-            if recompute or entry.released:
+            if (recompute or entry.released) and self.runner.recomputable:
                 # The captured forward's autograd graph is gone: run the region's code again on the
                 # static inputs (still this call's values) and differentiate that.
                 with torch.enable_grad():
@@ -286,11 +328,21 @@ class Backward:
         ctx.backwards += 1
         # A backward that keeps the graph (retain_graph=True), or one after it through the same
         # forward: where the backward graph writes over what it reads (saved activations it
-        # consumed or released, static inputs it was given, donated buffers), the graph replays
-        # only for a lone backward; the others run on the forward computed again from the static
-        # inputs, which nothing but that backward graph writes between forward replays.
-        again = ((entry.released or entry.released_in or donating(runner.fn))
+        # consumed, released or loosened, static inputs it was given, donated buffers), the graph
+        # replays only for a lone backward; the others run on the forward computed again from the
+        # static inputs, which nothing but that backward graph writes between forward replays, or
+        # for a region that cannot compute it again, through the captured forward's autograd graph
+        # on the saved tensors this forward replay wrote.
+        again = ((entry.released or entry.released_in or donating(runner.fn) or self.loosens(entry))
                  and (ctx.backwards > 1 or (KEEP_GRAPH is not None and KEEP_GRAPH())))
+        if again and ctx.replayed and (entry.released_in or (entry.released and not runner.recomputable)):
+            # What that backward needs was overwritten by the backward graph's replay: eager autograd
+            # raises here too (its saved tensors are freed by a backward that does not keep them).
+            raise RuntimeError(
+                f"cgbackend: a second backward through graphed region {runner.name} after a backward "
+                "that did not keep the graph: its backward graph reused what the forward saved. Trying "
+                "to backward through the graph a second time: specify retain_graph=True in the first "
+                "backward.")
         fresh = moved is None and entry.bwd_graph is None and entry.bwd_failed is None and not again
         if fresh:
             self.capture(entry, grads)
@@ -318,6 +370,7 @@ class Backward:
                 counters.copies_made += copied
                 counters.copied_by_kind["grad_output"] += copied
             entry.bwd_graph.replay()
+            ctx.replayed = True
             counters.replays += 1
             counters.bwd_replays += 1
             grads_in = self.hand_out(entry, ctx.leaves)
@@ -345,6 +398,7 @@ class RegionFunction(torch.autograd.Function):
         ctx.generation = call.generation
         ctx.leaves = [t for t in tensors if t.requires_grad and t.is_leaf]
         ctx.backwards = 0
+        ctx.replayed = False
         # Volatile parameters (FSDP2's) by position: copied into the entry again before backward.
         ctx.volatile = [(p, full[p]) for p in entry.volatile_pos]
         call.add_token()

@@ -171,10 +171,12 @@ class TrainEntry(Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",
                  "leaves", "reach", "saved_modified", "saved_pos", "released", "saved_bytes",
-                 "grad_out_shared", "pooled_pos", "released_in")
+                 "grad_out_shared", "pooled_pos", "released_in", "saved")
 
     def __init__(self) -> None:
         super().__init__()
+        self.saved: Any = None
+        """The capture's saved-tensor hooks (saved.SavedTensors): the slots its autograd graph holds."""
         self.pooled_pos: list[int] = []
         """Copied inputs whose static buffer was made in the graph pool, alone in its storage (no
         output lies there): those Backward.release_inputs may give to the backward graph."""

@@ -15,9 +15,9 @@ reads the caller's memory itself, so four things the copy would lose are restore
   buffer) is the caller's object.
 * **Saved tensors.** Training captures save static buffers for backward with hooks that skip
   autograd's version check (the buffers are rewritten between replays on purpose).
-  :class:`SavedTensors` restores the check: a saved tensor the region itself writes in place
+  ``saved.SavedTensors`` restores the check: a saved tensor the region itself writes in place
   after saving it, or a caller's tensor written between forward and backward, raises in backward
-  as eager does, on every call.
+  as eager does (:func:`saved_modified_error`), on every call.
 * **Padding.** A padded (bucketed) input gets copies of its last real row in its padding rows,
   not zeros: the region is row-independent (passes/bucket.py), so each padding row computes what
   that real row computed, and no value an eager call would not see (index -1 from a zero row
@@ -26,12 +26,11 @@ reads the caller's memory itself, so four things the copy would lose are restore
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["overlap", "overlap_candidates", "InputViews", "SavedTensors", "fill_padding", "saved_modified_error"]
+__all__ = ["overlap", "overlap_candidates", "InputViews", "fill_padding", "saved_modified_error"]
 
 
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
@@ -144,50 +143,6 @@ def saved_modified_error(what: str, region: str) -> RuntimeError:
         f"operation: {what} (cgbackend region {region}, which replays a graph; the same code "
         "raises this eagerly). Hint: clone the tensor before writing it in place, or write it "
         "after the backward pass.")
-
-
-class SavedTensors:
-    """Autograd's version check for tensors a training capture saves for backward.
-
-    Used as the capture's saved-tensor hooks (``pack``/``unpack``) around the region's forward:
-    each saved tensor is kept as an alias with its version at the time it was saved; ``finish()``
-    after the forward returns what the forward itself wrote in place after saving it (each replay
-    runs the same code, so such a region raises in every backward, as eager does), and the
-    storages that were saved, so that the runtime can check the caller's tensors of those inputs
-    between forward and backward."""
-
-    def __init__(self) -> None:
-        self._packed: list[tuple[weakref.ref, int, int, str]] = []
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        # An alias without autograd history (not the tensor itself: a node saving its own output
-        # would then hold that output, whose grad_fn is the node, a cycle Python cannot see).
-        alias = t.detach()
-        storage = alias.untyped_storage().data_ptr() if alias.layout == torch.strided else 0
-        nbytes = alias.untyped_storage().nbytes() if storage else 0
-        self._packed.append((weakref.ref(alias), alias._version, storage, nbytes,
-                             f"{tuple(alias.shape)}@{alias.dtype}"))
-        return alias
-
-    @staticmethod
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def finish(self) -> tuple[Optional[str], dict[int, int]]:
-        """(description of a saved tensor written in place after it was saved, or None; storage
-        pointer -> size in bytes of every saved tensor's storage)."""
-        modified = None
-        storages: dict[int, int] = {}
-        for ref, version, storage, nbytes, what in self._packed:
-            alias = ref()
-            if alias is None:
-                continue
-            storages[storage] = nbytes
-            if modified is None and alias._version != version:
-                modified = (f"a saved tensor of shape {what} is at version {alias._version}; "
-                            f"expected version {version}")
-        self._packed.clear()
-        return modified, storages
 
 
 def fill_padding(buf: torch.Tensor, value: torch.Tensor, dim: int, block: int) -> None:

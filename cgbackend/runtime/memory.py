@@ -5,7 +5,8 @@ Two figures per entry, kept apart because they answer different questions:
 * **held**: bytes of tensors the entry keeps allocated between calls, by what they are:
   ``inputs`` (the static buffers caller tensors are copied into), ``outputs`` (its static outputs;
   views of its inputs excluded), ``saved`` (what a training forward's autograd graph keeps for the
-  backward, beyond its inputs and outputs: zero once released, runtime/backward.py) and ``grads``
+  backward, beyond its inputs and outputs: zero once released, runtime/backward.py, or loosened,
+  runtime/saved.py) and ``grads``
   (a training entry's incoming-gradient buffers, except those lying in an output's memory,
   counted there; and the gradients its backward graph writes, which autograd hands out as
   ``.grad``). The CUDA caching allocator counts these as allocated.

@@ -29,6 +29,8 @@ is *sealed*: new captures of the slot go to a fresh pool), and the entries free
 their saved activations (runtime/backward.py, ``Backward.settle``): the blocks
 stay reserved in the pool, which no allocation outside a capture into it ever
 receives, and the graphs go on writing and reading them at their addresses.
+A region that cannot compute its forward again keeps its capture's autograd
+graph on tensors that no longer own those blocks (runtime/saved.py).
 Between steps the allocator then counts as allocated what eager holds, plus the
 static buffers; cudagraph trees does the same with its pool's dead tensors.
 """

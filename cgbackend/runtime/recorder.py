@@ -18,10 +18,11 @@ from ..fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph, first_line, non_overlapping
 from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reserved
 from .handout import HandoutGraph, handout_supported
-from .inputs import InputViews, SavedTensors, fill_padding
+from .inputs import InputViews, fill_padding
 from .layouts import compact_view, copy_into, describe_inputs, input_buffer
 from .loose_outputs import release_outputs, releases_outputs
 from .params import ParamPolicy
+from .saved import SavedTensors
 from .stats import EagerReason
 
 if TYPE_CHECKING:
@@ -158,13 +159,15 @@ class Recorder:
 
             def run() -> Any:
                 # Hooks that skip autograd's version check (the static buffers are rewritten between
-                # replays on purpose) but remember what it would have checked (inputs.py).
+                # replays on purpose) but remember what it would have checked, and hold each saved
+                # tensor in a slot the backward capture may loosen (saved.py).
                 saved = SavedTensors()
                 with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                     out = fn(*static_ins)
                 modified, storages = saved.finish()
                 if modified is not None:
                     entry.saved_modified = modified
+                entry.saved = saved
                 saved_storages.update(storages)
                 return out
         else:

@@ -230,6 +230,18 @@ def test_between_steps_the_graphs_hold_what_the_report_says():
     assert mem["held"] < sum(p.numel() * 4 for p in mine.parameters()) + activations
 
 
+def _move(p, keep):
+    """Re-allocate float32 parameter ``p`` with the same values (as FSDP2 does between forward and
+    backward); ``keep`` holds the blocks taken so the new storage lands elsewhere."""
+    values, old = p.detach().clone(), p.data_ptr()
+    while p.data_ptr() == old:
+        p.untyped_storage().resize_(0)
+        keep.append(torch.empty(values.numel() * 4, dtype=torch.uint8, device="cuda"))
+        p.untyped_storage().resize_(values.numel() * 4)
+    with torch.no_grad():
+        p.copy_(values)
+
+
 def test_a_released_entry_whose_backward_cannot_replay_recomputes_its_forward():
     """After the capture step the saved activations are gone (the backward graph consumed them): a
     parameter re-allocated between forward and backward (as FSDP2 does) sends the backward to
@@ -245,14 +257,7 @@ def test_a_released_entry_whose_backward_cannot_replay_recomputes_its_forward():
             model.zero_grad(set_to_none=True)
             out = fn(x)
             if model is mine and i == 4:
-                p = mine[0].weight
-                values, old = p.detach().clone(), p.data_ptr()
-                while p.data_ptr() == old:  # a new allocation for the same values
-                    p.untyped_storage().resize_(0)
-                    keep.append(torch.empty(values.numel() * 4, dtype=torch.uint8, device="cuda"))
-                    p.untyped_storage().resize_(values.numel() * 4)
-                with torch.no_grad():
-                    p.copy_(values)
+                _move(mine[0].weight, keep)
             out.pow(2).mean().backward()
         _compare_grads(ref, mine, torch.float32, f"step {i}")
     st = cgbackend.stats(compiled)
@@ -417,3 +422,86 @@ def test_two_backwards_through_one_forward_on_gpu(first):
     # capture waits for a lone backward); step 6 captures it and replays.
     assert st["eager_calls"].get("retained_graph_backward", 0) == 10, st["eager_calls"]
     assert st["bwd_graphs"] == 1 and st["bwd_replays"] == 1 and st["capture_failures"] == [], st
+
+
+def _bn_mlp():
+    """Batch norm in training mode writes its running statistics (inputs of the region) in place:
+    the region cannot compute its forward again, so its saved activations are loosened."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 2048), nn.BatchNorm1d(2048), nn.GELU(), nn.Linear(2048, 512)).cuda().train()
+
+
+def _runners(compiled):
+    return [r for g in find_backend(compiled).compiled_graphs() for r in g.runners if r.entries]
+
+
+def _compare_bn(ref, mine, what):
+    _compare_grads(ref, mine, torch.float32, what)
+    for name in ("running_mean", "running_var"):
+        assert_matches(getattr(mine[1], name), getattr(ref[1], name), torch.float32, f"{what}: {name}")
+
+
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+def test_a_region_that_cannot_recompute_gives_its_saved_activations_to_the_backward_graph(inner):
+    """Between steps, such a region held its saved activations for good; now the blocks are its
+    backward graph's (released, counted), the allocator agrees, and every step still equals eager:
+    the backward graph reads them at their addresses."""
+    base = _bn_mlp()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, warmup=2, inner=inner)
+    xs = [torch.randn(1024, 512, device="cuda") * (1 + step) for step in range(6)]
+    gc_sync = lambda: (torch.cuda.synchronize(), clear_blas_workspaces(), torch.cuda.empty_cache())  # noqa: E731
+    gc_sync()
+    start = torch.cuda.memory_allocated()
+    for step, x in enumerate(xs):
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad(set_to_none=True)
+            fn(x).pow(2).mean().backward()
+        _compare_bn(ref, mine, f"{inner} step {step}")
+        ref.zero_grad(set_to_none=True)
+    gc_sync()
+    held = torch.cuda.memory_allocated() - start
+    (runner,) = _runners(compiled)
+    assert not runner.recomputable
+    st = cgbackend.stats(compiled)
+    mem = st["memory"]
+    assert st["saved_released"] == 1 and st["bwd_replays"] >= 3 and st["bwd_recomputes"] == 0, st
+    assert set(st["eager_calls"]) <= {"warmup"}, st["eager_calls"]
+    assert mem["saved"] == 0 and mem["released"] >= 1024 * 2048 * 4, mem
+    assert abs(held - mem["held"]) <= 2**20, (held, mem)
+
+
+def test_the_backwards_a_loosened_entry_cannot_replay_run_on_its_captured_forward():
+    """A keep-graph backward and the one after it, and a backward after a parameter moved, run
+    autograd through the captured forward on the saved tensors this forward replay wrote (the
+    region cannot compute its forward again): all equal eager's. A second backward after a lone one
+    raises, as eagerly."""
+    base = _bn_mlp()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, warmup=1)
+    keep = []
+    for step in range(8):
+        x = torch.randn(256, 512, device="cuda") + 0.1 * step
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad(set_to_none=True)
+            out = fn(x)
+            if model is mine and step == 6:
+                _move(mine[0].weight, keep)
+            loss = out.pow(2).mean()
+            if step in (4, 5):
+                loss.backward(retain_graph=True)
+                (2 * loss).backward()
+            else:
+                loss.backward()
+        _compare_bn(ref, mine, f"step {step}")
+    st = cgbackend.stats(compiled)
+    # The forward after the move captures a second entry (the parameter's new address): both release.
+    assert st["saved_released"] == 2 and st["bwd_recomputes"] == 0, st
+    assert st["eager_calls"].get("retained_graph_backward", 0) == 4, st["eager_calls"]
+    assert st["eager_calls"].get("param_moved", 0) == 1, st["eager_calls"]
+    x = torch.randn(256, 512, device="cuda")
+    for fn in (ref, compiled):
+        out = fn(x)
+        out.sum().backward()  # SumBackward saves nothing: the second backward reaches the region
+        with pytest.raises(RuntimeError, match="second time"):
+            out.sum().backward()
