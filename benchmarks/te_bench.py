@@ -6,11 +6,12 @@ cgbackend, side by side in one run on one model.
 
 Model: ``--layers`` x te.TransformerLayer(1024, 4096, 16 heads), bf16 parameters, inputs
 seq x batch x 1024, FP8 autocast with the chosen recipe ("delayed", "current" or "off"). A step
-is forward, a float32 mean-square loss and backward (no optimizer). Each contender trains its own
+is forward, a float32 mean-square loss and backward (no optimizer), the gradients set to None
+before it (warm-up steps too). Each contender trains its own
 copy of the same initial weights on the same rotating inputs (16 distinct batches). Accuracy
 first: the first checked step's loss and gradients of every contender are compared with eager
 TE's on a fresh copy; then each contender's median step time over ``--steps`` timed steps after
-warm-up, with its peak memory over those steps and what it holds after a step (both over what was
+warm-up, with its peak memory over the warm-up and timed steps and what it holds after a step (both over what was
 allocated before it was made). Writes ``--out`` (a JSON file) if given, and with ``--append`` puts
 the run into that bench results file's ``te`` section under its recipe (``latest.json``: RESULTS.md
 renders it, cgbackend.bench.render.render_te).
@@ -145,6 +146,8 @@ def main() -> None:
         model = contenders[row["contender"]]()
         t0 = time.perf_counter()
         for i in range(args.warmup):
+            for p in model.parameters():  # as in the timed steps: no gradient is accumulated
+                p.grad = None
             step(model, inputs[i % len(inputs)])
         torch.cuda.synchronize()
         row["setup_s"] = time.perf_counter() - t0
