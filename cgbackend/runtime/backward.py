@@ -333,9 +333,14 @@ class Backward:
         # static inputs, which nothing but that backward graph writes between forward replays, or
         # for a region that cannot compute it again, through the captured forward's autograd graph
         # on the saved tensors this forward replay wrote.
-        again = ((entry.released or entry.released_in or donating(runner.fn) or self.loosens(entry))
+        # Not for opaque module calls: their backward may consume its own context (Transformer
+        # Engine's does), so their captured forward runs backward once, at the capture; the graph
+        # replays for a backward that keeps it, as TE's own graphs do.
+        again = (runner.hooks is None
+                 and (entry.released or entry.released_in or donating(runner.fn) or self.loosens(entry))
                  and (ctx.backwards > 1 or (KEEP_GRAPH is not None and KEEP_GRAPH())))
-        if again and ctx.replayed and (entry.released_in or (entry.released and not runner.recomputable)):
+        if (ctx.backwards > 1 and ctx.replayed
+                and (entry.released_in or (entry.released and not runner.recomputable))):
             # What that backward needs was overwritten by the backward graph's replay: eager autograd
             # raises here too (its saved tensors are freed by a backward that does not keep them).
             raise RuntimeError(

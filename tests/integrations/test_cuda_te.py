@@ -184,6 +184,33 @@ def test_te_stack_bf16_training_matches_eager():
     assert st["saved_released"] >= 1 and st["memory"]["saved"] == 0, st["memory"]
 
 
+
+def test_te_backward_that_keeps_the_graph_replays_it():
+    """``loss.backward(retain_graph=True)``, one per step: TE's backward consumes its own context, so
+    the TE region's captured forward runs backward once (at the capture) and these backwards replay
+    the graph, equal to eager TE's. A second backward through one forward raises, as TE's eager
+    backward cannot run twice either."""
+    torch.manual_seed(0)
+    ref = TEStack(layers=2).cuda()
+    model = copy.deepcopy(ref)
+    compiled = cgbackend.compile(model, warmup=1)
+    for step, x in enumerate(_inputs(5, (128, 4, D), seed=6)):
+        for fn, m in ((ref, ref), (compiled, model)):
+            m.zero_grad(set_to_none=True)
+            fn(x).float().pow(2).mean().backward(retain_graph=True)
+        total = sum(q.grad.float().norm() ** 2 for q in ref.parameters()) ** 0.5
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            err = (p.grad.float() - q.grad.float()).norm() / torch.maximum(q.grad.float().norm(), 1e-4 * total)
+            assert err < 2e-2, (step, name, err.item())
+    st = cgbackend.stats(compiled)
+    assert st["saved_released"] >= 1 and st["bwd_replays"] >= 3, st
+    assert "retained_graph_backward" not in st["eager_calls"], st["eager_calls"]
+    out = compiled(_inputs(1, (128, 4, D), seed=7)[0])
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.sum().backward()
+
+
 @needs_fp8
 def test_te_moe_fp8_training_matches_eager():
     inputs = _inputs(5, (512, D), seed=4)
