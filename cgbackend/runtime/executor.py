@@ -169,8 +169,11 @@ class CompiledGraph:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)
         slot_of: dict[torch.fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
-        self._example_of = {n: example_inputs[i] if i < len(example_inputs) else None
-                            for i, n in enumerate(placeholders)}
+        # Whether each input is a parameter or buffer (read in place), not the example tensors
+        # themselves: Dynamo passes the first call's real inputs, which kept for good would hold
+        # that batch's memory as long as the graph lives.
+        self._static_address = {n: i < len(example_inputs) and is_static_address(example_inputs[i])
+                                for i, n in enumerate(placeholders)}
         # Hoisted constants (passes/constants.py): made once, in slots right after the inputs.
         self.constants = tuple(analysis.constants.nodes)
         self._constant_set = set(self.constants)
@@ -265,7 +268,7 @@ class CompiledGraph:
                 kinds.append(PARAM)  # made once, never written: read in place like a parameter
                 producers.append(None)
             elif inp.op == "placeholder":
-                kinds.append(PARAM if is_static_address(self._example_of[inp]) else COPY)
+                kinds.append(PARAM if self._static_address[inp] else COPY)
                 producers.append(None)
             elif producer is not None:
                 kinds.append(HANDOFF)

@@ -377,3 +377,30 @@ def test_backwards_that_keep_the_graph_compute_the_forward_again():
     # compute the forward again for both backwards; step 5's lone backward replays.
     assert st["eager_calls"]["retained_graph_backward"] == 1 + 2 * 3, st["eager_calls"]
     assert st["bwd_replays"] == 2 and st["bwd_recomputes"] == 7, st
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("norm", [False, True])
+def test_no_call_input_outlives_its_call(train, norm):
+    """Dynamo hands the backend the first call's real tensors as examples: a compiled graph that kept
+    them would hold that batch for as long as it lives. Every input here is free once its call (and
+    backward) is over, the graph still alive; the outputs still equal eager's."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 128)] + ([nn.BatchNorm1d(128)] if norm else []) + [nn.GELU(), nn.Linear(128, 64)]
+    ref, mine, compiled = _pair(nn.Sequential(*layers).train(train))
+    alive = []
+    for step in range(5):
+        x = torch.randn(32, 64) * (1 + step)
+        alive.append(weakref.ref(x))
+        with torch.set_grad_enabled(train):
+            out, want = compiled(x), ref(x)
+            torch.testing.assert_close(out, want)
+            if train:
+                out.pow(2).mean().backward()
+        del x, out, want
+    gc.collect()
+    assert [i for i, r in enumerate(alive) if r() is not None] == []
+    assert cgbackend.stats(compiled)["replays"] >= 3
