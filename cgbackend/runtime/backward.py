@@ -264,10 +264,11 @@ class Backward:
     @staticmethod
     def loosening(entry: TrainEntry) -> Optional[Loosening]:
         """The loosening of ``entry``'s saved tensors made in its pool, or None where the allocator
-        does not tell the pool's segments."""
+        does not tell the pool's segments (the entry then keeps them, and is not asked again)."""
         pool = entry.pool
         ranges = pool_ranges(pool.handle, torch.device(pool.device))
         if ranges is None:
+            entry.saved = None
             return None
         own = {t.untyped_storage().data_ptr() for t in iter_tensors([entry.static_ins, entry.outputs])
                if t.numel() and t.layout == torch.strided}
@@ -344,10 +345,10 @@ class Backward:
             # What that backward needs was overwritten by the backward graph's replay: eager autograd
             # raises here too (its saved tensors are freed by a backward that does not keep them).
             raise RuntimeError(
-                f"cgbackend: a second backward through graphed region {runner.name} after a backward "
-                "that did not keep the graph: its backward graph reused what the forward saved. Trying "
-                "to backward through the graph a second time: specify retain_graph=True in the first "
-                "backward.")
+                f"cgbackend: trying to backward through graphed region {runner.name} a second time "
+                "after its backward graph ran for this forward, reusing the memory of what the forward "
+                "saved. Specify retain_graph=True in the first backward (a region with opaque module "
+                "calls, such as Transformer Engine's, allows one backward per forward, as eagerly).")
         fresh = moved is None and entry.bwd_graph is None and entry.bwd_failed is None and not again
         if fresh:
             self.capture(entry, grads)
