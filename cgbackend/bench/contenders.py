@@ -119,13 +119,11 @@ STOCK_CONTENDERS = ("eager", "inductor", "reduce-overhead", "reduce-overhead-dyn
 
 
 GROUPED_CONTENDERS = ("grouped-reduce-overhead", "hf-grouped-mm-reduce-overhead")
+"""The hand-written grouped-GEMM forms (this module) that ``ratio_to_grouped`` divides by."""
 
 YARDSTICKS = ("step-floor",)
 """Rows that measure a bound, not a way of running the model: not judged for accuracy (they do not
 compute it), never best and never a win; other rows get ``ratio_to_step_floor`` against them."""
-
-
-"""The hand-written grouped-GEMM forms (this module) that ``ratio_to_grouped`` divides by."""
 
 
 def register_contender(contender: Contender) -> Contender:
