@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ..fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph, first_line
 from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
 from .handout import HeldStorages, handout_supported
@@ -270,9 +269,7 @@ class Backward:
         if ranges is None:
             entry.saved = None
             return None
-        own = {t.untyped_storage().data_ptr() for t in iter_tensors([entry.static_ins, entry.outputs])
-               if t.numel() and t.layout == torch.strided}
-        return Loosening(entry.saved, ranges, own)
+        return Loosening(entry.saved, ranges)
 
     def release_saved(self, entry: TrainEntry, loosening: Optional[Loosening] = None) -> None:
         """Drop the capture's autograd graph (and with it the saved activations it held); for a

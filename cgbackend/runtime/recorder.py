@@ -246,8 +246,11 @@ class Recorder:
         own = collections.Counter(t.untyped_storage().data_ptr()
                                   for t in iter_tensors([entry.static_ins, entry.outputs]) if t.numel())
         # What the forward's autograd graph alone keeps alive: saved tensors that are neither an
-        # input nor an output of the region.
-        entry.saved_bytes = sum(n for ptr, n in saved.items() if ptr and ptr not in own)
+        # input nor an output of the region (the storages a Loosening may free, saved.py).
+        alone = {ptr: n for ptr, n in saved.items() if ptr and ptr not in own}
+        entry.saved_bytes = sum(alone.values())
+        if entry.saved is not None:
+            entry.saved.alone = frozenset(alone)
         # Pooled inputs go to the backward graph (Backward.release_inputs) only alone in their storage.
         entry.pooled_pos = [p for p in entry.pooled_pos
                             if own[entry.static_ins[p].untyped_storage().data_ptr()] == 1]

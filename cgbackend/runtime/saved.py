@@ -77,6 +77,9 @@ class SavedTensors:
         self.slots: list[weakref.ref] = []
         self.unpacked: Optional[list[SavedSlot]] = None
         """While a Loosening runs: the slots unpacked since the last node finished."""
+        self.alone: frozenset[int] = frozenset()
+        """Storages of the saved tensors that are neither a static input nor an output of the
+        region (set by the recorder, which counts both): the only ones a Loosening may free."""
 
     def pack(self, t: torch.Tensor) -> SavedSlot:
         # An alias without autograd history (not the tensor itself: a node saving its own output
@@ -135,16 +138,16 @@ class Loosening:
     """Loosen the slots of a retained autograd graph (module docstring): ``during(roots)`` around
     the consuming capture's backward (each node's slots right after it ran); ``rest()`` then, or
     on its own for an entry whose backward graph was captured earlier, the slots left. Only slots
-    whose storage lies in ``ranges`` and is none of ``own`` (the entry's static inputs and outputs)."""
+    whose storage lies in ``ranges`` and is in ``saved.alone`` (none of the entry's static inputs
+    and outputs)."""
 
-    def __init__(self, saved: SavedTensors, ranges: list[tuple[int, int]], own: Iterable[int]) -> None:
+    def __init__(self, saved: SavedTensors, ranges: list[tuple[int, int]]) -> None:
         self.saved = saved
-        own = set(own)
         self._ok: dict[int, Any] = {}
         """Storage pointer -> (weak reference, bytes) if its slots are loosened, else None."""
         for ref in saved.slots:
             slot = ref()
-            if slot is None or slot.tensor is None or not slot.ptr or slot.ptr in own or slot.ptr in self._ok:
+            if slot is None or slot.tensor is None or slot.ptr not in saved.alone or slot.ptr in self._ok:
                 continue
             storage = slot.tensor.untyped_storage()
             inside = StorageWeakRef is not None and any(lo <= slot.ptr < hi for lo, hi in ranges)

@@ -20,6 +20,13 @@ def _forward(saved, a, b):
     return out, e
 
 
+def _loosening(saved, ranges, own):
+    """A Loosening as the backward builds it: ``saved.alone`` as the recorder sets it (the saved
+    storages that are none of ``own``, the region's static inputs and outputs)."""
+    saved.alone = frozenset(r().ptr for r in saved.slots if r() is not None and r().ptr not in own)
+    return Loosening(saved, ranges)
+
+
 def test_each_saved_tensor_goes_once_the_last_node_reading_it_ran():
     torch.manual_seed(0)
     a = torch.randn(4096, requires_grad=True)
@@ -31,7 +38,7 @@ def test_each_saved_tensor_goes_once_the_last_node_reading_it_ran():
     ref = StorageWeakRef(e.untyped_storage())
     want = torch.autograd.grad(out, a, retain_graph=True)[0]
     del e
-    loosening = Loosening(saved, EVERYWHERE, own={a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()})
+    loosening = _loosening(saved, EVERYWHERE, own={a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()})
     exp_node = out.grad_fn.next_functions[0][0].next_functions[0][0]
     assert type(exp_node).__name__.startswith("ExpBackward")
     alive_at_exp = []
@@ -63,7 +70,7 @@ def _small():
 
 def test_nothing_outside_the_pool_ranges_is_loosened():
     a, saved, out, ref = _small()
-    loosening = Loosening(saved, [], own=())
+    loosening = _loosening(saved, [], own=())
     with loosening.during([out]):
         torch.autograd.grad(out, a, retain_graph=True)
     loosening.rest()
@@ -74,7 +81,7 @@ def test_nothing_outside_the_pool_ranges_is_loosened():
 
 def test_rest_loosens_the_slots_no_node_read():
     a, saved, out, ref = _small()
-    loosening = Loosening(saved, EVERYWHERE, own={a.untyped_storage().data_ptr()})
+    loosening = _loosening(saved, EVERYWHERE, own={a.untyped_storage().data_ptr()})
     loosening.rest()  # as for an entry whose backward graph was captured before (release_ready)
     assert ref.expired() and loosening.freed_bytes() == 2 * 256 * 4  # e and b
     assert sum(r() is not None and r().tensor is None for r in saved.slots) == 3  # e twice and b
