@@ -75,8 +75,10 @@ class EagerReason:
                            "code ran without a graph (no capture, no graph memory for that size)",
         KEPT_GRAPH: "a backward that keeps the forward's graph (retain_graph=True), or a later one "
                     "through the same forward, where the backward graph writes over what it reads "
-                    "(released saved activations or static inputs, donated buffers): autograd "
-                    "through the region's forward computed again on its static inputs",
+                    "(released or loosened saved activations, static inputs, donated buffers): autograd "
+                    "through the region's forward computed again on its static inputs, or, for a region "
+                    "that cannot compute it again, through the captured forward on this forward's "
+                    "saved values",
     }
 
 
