@@ -42,6 +42,7 @@ from .params import ParamPolicy
 from .reach import unreached
 from .saved import Loosening, loosening_supported, pool_ranges
 from .stats import EagerReason
+from .tangents import Handover, handover_supported
 
 if TYPE_CHECKING:
     from .region import RegionRunner
@@ -103,9 +104,11 @@ class Backward:
             loosening = self.loosening(entry)
             consume = loosening is not None
         released_in = []
+        handover = None
         if consume:
             pool.sealed = True
             released_in = self.release_inputs(entry)
+            handover = self.release_grad_outputs(entry, grad_outs)
 
         def run() -> Any:
             during = (loosening.during(entry.autograd_outputs()) if loosening is not None
@@ -125,19 +128,20 @@ class Backward:
         reserved_before = reserved(device, settle=not shared.capturer.simulate)
         start = time.perf_counter()
         try:
-            graph, static_grad_ins = shared.capturer.capture(
-                run, entry.pool, hooks=runner.hooks,
-                reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
+            with handover if handover is not None else contextlib.nullcontext():
+                graph, static_grad_ins = shared.capturer.capture(
+                    run, entry.pool, hooks=runner.hooks,
+                    reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
         except CaptureError as exc:
             if consume:  # the attempt may have used the autograd graph up
                 self.release_saved(entry, loosening)
-                self.count_released_inputs(entry, released_in)
+                self.count_released(entry, released_in, handover)
             self._capture_failed(str(exc), entry)
             return
         elapsed = time.perf_counter() - start
         if consume:
             self.release_saved(entry, loosening)
-            self.count_released_inputs(entry, released_in)
+            self.count_released(entry, released_in, handover)
         entry.bwd_graph = graph
         entry.bwd_index = entry.pool.new_index()
         entry.pool.backward_settled()
@@ -231,7 +235,7 @@ class Backward:
         them first; between the forward replay and the backward graph nothing but a backward on
         the forward computed again reads them, and it runs instead of the graph (Backward.run).
         Only where a backward that keeps the graph can be told (KEEP_GRAPH). Returns what to
-        count once the capture is over (count_released_inputs)."""
+        count once the capture is over (count_released)."""
         if not entry.pooled_pos or KEEP_GRAPH is None or not loose_supported() or StorageWeakRef is None:
             return []
         pending = []
@@ -245,14 +249,47 @@ class Backward:
             del buf, storage
         return pending
 
-    @staticmethod
-    def count_released_inputs(entry: TrainEntry, pending: list) -> None:
-        """The released inputs whose memory went back to the pool: nothing else held them (the
-        capture's autograd graph, which saved some, is gone by now). One still held elsewhere
-        stays allocated, and its alias reads it."""
-        for pos, ref, nbytes in pending:
+    def release_grad_outputs(self, entry: TrainEntry, grad_outs: list) -> Optional[Handover]:
+        """Before the last backward graph of a pool is captured: the outputs that take their
+        incoming gradient in their own memory (recorder.py, ``grad_out_shared``) are kept only as
+        tensors on storages that do not own it, in ``entry.outputs``, in ``grad_outs`` (the
+        static gradient buffers) and, through ``.data``, in the captured forward's outputs. Their
+        owners go to the capture in the returned Handover, which gives each to the compiled
+        backward that frees it after its last read (tangents.py says why that is safe)."""
+        if not entry.grad_out_shared or not loose_supported() or not handover_supported():
+            return None
+        handover = Handover()
+        outputs = list(entry.outputs)
+        for k, pos in enumerate(entry.diff_out):
+            if pos not in entry.grad_out_shared:
+                continue
+            alias = loose_alias(outputs[pos])
+            try:
+                entry.capture_outs[pos].data = alias
+            except RuntimeError as exc:  # a root whose data cannot be swapped keeps its buffer
+                log.debug("cgbackend: %s keeps the gradient buffer of output %d: %s",
+                          self.runner.name, pos, first_line(exc))
+                continue
+            handover.add(pos, alias, outputs[pos])
+            outputs[pos] = grad_outs[k] = alias
+        entry.outputs = tuple(outputs)
+        return handover
+
+    def count_released(self, entry: TrainEntry, pending_in: list, handover: Optional[Handover]) -> None:
+        """The released static inputs and gradient buffers whose memory went back to the pool:
+        nothing else held them (the capture's autograd graph, which saved some inputs, is gone by
+        now). One still held elsewhere stays allocated, and its alias reads it."""
+        for pos, ref, nbytes in pending_in:
             if ref.expired():
                 entry.released_in[pos] = nbytes
+        if handover is None:
+            return
+        entry.released_out = handover.released()
+        counters = self.runner.shared.counters
+        counters.grad_outputs_released += len(entry.released_out)
+        counters.grad_outputs_released_in_capture += handover.given
+        log.debug("cgbackend: %s released %d gradient buffer(s) (%d B), %d at their last read in the capture",
+                  self.runner.name, len(entry.released_out), sum(entry.released_out.values()), handover.given)
 
     def loosens(self, entry: TrainEntry) -> bool:
         """Does ``entry`` release its saved activations by loosening them (saved.py): a region that

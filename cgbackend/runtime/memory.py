@@ -13,9 +13,10 @@ Two figures per entry, kept apart because they answer different questions:
 * **reserved**: how much the pool's reserved memory grew while the entry's graphs were captured
   (their temporaries and outputs; 0 with simulated graphs). It stays reserved while the graphs
   live; ``released`` says how much of a training entry's saved activations and static inputs
-  (runtime/backward.py), or of the last region's inference outputs (runtime/loose_outputs.py;
-  those alone: ``released_outputs``; static inputs: ``released_inputs``), lies there, no longer
-  allocated (their blocks are the graphs' to reuse).
+  (runtime/backward.py), or of its outputs that take their incoming gradient (runtime/tangents.py),
+  or of the last region's inference outputs (runtime/loose_outputs.py; outputs of either kind:
+  ``released_outputs``; static inputs: ``released_inputs``), lies there, no longer allocated
+  (their blocks are the graphs' to reuse).
 
 Each tensor is counted once, by its storage, in the first kind that holds it (inputs, outputs,
 grads): the figures of an entry add up to its ``held``, the entries' to their region's, and the
@@ -65,19 +66,25 @@ def entry_memory(entry: Entry) -> dict[str, int]:
     out["inputs"] = _storages((entry.static_ins[p] for p in entry.copy_pos if p not in released_in), seen)
     views = entry.input_views.views if entry.input_views is not None else {}
     released = entry.out_released
+    # A training entry's outputs holding their incoming gradient, once released (tangents.py).
+    released_out = getattr(entry, "released_out", {})
+    released_outputs = entry.out_released + sum(released_out.values())
     if not released:
-        out["outputs"] = _storages((o for i, o in enumerate(entry.outputs or ()) if i not in views), seen)
+        out["outputs"] = _storages((o for i, o in enumerate(entry.outputs or ())
+                                    if i not in views and i not in released_out), seen)
     if hasattr(entry, "bwd_graph"):  # a training entry
         if entry.released:
             released += entry.saved_bytes
         else:
             out["saved"] = entry.saved_bytes
-        released += released_inputs
-        out["grads"] = _storages(list(entry.static_grad_outs or ()) + list(entry.static_grad_ins or ()), seen)
+        released += released_inputs + sum(released_out.values())
+        grad_outs = [g for i, g in zip(getattr(entry, "diff_out", ()), entry.static_grad_outs or ())
+                     if i not in released_out]
+        out["grads"] = _storages(grad_outs + list(entry.static_grad_ins or ()), seen)
     out["held"] = sum(out[k] for k in KINDS)
     out["reserved"] = entry.nbytes
     out["released"] = released
-    out["released_outputs"] = entry.out_released
+    out["released_outputs"] = released_outputs
     out["released_inputs"] = released_inputs
     return out
 

@@ -118,6 +118,14 @@ class Counters:
     """Incoming-gradient buffers of captured backward graphs that are the memory of their own output
     (an output only the caller reads, which it got as a copy; runtime/recorder.py): no buffer of
     its size is held for them between steps."""
+    grad_outputs_released: int = 0
+    """Of those, the buffers the runtime stopped holding at their pool's last backward capture
+    (runtime/tangents.py): their blocks are the backward graph's, which reuses them once it has
+    read the gradient; each forward replay writes the output there again."""
+    grad_outputs_released_in_capture: int = 0
+    """Of the released ones, those the compiled backward took as its own argument in the capture,
+    freeing them at their last read, as it frees a recording input of cudagraph trees; the others
+    were freed when the capture was over."""
     bwd_recomputes: int = 0
     """Backwards of released entries that could not replay their graph (an eager_calls reason says
     why) and ran autograd through the region's forward computed again."""

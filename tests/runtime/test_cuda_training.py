@@ -308,6 +308,72 @@ def test_incoming_gradient_in_the_output_memory_on_gpu(inner):
         assert entry.grad_out_shared == {2}
     assert st["grad_outputs_shared"] == len(entry.grad_out_shared) and st["bwd_replays"] == 4, st
     assert st["eager_calls"].keys() <= {"warmup"}, st["eager_calls"]
+    # The pool's last (and only) backward capture released those buffers: Inductor's backward took
+    # each as its own argument, eager's kernels had them freed after the capture (tangents.py).
+    nbytes = {i: entry.outputs[i].untyped_storage().nbytes() for i in entry.grad_out_shared}
+    assert entry.released_out == nbytes and st["grad_outputs_released"] == len(nbytes), st
+    assert st["grad_outputs_released_in_capture"] == (len(nbytes) if inner == "auto" else 0), st
+    mem = st["memory"]
+    assert mem["released_outputs"] == sum(nbytes.values()) and mem["released"] >= sum(nbytes.values()), mem
+
+
+class _Head(nn.Module):
+    """A wide output (its incoming gradient 32 MiB) whose backward reads that gradient first, then
+    allocates as much again for the layers below."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(4096, 4096) for _ in range(3))
+
+    def forward(self, x):
+        return self.c(F.gelu(self.b(F.gelu(self.a(x)))))
+
+
+def _capture_step_backward_peak(keep_buffer: bool) -> tuple[int, dict]:
+    """The allocator's peak over the capture step's backward (warm-up 1: the second step), with
+    the released gradient buffer given to the compiled backward, or (``keep_buffer``) kept by the
+    capture until it is over."""
+    from cgbackend.runtime import tangents
+    torch.manual_seed(0)
+    model = _Head().cuda().train()
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, warmup=1)
+    xs = [torch.randn(2048, 4096, device="cuda") for _ in range(3)]
+    give = tangents.Handover.give
+    if keep_buffer:
+        tangents.Handover.give = lambda self, args: None
+    try:
+        for step, x in enumerate(xs):
+            for m, fn in ((ref, ref), (model, compiled)):
+                m.zero_grad(set_to_none=True)
+                loss = fn(x).float().pow(2).mean()
+                if step == 1 and m is model:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                loss.backward()
+                if step == 1 and m is model:
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() - before
+                del loss
+            _compare_grads(ref, model, torch.float32, f"step {step}")
+    finally:
+        tangents.Handover.give = give
+    return peak, cgbackend.stats(compiled)
+
+
+def test_the_backward_capture_frees_the_incoming_gradient_at_its_last_read():
+    """The capture step's backward peaks one gradient buffer lower when the compiled backward owns
+    it (freed after its last read, its block reused by the layers below) than when the capture
+    holds it to the end; both give eager's gradients, and both release it between steps."""
+    given, st_given = _capture_step_backward_peak(keep_buffer=False)
+    kept, st_kept = _capture_step_backward_peak(keep_buffer=True)
+    block = 2048 * 4096 * 4
+    assert st_given["grad_outputs_released_in_capture"] == 1 and st_kept["grad_outputs_released_in_capture"] == 0
+    for st in (st_given, st_kept):
+        assert st["grad_outputs_released"] == 1 and st["memory"]["released_outputs"] == block, st["memory"]
+        assert st["bwd_replays"] == 2 and st["eager_calls"].keys() <= {"warmup"}, st
+    assert kept - given >= block // 2, (kept, given)
 
 
 def _mlp(width=2048):
