@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .backward import Backward, RegionFunction
+from .capture import clear_blas_workspaces
 from .entries import COPY, PARAM, VALUE, Entry, Pad, RuntimeShared, TrainEntry, copy_all, is_static_address
 from .fast import FastPath
 from .graph_cache import THRASH_EVICTIONS, GraphCache
@@ -213,7 +214,15 @@ class RegionRunner:
             try:
                 # Watched for host synchronization (which would break a capture); a region compiled
                 # lazily is compiled at its first warm-up call and runs that code (warmup.py).
-                return warmup_call(self, ins, shape_key)
+                out = warmup_call(self, ins, shape_key)
+                if grad_path and not self.shared.capturer.simulate:
+                    # This forward's cuBLAS workspace (32 MiB on Hopper) would stay allocated
+                    # through its backward, which runs on autograd's thread with a workspace of its
+                    # own: dropped, its block is free for that backward (a training step's peak),
+                    # as cudagraph trees drops them around its warm-up runs. The next product
+                    # allocates one again.
+                    clear_blas_workspaces()
+                return out
             except BaseException:
                 cache.note_warm(shape_key, warm)  # only a call that returned counts as warm-up
                 raise

@@ -405,6 +405,33 @@ def _compiled_calls(compiled):
     return [compiled_call(r.fn) for g in find_backend(compiled).compiled_graphs() for r in g.runners]
 
 
+def test_a_training_warmup_forward_leaves_no_blas_workspace_for_its_backward():
+    """A training warm-up forward drops the cuBLAS workspaces its products made: its backward
+    (autograd's thread, a workspace of its own) does not peak next to the forward's. Probe: what
+    clearing the workspaces frees right after the forward (an eager forward leaves one)."""
+    model = _mlp()
+    compiled = cgbackend.compile(model, warmup=2)
+    x = torch.randn(256, 512, device="cuda")
+
+    def workspace_after(fn):
+        torch.cuda.synchronize()
+        clear_blas_workspaces()
+        out = fn(x)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        clear_blas_workspaces()
+        freed = before - torch.cuda.memory_allocated()
+        out.pow(2).mean().backward()
+        return freed
+
+    assert workspace_after(model) > 0  # the probe sees an eager forward's workspace
+    model.zero_grad(set_to_none=True)
+    for _ in range(2):
+        assert workspace_after(compiled) == 0
+        model.zero_grad(set_to_none=True)
+    assert cgbackend.stats(compiled)["eager_calls"]["warmup"] == 2
+
+
 def test_donated_buffers_lower_the_peak_and_keep_eagers_gradients():
     """Inductor's backward writes into saved activations it has read (AOT autograd's donated
     buffers, as under torch.compile), in the warm-up steps and in the backward graph: every step's
