@@ -251,27 +251,31 @@ class Backward:
 
     def release_grad_outputs(self, entry: TrainEntry, grad_outs: list) -> Optional[Handover]:
         """Before the last backward graph of a pool is captured: the outputs that take their
-        incoming gradient in their own memory (recorder.py, ``grad_out_shared``) are kept only as
-        tensors on storages that do not own it, in ``entry.outputs``, in ``grad_outs`` (the
-        static gradient buffers) and, through ``.data``, in the captured forward's outputs. Their
-        owners go to the capture in the returned Handover, which gives each to the compiled
-        backward that frees it after its last read (tangents.py says why that is safe)."""
-        if not entry.grad_out_shared or not loose_supported() or not handover_supported():
+        incoming gradient in their own memory (recorder.py, ``grad_out_shared``), and those
+        without a gradient that nothing but the caller's copy reads (``nondiff_loose``), are kept
+        only as tensors on storages that do not own it, in ``entry.outputs``, in ``grad_outs``
+        (the static gradient buffers) and, through ``.data``, in the captured forward's outputs.
+        The owners of the gradient buffers go to the capture in the returned Handover, which gives
+        each to the compiled backward that frees it after its last read; the others go now, for
+        the capture to reuse from its start (tangents.py says why that is safe)."""
+        if (not (entry.grad_out_shared or entry.nondiff_loose) or not loose_supported()
+                or not handover_supported()):
             return None
         handover = Handover()
         outputs = list(entry.outputs)
-        for k, pos in enumerate(entry.diff_out):
-            if pos not in entry.grad_out_shared:
-                continue
+        slots = {pos: k for k, pos in enumerate(entry.diff_out) if pos in entry.grad_out_shared}
+        for pos in sorted(entry.grad_out_shared | entry.nondiff_loose):
             alias = loose_alias(outputs[pos])
             try:
                 entry.capture_outs[pos].data = alias
-            except RuntimeError as exc:  # a root whose data cannot be swapped keeps its buffer
-                log.debug("cgbackend: %s keeps the gradient buffer of output %d: %s",
-                          self.runner.name, pos, first_line(exc))
+            except RuntimeError as exc:  # an output whose data cannot be swapped keeps its buffer
+                log.debug("cgbackend: %s keeps the memory of output %d: %s", self.runner.name, pos,
+                          first_line(exc))
                 continue
-            handover.add(pos, alias, outputs[pos])
-            outputs[pos] = grad_outs[k] = alias
+            handover.add(pos, alias, outputs[pos], keep=pos in slots)
+            outputs[pos] = alias
+            if pos in slots:
+                grad_outs[slots[pos]] = alias
         entry.outputs = tuple(outputs)
         return handover
 
@@ -286,10 +290,11 @@ class Backward:
             return
         entry.released_out = handover.released()
         counters = self.runner.shared.counters
-        counters.grad_outputs_released += len(entry.released_out)
+        counters.grad_outputs_released += len(entry.grad_out_shared.intersection(entry.released_out))
         counters.grad_outputs_released_in_capture += handover.given
-        log.debug("cgbackend: %s released %d gradient buffer(s) (%d B), %d at their last read in the capture",
-                  self.runner.name, len(entry.released_out), sum(entry.released_out.values()), handover.given)
+        log.debug("cgbackend: %s released %d output(s) (%d B); %d gradient buffer(s) at their last read "
+                  "in the capture", self.runner.name, len(entry.released_out),
+                  sum(entry.released_out.values()), handover.given)
 
     def loosens(self, entry: TrainEntry) -> bool:
         """Does ``entry`` release its saved activations by loosening them (saved.py): a region that

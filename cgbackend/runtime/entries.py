@@ -171,7 +171,7 @@ class TrainEntry(Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",
                  "leaves", "reach", "saved_modified", "saved_pos", "released", "saved_bytes",
-                 "grad_out_shared", "pooled_pos", "released_in", "released_out", "saved")
+                 "grad_out_shared", "nondiff_loose", "pooled_pos", "released_in", "released_out", "saved")
 
     def __init__(self) -> None:
         super().__init__()
@@ -183,10 +183,13 @@ class TrainEntry(Entry):
         self.released_in: dict[int, int] = {}
         """Position -> bytes of the static inputs the runtime holds no more: their blocks are the
         backward graph's (Backward.release_inputs); each replay's staging copy writes them again."""
+        self.nondiff_loose: frozenset[int] = frozenset()
+        """Outputs without a gradient that only the caller reads, as a copy (recorder.py): the
+        pool's last backward graph takes their memory (Backward.release_grad_outputs)."""
         self.released_out: dict[int, int] = {}
-        """Position -> bytes of the outputs holding their incoming gradient that the runtime holds
-        no more (Backward.release_grad_outputs, tangents.py): each forward replay writes them again,
-        and each backward replay's staging copy."""
+        """Position -> bytes of the outputs the runtime holds no more (Backward.release_grad_outputs,
+        tangents.py): each forward replay writes them again, and for those holding their incoming
+        gradient each backward replay's staging copy."""
 
     def in_use(self) -> bool:
         live = self.pool.live

@@ -254,18 +254,20 @@ class Recorder:
         # Pooled inputs go to the backward graph (Backward.release_inputs) only alone in their storage.
         entry.pooled_pos = [p for p in entry.pooled_pos
                             if own[entry.static_ins[p].untyped_storage().data_ptr()] == 1]
-        entry.grad_out_shared = self._grad_out_shared(entry, saved, own)
+        entry.grad_out_shared = self._read_once(entry, entry.diff_out, saved, own)
+        entry.nondiff_loose = self._read_once(entry, entry.nondiff_out, saved, own)
 
-    def _grad_out_shared(self, entry: TrainEntry, saved: dict[int, int],
-                         own: "collections.Counter[int]") -> frozenset[int]:
-        """Differentiable outputs whose static memory can take the incoming gradient at backward
-        (Backward.capture), instead of a buffer of their size held for good: between the forward
-        replay and the backward, nothing reads them. Only the caller does (``caller_only``), and it
-        got a copy; the forward saved nothing on their storage for its backward; and no other output
-        or static input lies in that storage (``own``: tensors per storage). Every later forward
-        replay writes them again."""
+    def _read_once(self, entry: TrainEntry, positions: tuple[int, ...], saved: dict[int, int],
+                   own: "collections.Counter[int]") -> frozenset[int]:
+        """Of ``positions``, the outputs whose static memory nothing reads once the caller has its
+        copy: only the caller reads them (``caller_only``: it got a copy); the forward saved
+        nothing on their storage for its backward; and no other output or static input lies in
+        that storage (``own``: tensors per storage). Every later forward replay writes them again.
+        A differentiable one takes its incoming gradient at backward (``grad_out_shared``,
+        Backward.capture) instead of a buffer of its size held for good; every such output goes to
+        the pool's last backward graph (Backward.release_grad_outputs)."""
         shared = []
-        for i in entry.diff_out:
+        for i in positions:
             out = entry.outputs[i]
             if i not in self.runner.caller_only or not out.numel() or not non_overlapping(out):
                 continue

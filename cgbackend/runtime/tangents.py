@@ -90,12 +90,15 @@ class Handover:
         """Owners a compiled backward took as its argument (freed at their last read)."""
         self._module: Optional[Any] = None
 
-    def add(self, key: int, alias: torch.Tensor, owner: torch.Tensor) -> None:
+    def add(self, key: int, alias: torch.Tensor, owner: torch.Tensor, keep: bool = True) -> None:
         """``owner``'s memory is read through ``alias`` from now on; ``key`` names it in
-        :meth:`released`. The caller drops its own references to ``owner`` next."""
+        :meth:`released`. The caller drops its own references to ``owner`` next. ``keep``: an
+        incoming-gradient buffer, held for the compiled backward that reads it; otherwise only
+        watched (freed once the caller's references go)."""
         storage = owner.untyped_storage()
         self._refs.append((key, StorageWeakRef(storage), storage.nbytes()))
-        self._owners[id(alias)] = (alias, owner)
+        if keep:
+            self._owners[id(alias)] = (alias, owner)
 
     def give(self, args: list) -> None:
         """Replace each alias in ``args`` (the very tensor, or one with its address and view) by
