@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -27,6 +28,15 @@ def _pair(name, dtype=torch.float32, **options):
     base = build_model(name, size="tiny", device="cuda", dtype=dtype).train()
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     return ref, mine, cgbackend.compile(mine, **options)
+
+
+def _settle():
+    """Garbage collected, kernels done, cuBLAS workspaces and cached blocks dropped: what the
+    allocator counts as allocated then is what is held."""
+    gc.collect()
+    torch.cuda.synchronize()
+    clear_blas_workspaces()
+    torch.cuda.empty_cache()
 
 
 def _compare_grads(ref, mine, dtype, what):
@@ -208,8 +218,9 @@ def test_between_steps_the_graphs_hold_what_the_report_says():
     compiled = cgbackend.compile(mine, warmup=2)
     xs = [torch.randn(512, 1024, device="cuda") for _ in range(6)]
     # cuBLAS keeps a workspace per thread and stream (32 MiB on Hopper), made at the first product
-    # of each: dropped at both ends, or the figure depends on what ran in this process before.
-    gc_sync = lambda: (torch.cuda.synchronize(), clear_blas_workspaces(), torch.cuda.empty_cache())  # noqa: E731
+    # of each: dropped at both ends, or the figure depends on what ran in this process before; so
+    # is the garbage of earlier tests, collected first (its release would count against this one).
+    gc_sync = _settle
     gc_sync()
     start = torch.cuda.memory_allocated()
     for x in xs:
@@ -315,6 +326,44 @@ def test_incoming_gradient_in_the_output_memory_on_gpu(inner):
     assert st["grad_outputs_released_in_capture"] == (len(nbytes) if inner == "auto" else 0), st
     mem = st["memory"]
     assert mem["released_outputs"] == sum(nbytes.values()) and mem["released"] >= sum(nbytes.values()), mem
+
+
+class _WithCounts(nn.Module):
+    """An output without a gradient that only the caller reads (a count per row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.a(x).relu(), (x > 0).sum(-1)
+
+
+def test_an_output_without_gradient_goes_to_the_last_backward_graph():
+    """The memory of an output without a gradient that only the caller reads is the pool's last
+    backward graph's once captured: the caller's copies of it stay right, step after step."""
+    torch.manual_seed(0)
+    base = _WithCounts().cuda().train()
+    ref, mine = copy.deepcopy(base), copy.deepcopy(base)
+    compiled = cgbackend.compile(mine, warmup=1)
+    kept, expected = [], []
+    for step in range(5):
+        x = torch.randn(1024, 256, device="cuda")
+        for model, fn in ((ref, ref), (mine, compiled)):
+            model.zero_grad(set_to_none=True)
+            y, counts = fn(x)
+            y.pow(2).mean().backward()
+            (kept if model is mine else expected).append(counts)
+        _compare_grads(ref, mine, torch.float32, f"step {step}")
+    for step, (got, want) in enumerate(zip(kept, expected)):
+        assert torch.equal(got, want), f"kept counts of step {step}"
+    (entry,) = [e for g in find_backend(compiled).compiled_graphs() for r in g.runners
+                for e in r.entries.values()]
+    nbytes = entry.outputs[1].untyped_storage().nbytes()
+    assert entry.nondiff_loose == {1} and entry.released_out.get(1) == nbytes, entry.released_out
+    st = cgbackend.stats(compiled)
+    assert st["memory"]["released_outputs"] == sum(entry.released_out.values()), st["memory"]
+    assert st["bwd_replays"] == 4 and st["eager_calls"].keys() <= {"warmup"}, st
 
 
 class _Head(nn.Module):
@@ -442,7 +491,7 @@ def test_donated_buffers_lower_the_peak_and_keep_eagers_gradients():
     base = _mlp()
     xs = [torch.randn(2048, 512, device="cuda") for _ in range(6)]
     expected = _eager_grads(base, xs)
-    gc_sync = lambda: (torch.cuda.synchronize(), clear_blas_workspaces(), torch.cuda.empty_cache())  # noqa: E731
+    gc_sync = _settle
     peaks = {}
     for donate in (False, True):
         mine = copy.deepcopy(base)
@@ -543,7 +592,7 @@ def test_a_region_that_cannot_recompute_gives_its_saved_activations_to_the_backw
     ref, mine = copy.deepcopy(base), copy.deepcopy(base)
     compiled = cgbackend.compile(mine, warmup=2, inner=inner)
     xs = [torch.randn(1024, 512, device="cuda") * (1 + step) for step in range(6)]
-    gc_sync = lambda: (torch.cuda.synchronize(), clear_blas_workspaces(), torch.cuda.empty_cache())  # noqa: E731
+    gc_sync = _settle
     gc_sync()
     start = torch.cuda.memory_allocated()
     for step, x in enumerate(xs):
