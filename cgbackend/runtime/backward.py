@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -42,7 +42,7 @@ from .params import ParamPolicy
 from .reach import unreached
 from .saved import Loosening, loosening_supported, pool_ranges
 from .stats import EagerReason
-from .tangents import Handover, handover_supported
+from .tangents import QUEUE_CALLBACK, Handover, handover_supported, release_incoming
 
 if TYPE_CHECKING:
     from .region import RegionRunner
@@ -52,13 +52,6 @@ __all__ = ["Backward", "RegionFunction", "QUEUE_CALLBACK"]
 log = logging.getLogger(__name__)
 
 
-def _queue_callback() -> Optional[Callable[[Callable[[], None]], None]]:
-    """The autograd engine's end-of-backward-pass hook (semi-private; feature-tested)."""
-    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
-    return getattr(engine, "queue_callback", None)
-
-
-QUEUE_CALLBACK = _queue_callback()
 LOOSENING = loosening_supported()
 
 
@@ -124,6 +117,10 @@ class Backward:
             # it reads, and the backward graph replays right after its capture on this forward's:
             # its first backward runs on the forward computed again (only such regions donate).
             self.eager(entry, grads, recompute=donating(runner.fn), count=False)
+        # The incoming gradients are in the static buffers now: those relayed to this backward go
+        # before the capture (tangents.py), which may then reuse their memory; a backward that runs
+        # without the graph after all reads the buffers (Backward.run).
+        release_incoming(grads)
         device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None
         reserved_before = reserved(device, settle=not shared.capturer.simulate)
         start = time.perf_counter()
@@ -352,6 +349,15 @@ class Backward:
             return torch.autograd.grad(entry.autograd_outputs(), inputs, grad_outputs=grad_outs,
                                        retain_graph=True, allow_unused=True)
 
+    @staticmethod
+    def static_grads(entry: TrainEntry, grads: tuple) -> tuple:
+        """``grads`` with the differentiable outputs' gradients read from the backward graph's
+        buffers, which hold their values (copied there at the capture; nothing ran in them yet)."""
+        out = list(grads)
+        for k, pos in enumerate(entry.diff_out):
+            out[pos] = entry.static_grad_outs[k]
+        return tuple(out)
+
     def run(self, ctx: Any, grads: tuple) -> tuple:
         """The backward of one replayed forward (RegionFunction.backward after its checks): the
         gradients of the entry's differentiable inputs, by position."""
@@ -391,6 +397,8 @@ class Backward:
         fresh = moved is None and entry.bwd_graph is None and entry.bwd_failed is None and not again
         if fresh:
             self.capture(entry, grads)
+            if entry.static_grad_outs is not None:  # filled, and the relayed gradients dropped
+                grads = self.static_grads(entry, grads)
         if again:
             reason = EagerReason.KEPT_GRAPH
         elif moved is not None:
@@ -414,6 +422,7 @@ class Backward:
                 copied = fill_grads(entry.static_grad_outs, entry.diff_out, grads)
                 counters.copies_made += copied
                 counters.copied_by_kind["grad_output"] += copied
+                release_incoming(grads)
             entry.bwd_graph.replay()
             ctx.replayed = True
             counters.replays += 1

@@ -112,6 +112,9 @@ class Entry:
                  "param_addrs", "param_check", "volatile_pos",
                  "pad_block", "input_views", "handouts", "compact", "copy_dst", "size", "out_released")
 
+    training = False
+    """A training entry (TrainEntry): read where the entry types cannot be imported."""
+
     def __init__(self) -> None:
         self.graph = None
         self.size: Optional[int] = None
@@ -172,6 +175,8 @@ class TrainEntry(Entry):
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",
                  "leaves", "reach", "saved_modified", "saved_pos", "released", "saved_bytes",
                  "grad_out_shared", "nondiff_loose", "pooled_pos", "released_in", "released_out", "saved")
+
+    training = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -73,8 +73,7 @@ def loose_alias(value: torch.Tensor) -> torch.Tensor:
 
 def releases_outputs(runner: "RegionRunner", entry: "Entry") -> bool:
     """Are ``entry``'s static outputs released after its capture (module docstring)?"""
-    from .entries import Entry
-    return (runner.terminal and type(entry) is Entry and runner.hooks is None
+    return (runner.terminal and not entry.training and runner.hooks is None
             and entry.input_views is None and entry.outputs is not None
             and (isinstance(entry.graph, SimulatedGraph) or _from_pointer is not None))
 

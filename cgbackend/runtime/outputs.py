@@ -41,6 +41,7 @@ import torch.fx
 from ..fx_utils import fake_value
 from ..passes.effects import mutated_args
 from .capture import non_overlapping
+from .tangents import relay_copies
 
 __all__ = ["INPUT", "OUTPUT", "SHARED", "AliasGroup", "OutputAliases", "OutputBuilder", "foreach_copy", "output_aliases"]
 
@@ -329,12 +330,18 @@ class OutputBuilder:
         batch: list = []
         grad = torch.is_grad_enabled()
         self.shared.counters.output_clones += len(plan.copied)
+        traced = []
         for i in plan.copied:
             value = sources[i]
             if grad and value.requires_grad:
-                values[nodes[i]] = value.clone()
+                traced.append(i)
             else:
                 batch.append(nodes[i])
+        if traced:
+            # clone() that hands the incoming gradients on as the region's own (tangents.py).
+            copies = relay_copies([sources[i] for i in traced], self.shared.counters)
+            for i, copy in zip(traced, copies):
+                values[nodes[i]] = copy
         if len(batch) == 1 or (batch and foreach_copy is None):
             for node in batch:
                 values[node] = values[node].clone()

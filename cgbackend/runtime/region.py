@@ -27,6 +27,7 @@ from .layouts import AdaptedCall, InputLayouts, compact_view, copy_into
 from .reach import fake_output_reach, reached_inputs
 from .recorder import Recorder
 from .stats import EagerReason
+from .tangents import relay_outputs
 from .warmup import warmup_call
 
 if TYPE_CHECKING:
@@ -222,6 +223,11 @@ class RegionRunner:
                     # as cudagraph trees drops them around its warm-up runs. The next product
                     # allocates one again.
                     clear_blas_workspaces()
+                if grad_path:
+                    # The outputs only the caller reads pass their incoming gradients on without
+                    # autograd's buffers holding them: the compiled backward frees each after its
+                    # last read (tangents.py).
+                    out = relay_outputs(out, self.caller_only, self.shared.counters)
                 return out
             except BaseException:
                 cache.note_warm(shape_key, warm)  # only a call that returned counts as warm-up

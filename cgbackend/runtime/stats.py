@@ -126,6 +126,15 @@ class Counters:
     """Of the released ones, those the compiled backward took as its own argument in the capture,
     freeing them at their last read, as it frees a recording input of cudagraph trees; the others
     were freed when the capture was over."""
+    grads_relayed: int = 0
+    """Incoming gradients of outputs only the caller reads (its copies in training, a warm-up
+    call's outputs) handed on to the region's backward on storages that do not own their memory
+    (runtime/tangents.py, GradRelay): the region's backward, not autograd's buffers, then holds
+    the last reference to them."""
+    grads_relayed_freed_early: int = 0
+    """Of those, the ones whose memory went before the backward pass ended: taken by a compiled
+    backward as its own argument (freed after its last read), or dropped once copied into a backward
+    graph's buffer, before that graph replays or is captured."""
     bwd_recomputes: int = 0
     """Backwards of released entries that could not replay their graph (an eager_calls reason says
     why) and ran autograd through the region's forward computed again."""

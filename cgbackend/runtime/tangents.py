@@ -1,4 +1,4 @@
-"""Incoming-gradient buffers that the backward graph frees at their last read, in its capture.
+"""Incoming gradients and their buffers, freed at their last read rather than held to the end.
 
 Why. A training entry's backward graph reads each incoming gradient from a static buffer, which
 the runtime fills before every replay; for an output only the caller reads, that buffer is the
@@ -29,19 +29,34 @@ graph that may use the block replays but this entry's backward graph (pool.py, t
 rule). That backward graph may put its own outputs there (parameter gradients): before the next
 call replays anything, a ``.grad`` still aliasing them gets its own memory, and anything else still
 holding them keeps the forward from replaying (backward.py ``reclaim_grads``).
+
+The incoming gradients themselves. Autograd's engine, and AOT autograd's backward frame, hold the
+gradient a node receives until that node returns; for a region compiled whole, that is the whole
+backward, where an eager model frees it after its last layer's backward. So the outputs only the
+caller reads reach the caller through :class:`GradRelay` (its copies of a replay's outputs, or a
+warm-up call's outputs themselves), whose backward hands each incoming gradient on as a tensor on
+a storage that does not own its memory, the owner held by a handover: the region's backward then
+holds the last reference. Inductor's code (a warm-up call) takes the owner through the same wrap
+and frees it after its last read; a training entry's backward drops it once it is copied into the
+backward graph's buffer, before the graph replays or is captured (a backward that then runs
+without the graph reads that buffer); and the end of the backward pass (the engine's callback)
+drops any owner left, so nothing outlives the pass. Counted in ``grads_relayed`` and
+``grads_relayed_freed_early``.
 """
 
 from __future__ import annotations
 
 import importlib
 import threading
+import weakref
 from typing import Any, Optional
 
 import torch
 
-from .loose_outputs import StorageWeakRef
+from .loose_outputs import StorageWeakRef, loose_alias, loose_supported
 
-__all__ = ["Handover", "handover_supported"]
+__all__ = ["GradRelay", "Handover", "QUEUE_CALLBACK", "handover_supported", "relay_copies",
+           "relay_outputs", "release_incoming"]
 
 _ENTRY = "call_func_at_runtime_with_args"
 
@@ -64,9 +79,11 @@ def handover_supported() -> bool:
 
 # The wrap is process-wide (AOT autograd's module attribute), so the handovers it serves are too:
 # the backward of a capture runs on autograd's device thread, not the thread that entered.
-_lock = threading.Lock()
+_lock = threading.RLock()
 _active: list["Handover"] = []
 _original: Optional[Any] = None
+_relayed: dict[int, "Handover"] = {}
+"""id of a relayed gradient's alias -> the handover holding its owner (release_incoming)."""
 
 
 def _call(f: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -83,12 +100,15 @@ class Handover:
     """The owning tensors of released gradient buffers during one backward capture (a context
     manager): given to the compiled backward that reads their aliases, or dropped at exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, counters: Any = None) -> None:
         self._owners: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._refs: list[tuple[int, Any, int]] = []
         self.given = 0
         """Owners a compiled backward took as its argument (freed at their last read)."""
         self._module: Optional[Any] = None
+        self.counters = counters
+        """A relay's: the backend's counters, told at close how many owners went early."""
+        self.closed = False
 
     def add(self, key: int, alias: torch.Tensor, owner: torch.Tensor, keep: bool = True) -> None:
         """``owner``'s memory is read through ``alias`` from now on; ``key`` names it in
@@ -103,20 +123,40 @@ class Handover:
     def give(self, args: list) -> None:
         """Replace each alias in ``args`` (the very tensor, or one with its address and view) by
         its owner, which then lives only in ``args``."""
-        for j, arg in enumerate(args):
+        with _lock:
             if not self._owners:
                 return
-            if not isinstance(arg, torch.Tensor):
-                continue
-            pair = self._owners.get(id(arg))
-            if pair is None or pair[0] is not arg:
-                pair = next((p for p in self._owners.values() if _same_view(p[0], arg)), None)
-                if pair is None:
-                    continue
-            del self._owners[id(pair[0])]
-            args[j] = pair[1]
-            self.given += 1
-            del pair
+            for j, arg in enumerate(args):
+                pair = self._owners.get(id(arg))
+                if pair is not None and pair[0] is arg:
+                    self._take(j, args, pair)
+                    if not self._owners:
+                        return
+            shapes = {pair[0].shape for pair in self._owners.values()}
+            for j, arg in enumerate(args):  # a tensor standing for an alias (AOT may wrap one again)
+                if isinstance(arg, torch.Tensor) and arg.shape in shapes:
+                    pair = next((p for p in self._owners.values() if _same_view(p[0], arg)), None)
+                    if pair is not None:
+                        self._take(j, args, pair)
+                        if not self._owners:
+                            return
+
+    def _take(self, j: int, args: list, pair: tuple) -> None:
+        del self._owners[id(pair[0])]
+        _relayed.pop(id(pair[0]), None)
+        args[j] = pair[1]
+        self.given += 1
+
+    def drop(self, alias: torch.Tensor) -> bool:
+        """The owner of ``alias`` goes now (nothing reads it any more); False if not held here."""
+        with _lock:
+            pair = self._owners.get(id(alias))
+            if pair is None or pair[0] is not alias:
+                return False
+            del self._owners[id(alias)]
+            _relayed.pop(id(alias), None)
+        del pair
+        return True
 
     def released(self) -> dict[int, int]:
         """Key -> bytes of the buffers whose memory went back to the pool (nothing else held
@@ -137,14 +177,125 @@ class Handover:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._owners.clear()  # the owners left go now: their blocks are the pool's
-        module, self._module = self._module, None
-        if module is None:
-            return
         with _lock:
-            _active.remove(self)
-            if not _active and getattr(module, _ENTRY) is _call:
-                setattr(module, _ENTRY, _original)
+            for key in self._owners:
+                _relayed.pop(key, None)
+            owners, self._owners = self._owners, {}
+            module, self._module = self._module, None
+            if module is not None:
+                _active.remove(self)
+                if not _active and getattr(module, _ENTRY) is _call:
+                    setattr(module, _ENTRY, _original)
+        del owners  # the owners left go now (outside the lock: freeing may run other code)
+
+    def close(self) -> None:
+        """End of the backward pass a relay's handover served (an autograd engine callback, or the
+        relaying node going after a pass that raised); once."""
+        with _lock:
+            if self.closed:
+                return
+            self.closed = True
+        if self.counters is not None:
+            self.counters.grads_relayed_freed_early += self.given
+        self.__exit__(None, None, None)
+
+
+def _queue_callback() -> Optional[Any]:
+    """The autograd engine's end-of-backward-pass hook (semi-private; feature-tested)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return getattr(engine, "queue_callback", None)
+
+
+QUEUE_CALLBACK = _queue_callback()
+RELAY = QUEUE_CALLBACK is not None and loose_supported() and StorageWeakRef is not None
+"""Can incoming gradients be relayed (GradRelay): non-owning storages and the end-of-pass hook."""
+
+
+def _relayable(grad: Any) -> bool:
+    return (type(grad) is torch.Tensor and grad.layout == torch.strided and not grad.requires_grad
+            and grad.numel() > 0)
+
+
+def relay(grads: tuple, counters: Any = None, node: Any = None) -> tuple:
+    """``grads`` with each plain tensor replaced by a tensor on a storage that does not own its
+    memory; the owners are held by a handover until a compiled backward takes them (its stolen
+    arguments), ``release_incoming`` drops them, or the backward pass ends (or, for a pass that
+    raised, which runs no end-of-pass callback, ``node``, the relaying node, goes)."""
+    if not RELAY or torch.is_grad_enabled():  # grad mode in backward: create_graph, left as is
+        return grads
+    handover = None
+    out = list(grads)
+    for i, grad in enumerate(grads):
+        if not _relayable(grad):
+            continue
+        if handover is None:
+            handover = Handover(counters).__enter__()
+        alias = loose_alias(grad)
+        handover.add(i, alias, grad)
+        with _lock:
+            _relayed[id(alias)] = handover
+        out[i] = alias
+    if handover is not None:
+        QUEUE_CALLBACK(handover.close)  # type: ignore[misc]
+        if node is not None:
+            weakref.finalize(node, handover.close)
+        if counters is not None:
+            counters.grads_relayed += len(handover._owners)
+    return tuple(out)
+
+
+def release_incoming(grads: Any) -> int:
+    """Drop the owners of the relayed gradients among ``grads`` (their values were copied where
+    they are read); returns how many went."""
+    if not _relayed:
+        return 0
+    dropped = 0
+    for grad in grads:
+        handover = _relayed.get(id(grad)) if grad is not None else None
+        if handover is not None and handover.drop(grad):
+            dropped += 1
+            if handover.counters is not None:
+                handover.counters.grads_relayed_freed_early += 1
+    return dropped
+
+
+class GradRelay(torch.autograd.Function):
+    """The caller's view of outputs only the caller reads: copies of them (``copy``, training
+    replays, whose outputs lie in graph memory) or new tensors on their memory (warm-up calls).
+    Its backward passes each incoming gradient on through :func:`relay`, so the region's
+    backward, not autograd's buffers, holds the last reference to it."""
+
+    @staticmethod
+    def forward(ctx: Any, copy: bool, counters: Any, *tensors: torch.Tensor) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.counters = counters
+        return tuple(t.clone() if copy else t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
+        return (None, None) + relay(grads, ctx.counters, ctx)
+
+
+def relay_copies(tensors: list, counters: Any = None) -> list:
+    """Copies of ``tensors`` for the caller, each differentiable back to its source (clone())."""
+    if not RELAY:
+        return [t.clone() for t in tensors]
+    return list(GradRelay.apply(True, counters, *tensors))
+
+
+def relay_outputs(outputs: Any, positions: Any, counters: Any = None) -> Any:
+    """A warm-up call's outputs with those at ``positions`` that require grad passed through
+    GradRelay (the caller alone reads them)."""
+    if not RELAY or not isinstance(outputs, (list, tuple)) or not torch.is_grad_enabled():
+        return outputs
+    picked = [i for i in sorted(positions) if i < len(outputs) and isinstance(outputs[i], torch.Tensor)
+              and outputs[i].requires_grad]
+    if not picked:
+        return outputs
+    out = list(outputs)
+    for i, value in zip(picked, GradRelay.apply(False, counters, *(outputs[i] for i in picked))):
+        out[i] = value
+    return tuple(out) if isinstance(outputs, tuple) else out
 
 
 def _same_view(alias: torch.Tensor, arg: torch.Tensor) -> bool:

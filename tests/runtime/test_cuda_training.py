@@ -326,6 +326,9 @@ def test_incoming_gradient_in_the_output_memory_on_gpu(inner):
     assert st["grad_outputs_released_in_capture"] == (len(nbytes) if inner == "auto" else 0), st
     mem = st["memory"]
     assert mem["released_outputs"] == sum(nbytes.values()) and mem["released"] >= sum(nbytes.values()), mem
+    # The caller's copies relayed their incoming gradients, dropped once copied into the backward
+    # graph's buffers (4 steps with graphs, 3 copied outputs each; and y, z in the warm-up call).
+    assert st["grads_relayed"] >= 14 and st["grads_relayed_freed_early"] >= 12, st
 
 
 class _WithCounts(nn.Module):
@@ -378,45 +381,50 @@ class _Head(nn.Module):
         return self.c(F.gelu(self.b(F.gelu(self.a(x)))))
 
 
-def _capture_step_backward_peak(keep_buffer: bool) -> tuple[int, dict]:
-    """The allocator's peak over the capture step's backward (warm-up 1: the second step), with
-    the released gradient buffer given to the compiled backward, or (``keep_buffer``) kept by the
-    capture until it is over."""
+def _backward_capture_peak(keep_buffer: bool) -> tuple[int, dict]:
+    """The allocator's peak inside the backward capture (warm-up 1: the second step's second
+    capture), with the released gradient buffer given to the compiled backward, or
+    (``keep_buffer``) kept by the capture until it is over. Inside it, not over the whole backward:
+    the incoming gradient, copied into that buffer first, goes before the capture starts."""
     from cgbackend.runtime import tangents
+    from cgbackend.runtime.capture import Capturer
     torch.manual_seed(0)
     model = _Head().cuda().train()
     ref = copy.deepcopy(model)
     compiled = cgbackend.compile(model, warmup=1)
     xs = [torch.randn(2048, 4096, device="cuda") for _ in range(3)]
-    give = tangents.Handover.give
+    give, capture, peaks = tangents.Handover.give, Capturer.capture, []
+
+    def measured(self, *args, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        try:
+            return capture(self, *args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated() - before)
+    Capturer.capture = measured
     if keep_buffer:
         tangents.Handover.give = lambda self, args: None
     try:
         for step, x in enumerate(xs):
             for m, fn in ((ref, ref), (model, compiled)):
                 m.zero_grad(set_to_none=True)
-                loss = fn(x).float().pow(2).mean()
-                if step == 1 and m is model:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    before = torch.cuda.memory_allocated()
-                loss.backward()
-                if step == 1 and m is model:
-                    torch.cuda.synchronize()
-                    peak = torch.cuda.max_memory_allocated() - before
-                del loss
+                fn(x).float().pow(2).mean().backward()
             _compare_grads(ref, model, torch.float32, f"step {step}")
     finally:
-        tangents.Handover.give = give
-    return peak, cgbackend.stats(compiled)
+        tangents.Handover.give, Capturer.capture = give, capture
+    assert len(peaks) == 2, peaks  # the forward's capture, then the backward's
+    return peaks[1], cgbackend.stats(compiled)
 
 
 def test_the_backward_capture_frees_the_incoming_gradient_at_its_last_read():
-    """The capture step's backward peaks one gradient buffer lower when the compiled backward owns
-    it (freed after its last read, its block reused by the layers below) than when the capture
-    holds it to the end; both give eager's gradients, and both release it between steps."""
-    given, st_given = _capture_step_backward_peak(keep_buffer=False)
-    kept, st_kept = _capture_step_backward_peak(keep_buffer=True)
+    """The backward capture peaks one gradient buffer lower when the compiled backward owns it
+    (freed after its last read, its block reused by the layers below) than when the capture holds
+    it to the end; both give eager's gradients, and both release it between steps."""
+    given, st_given = _backward_capture_peak(keep_buffer=False)
+    kept, st_kept = _backward_capture_peak(keep_buffer=True)
     block = 2048 * 4096 * 4
     assert st_given["grad_outputs_released_in_capture"] == 1 and st_kept["grad_outputs_released_in_capture"] == 0
     for st in (st_given, st_kept):

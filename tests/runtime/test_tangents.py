@@ -40,7 +40,9 @@ def _backward_through(fn, seed):
     with handover:
         got = torch.autograd.grad([out], [x, w], grad_outputs=[alias])
         assert getattr(tangents._aot_runtime(), tangents._ENTRY) is tangents._call
-    assert getattr(tangents._aot_runtime(), tangents._ENTRY) is not tangents._call
+    assert handover not in tangents._active
+    if not tangents._active:
+        assert getattr(tangents._aot_runtime(), tangents._ENTRY) is not tangents._call
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     return gone_in_backward, handover
@@ -96,3 +98,88 @@ def test_only_a_stolen_list_receives_an_owner():
         args = [alias]
         tangents._call(boxed, args, steal_args=True)
         assert args[0] is owner and seen[1][0] is owner and handover.given == 1
+
+
+def _relayed_backward(fn, seed, retain=False):
+    """Gradients of ``fn`` through GradRelay for an incoming gradient autograd makes (a product's
+    backward), whether that gradient was gone when the input's gradient was ready, and the
+    counters."""
+    from cgbackend.runtime.stats import Counters
+    torch.manual_seed(seed)
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 48, requires_grad=True)
+    scale = torch.randn(64, 48)
+    want = torch.autograd.grad((_body(x, w) * scale).sum(), [x, w])
+    counters = Counters()
+    (y,) = tangents.GradRelay.apply(False, counters, fn(x, w))
+    refs = []
+    y.register_hook(lambda g: refs.append(StorageWeakRef(g.untyped_storage())))
+    gone_in_backward = []
+    x.register_hook(lambda g: gone_in_backward.append(refs[0].expired()))
+    got = torch.autograd.grad((y * scale).sum(), [x, w], retain_graph=retain)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert not any(h.counters is counters for h in tangents._active), "a relay outlived its backward pass"
+    return gone_in_backward, refs[0].expired(), counters
+
+
+@pytest.mark.skipif(not tangents.RELAY, reason="no end-of-backward hook in this torch")
+def test_a_relayed_gradient_goes_at_its_last_read_in_compiled_code():
+    """The incoming gradient reaches Inductor's backward as an alias whose owner the compiled code
+    takes and frees: gone before the region's backward is over, gradients as eager's."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_body, backend="inductor")
+    compiled(torch.randn(64, 32, requires_grad=True), torch.randn(32, 48, requires_grad=True))  # compile
+    gone, after, counters = _relayed_backward(compiled, 4)
+    assert gone == [True] and after
+    assert counters.grads_relayed == 1 and counters.grads_relayed_freed_early == 1
+
+
+@pytest.mark.skipif(not tangents.RELAY, reason="no end-of-backward hook in this torch")
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_relayed_gradient_nothing_takes_goes_when_the_pass_ends(retain):
+    """Eager kernels: nothing takes the owner; it lives through the region's backward (the kernels
+    read the alias) and goes with the backward pass, which keeps or drops its graph."""
+    gone, after, counters = _relayed_backward(_body, 5, retain)
+    assert gone == [False] and after
+    assert counters.grads_relayed == 1 and counters.grads_relayed_freed_early == 0
+
+
+@pytest.mark.skipif(not tangents.RELAY, reason="no end-of-backward hook in this torch")
+def test_a_relay_of_a_backward_that_raised_goes_with_its_graph():
+    """A backward pass that raises runs no end-of-pass callback: the relay's owners go when the
+    relaying node does (the graph is dropped), not never."""
+    from cgbackend.runtime.stats import Counters
+    x = torch.randn(16, requires_grad=True)
+    counters = Counters()
+    (y,) = tangents.GradRelay.apply(False, counters, x * 2)
+    refs = []
+    y.register_hook(lambda g: refs.append(StorageWeakRef(g.untyped_storage())))
+
+    def fail(g):
+        raise RuntimeError("raised in backward")
+    x.register_hook(fail)
+    with pytest.raises(RuntimeError, match="raised in backward"):
+        (y * 3).sum().backward()
+    del y
+    import gc
+    gc.collect()
+    assert refs[0].expired() and not any(h.counters is counters for h in tangents._active)
+
+
+def test_release_incoming_drops_only_relayed_owners():
+    from cgbackend.runtime.stats import Counters
+    owner = torch.randn(8)
+    counters = Counters()
+    handover = Handover(counters)
+    alias = loose_alias(owner)
+    handover.add(0, alias, owner)
+    tangents._relayed[id(alias)] = handover
+    ref = StorageWeakRef(owner.untyped_storage())
+    del owner
+    try:
+        assert tangents.release_incoming([None, torch.randn(8), alias.clone()]) == 0 and not ref.expired()
+        assert tangents.release_incoming([alias]) == 1 and ref.expired()
+        assert counters.grads_relayed_freed_early == 1 and id(alias) not in tangents._relayed
+    finally:
+        tangents._relayed.pop(id(alias), None)
