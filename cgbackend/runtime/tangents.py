@@ -121,8 +121,9 @@ class Handover:
             self._owners[id(alias)] = (alias, owner)
 
     def give(self, args: list) -> None:
-        """Replace each alias in ``args`` (the very tensor, or one with its address and view) by
-        its owner, which then lives only in ``args``."""
+        """Replace each alias in ``args`` by its owner, which then lives only in ``args``. The
+        very alias only: a tensor merely on the same memory may be another relay's, whose owner
+        must outlive this call (the same gradient relayed to two regions)."""
         with _lock:
             if not self._owners:
                 return
@@ -132,14 +133,6 @@ class Handover:
                     self._take(j, args, pair)
                     if not self._owners:
                         return
-            shapes = {pair[0].shape for pair in self._owners.values()}
-            for j, arg in enumerate(args):  # a tensor standing for an alias (AOT may wrap one again)
-                if isinstance(arg, torch.Tensor) and arg.shape in shapes:
-                    pair = next((p for p in self._owners.values() if _same_view(p[0], arg)), None)
-                    if pair is not None:
-                        self._take(j, args, pair)
-                        if not self._owners:
-                            return
 
     def _take(self, j: int, args: list, pair: tuple) -> None:
         del self._owners[id(pair[0])]
@@ -305,11 +298,3 @@ def relay_outputs(outputs: Any, positions: Any, counters: Any = None) -> Any:
         out[i] = value
     return tuple(out) if isinstance(outputs, tuple) else out
 
-
-def _same_view(alias: torch.Tensor, arg: torch.Tensor) -> bool:
-    if arg.layout != torch.strided or arg.dtype != alias.dtype or arg.device != alias.device:
-        return False
-    try:
-        return arg.data_ptr() == alias.data_ptr() and arg.shape == alias.shape and arg.stride() == alias.stride()
-    except RuntimeError:  # a tensor without storage (a subclass)
-        return False

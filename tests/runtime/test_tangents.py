@@ -183,3 +183,27 @@ def test_release_incoming_drops_only_relayed_owners():
         assert counters.grads_relayed_freed_early == 1 and id(alias) not in tangents._relayed
     finally:
         tangents._relayed.pop(id(alias), None)
+
+
+@pytest.mark.skipif(not tangents.RELAY, reason="no end-of-backward hook in this torch")
+def test_one_gradient_relayed_to_two_compiled_regions():
+    """An add hands the same gradient tensor to two relays: each region's compiled backward takes
+    only its own alias, whose owner the other relay also holds, so neither frees what the other
+    still reads; both gradients are eager's."""
+    from cgbackend.runtime.stats import Counters
+    torch._dynamo.reset()
+    first = torch.compile(_body, backend="inductor")
+    second = torch.compile(lambda x, w: _body(x, w) * 0.5, backend="inductor")
+    torch.manual_seed(6)
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 48, requires_grad=True)
+    scale = torch.randn(64, 48)
+    want = torch.autograd.grad(((_body(x, w) + _body(x, w) * 0.5) * scale).sum(), [x, w])
+    for _ in range(2):  # the first call compiles
+        counters = Counters()
+        (a,) = tangents.GradRelay.apply(False, counters, first(x, w))
+        (b,) = tangents.GradRelay.apply(False, counters, second(x, w))
+        got = torch.autograd.grad(((a + b) * scale).sum(), [x, w])
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert counters.grads_relayed == 2 and counters.grads_relayed_freed_early == 2
