@@ -148,15 +148,7 @@ class Handover:
                 return False
             del self._owners[id(alias)]
             _relayed.pop(id(alias), None)
-        owner = pair[1]
         del pair
-        if owner.is_cuda:
-            # What read it was queued on this stream: its block is reused only after that ran,
-            # whichever stream made it (the engine's own stream bookkeeping saw only the alias).
-            try:
-                owner.record_stream(torch.cuda.current_stream(owner.device))
-            except RuntimeError:  # not the caching allocator's memory: nothing to order
-                pass
         return True
 
     def released(self) -> dict[int, int]:
