@@ -97,8 +97,10 @@ def _call(f: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
 
 
 class Handover:
-    """The owning tensors of released gradient buffers during one backward capture (a context
-    manager): given to the compiled backward that reads their aliases, or dropped at exit."""
+    """The owning tensors of memory read through non-owning aliases (a context manager): released
+    gradient buffers during one backward capture, or a relay's incoming gradients during one
+    backward pass. Each is given to the compiled backward that reads its alias, dropped once read
+    (:meth:`drop`), or dropped at exit."""
 
     def __init__(self, counters: Any = None) -> None:
         self._owners: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -228,12 +230,12 @@ def relay(grads: tuple, counters: Any = None, node: Any = None) -> tuple:
         with _lock:
             _relayed[id(alias)] = handover
         out[i] = alias
+        if counters is not None:
+            counters.grads_relayed += 1
     if handover is not None:
         QUEUE_CALLBACK(handover.close)  # type: ignore[misc]
         if node is not None:
             weakref.finalize(node, handover.close)
-        if counters is not None:
-            counters.grads_relayed += len(handover._owners)
     return tuple(out)
 
 
