@@ -249,9 +249,7 @@ class CGBackend:
                                 "(as grouped-GEMM MoE layers do); warned once at the first backward")
         report.regional = [stack.to_dict() for stack in self.regional]
         for r in self.relayouts:
-            report.notes.append(f"{r.module or 'model'}: the {r.experts} experts' {', '.join(r.params)} laid out "
-                                f"as one block each ({r.bytes / 2 ** 20:.1f} MiB), read by the grouped form "
-                                "without a copy")
+            report.notes.append(r.describe())
         if self.trace_fallback is not None:
             report.notes.append(self.trace_fallback)
         missed = self.shared.counters.trace_scope_missed

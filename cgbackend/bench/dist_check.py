@@ -110,6 +110,21 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _grad_diff(a: torch.nn.Module, b: torch.nn.Module, where: str) -> tuple[float, float]:
+    """The largest difference between the two models' gradients and the largest gradient of ``b``.
+    Holds no gradient past the call: a harness that kept ``.grad`` tensors between steps would
+    be a user holding gradients, which the runtime must then not overwrite (it runs such calls
+    eagerly, counted as replay_order_hazard)."""
+    ga, gb = _grads(a), _grads(b)
+    if set(ga) != set(gb):
+        raise AssertionError(f"{where}: gradients of {sorted(set(ga) ^ set(gb))} exist on one side only")
+    diff = scale = 0.0
+    for key in ga:
+        diff = max(diff, float((ga[key].double() - gb[key].double()).abs().max()))
+        scale = max(scale, float(gb[key].double().abs().max()))
+    return diff, scale
+
+
 def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, dtype: torch.dtype,
                  simulate: bool, compare: bool = True, time_steps: int = 0) -> dict[str, Any]:
     """Train ``sc.steps`` steps of the compiled model and (``compare``) of an eager twin on the same
@@ -118,11 +133,7 @@ def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, d
     import cgbackend
 
     base = _build(sc, rank, world, device, dtype)
-    options = dict(sc.options)
-    if sc.setup == "fsdp2":
-        # each fully_shard'ed block is its own Dynamo graph, so one call (and one pending forward)
-        # per block until the backward: room for all of them (README, "Distributed training")
-        options.setdefault("max_pending_forwards", len(base.layers) + 2)
+    options = dict(sc.options)  # the defaults otherwise: nothing here scales an option with the depth
     if simulate:
         options["simulate_graphs"] = True
     twin = copy.deepcopy(base) if compare else None
@@ -154,13 +165,8 @@ def run_scenario(sc: Scenario, rank: int, world: int, device: torch.device, *, d
             losses[name].append(float(results[name].detach()))
         if len(runs) == 2:
             loss_diff = max(loss_diff, abs(losses["cgbackend"][-1] - losses["eager"][-1]))
-            ga, gb = _grads(runs[0][1]), _grads(runs[1][1])
-            if set(ga) != set(gb):
-                raise AssertionError(f"rank {rank} step {i}: gradients of {sorted(set(ga) ^ set(gb))} "
-                                     "exist on one side only")
-            for key in ga:
-                grad_diff = max(grad_diff, float((ga[key].double() - gb[key].double()).abs().max()))
-                grad_scale = max(grad_scale, float(gb[key].double().abs().max()))
+            diff, scale = _grad_diff(runs[0][1], runs[1][1], f"rank {rank} step {i}")
+            grad_diff, grad_scale = max(grad_diff, diff), max(grad_scale, scale)
         for name, _, _ in runs:
             opts[name].step()
         stats = cgbackend.stats(compiled)
@@ -201,16 +207,22 @@ def rank_main(rank: int, world: int, backend: str, port: int, scenarios: list, o
     tell how long the interpreter took to exit."""
     import json
 
+    import traceback
+
     device = init_process(rank, world, backend, port)
     dtype = getattr(torch, dtype_name)
     results, error = [], None
     try:
         for sc in scenarios:
             torch._dynamo.reset()
-            results.append(run_scenario(sc, rank, world, device, dtype=dtype, simulate=backend == "gloo",
-                                        time_steps=time_steps))
+            try:
+                results.append(run_scenario(sc, rank, world, device, dtype=dtype, simulate=backend == "gloo",
+                                            time_steps=time_steps))
+            except Exception:  # this scenario's failure, for the parent; the next scenarios still run
+                results.append({"rank": rank, "scenario": sc.name, "error": traceback.format_exc()})
+                if backend == "nccl":
+                    raise  # a failed NCCL job may leave the communicator unusable: stop this rank
     except Exception:  # written for the parent, then raised so the rank fails
-        import traceback
         error = traceback.format_exc()
         raise
     finally:

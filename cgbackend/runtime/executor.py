@@ -41,6 +41,7 @@ from .syncsplit import apply_splits
 from .memory import add_up, entry_memory
 from .stats import EagerReason
 from .capture_watch import settle_call
+from .sharing import LayerSharing
 
 __all__ = ["CompiledGraph", "CallState", "SlotTable", "run_step"]
 
@@ -48,12 +49,18 @@ log = logging.getLogger(__name__)
 
 
 class SlotTable:
-    """Busy flags and generations of the call slots of one compiled graph (training)."""
+    """Busy flags and generations of the call slots of one compiled graph (training). At most
+    ``per_layer`` slots for each layer sharing the graph (``sharing``: runtime/sharing.py)."""
 
-    def __init__(self, max_slots: int) -> None:
-        self.max_slots = max_slots
+    def __init__(self, per_layer: int, sharing: Optional[LayerSharing] = None) -> None:
+        self.per_layer = per_layer
+        self.sharing = sharing
         self.busy: list[bool] = []
         self.generation: list[int] = []
+
+    @property
+    def max_slots(self) -> int:
+        return self.per_layer * (self.sharing.copies if self.sharing is not None else 1)
 
     def acquire(self) -> Optional[tuple[int, int]]:
         for k, busy in enumerate(self.busy):
@@ -164,8 +171,6 @@ class CompiledGraph:
         gm = analysis.gm
         partition = analysis.partition
         self.training_graph = analysis.classification.training
-        self.slots = SlotTable(self.config.max_pending_forwards * shared.layer_copies)
-
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.n_inputs = len(placeholders)
         slot_of: dict[torch.fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
@@ -174,6 +179,10 @@ class CompiledGraph:
         # that batch's memory as long as the graph lives.
         self._static_address = {n: i < len(example_inputs) and is_static_address(example_inputs[i])
                                 for i, n in enumerate(placeholders)}
+        first_param = next((i for i, n in enumerate(placeholders) if self._static_address[n]), None)
+        self.sharing = LayerSharing(shared.layer_copies, first_param)
+        """How many layers share this graph (runtime/sharing.py): scales the per-layer bounds."""
+        self.slots = SlotTable(self.config.max_pending_forwards, self.sharing)
         # Hoisted constants (passes/constants.py): made once, in slots right after the inputs.
         self.constants = tuple(analysis.constants.nodes)
         self._constant_set = set(self.constants)
@@ -301,7 +310,7 @@ class CompiledGraph:
                 lazy.fall_back(InnerFallback.OPAQUE_CALL, "opaque module call in the region")
                 lazy = None
         runner = RegionRunner(name, fn, kinds, producers, mutated, self.shared,
-                              bucket=bucket, device=_region_device(region), hooks=hooks)
+                              bucket=bucket, device=_region_device(region), hooks=hooks, sharing=self.sharing)
         runner.lazy_inner = lazy
         runner.recomputable = recomputable
         runner.caller_only = frozenset(i for i, node in enumerate(region.outputs)
@@ -365,6 +374,7 @@ class CompiledGraph:
             self._mirror.begin(self.shared.counters)
         self.shared.counters.graph_calls += 1
         self.calls += 1
+        self.sharing.note(args)
         training = self.training_graph and torch.is_grad_enabled()
         checks = self._layout_checks
         check_after = (checks and self._check_after_launch and not training

@@ -232,9 +232,9 @@ class GraphCache:
             del warm[next(iter(warm))]  # oldest signature seen: forget its warm-up count
 
     def bound(self) -> int:
-        """max_graphs_per_region for each layer sharing the region (regional.py)."""
+        """max_graphs_per_region for each layer sharing the region (sharing.py)."""
         runner = self.runner
-        return runner.config.max_graphs_per_region * runner.shared.layer_copies
+        return runner.config.max_graphs_per_region * runner.sharing.copies
 
     def make_room(self) -> bool:
         """Room for one more graph: below the bound, or after evicting the least recently used

@@ -395,7 +395,7 @@ class Recorder:
         runner = self.runner
         # Not for layers of a stack (regional.py): each would hold its own handout graphs and their
         # memory, to save one copy of a layer's output that the next layer reads anyway.
-        return (runner.terminal and runner.config.handout_graphs > 0 and runner.shared.layer_copies == 1
+        return (runner.terminal and runner.config.handout_graphs > 0 and runner.sharing.copies == 1
                 and handout_supported()
                 and type(entry) is Entry and runner.hooks is None and entry.input_views is None
                 and not entry.pad_dims and not entry.copy_back_pos and not entry.volatile_pos

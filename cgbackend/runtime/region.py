@@ -26,6 +26,7 @@ from .inputs import fill_padding, overlap, overlap_candidates
 from .layouts import AdaptedCall, InputLayouts, compact_view, copy_into
 from .reach import fake_output_reach, reached_inputs
 from .recorder import Recorder
+from .sharing import LayerSharing
 from .stats import EagerReason
 from .tangents import relay_outputs
 from .warmup import warmup_call
@@ -46,7 +47,8 @@ class RegionRunner:
     def __init__(self, name: str, fn: Callable[..., Any], kinds: list[str],
                  producers: list[Optional["RegionRunner"]], mutated: set[int],
                  shared: RuntimeShared, bucket: Optional["BucketPlan"] = None,
-                 device: Optional[torch.device] = None, hooks: Optional["RegionHooks"] = None) -> None:
+                 device: Optional[torch.device] = None, hooks: Optional["RegionHooks"] = None,
+                 sharing: Optional[LayerSharing] = None) -> None:
         self.name = name
         self.fn = fn
         self.kinds = kinds
@@ -60,6 +62,8 @@ class RegionRunner:
         """Where the region computes (for regions whose inputs are all numbers)."""
         self.hooks = hooks
         """What the region's opaque module calls need around captures and replays (opaque.py)."""
+        self.sharing = sharing if sharing is not None else LayerSharing(shared.layer_copies, None)
+        """How many layers share the region's graph (sharing.py): scales its bound on graphs."""
         self.disabled: Optional[str] = None
         """Set when the region runs eagerly for good (capture failed, no CUDA, capture off)."""
         self.disabled_detail: str = ""

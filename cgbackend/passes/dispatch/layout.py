@@ -34,9 +34,33 @@ class Relayout:
     experts: int
     params: list[str]
     bytes: int
+    left: str = ""
+    """Why the parameters were left as they are (empty: laid out)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        where = self.module or "model"
+        if self.left:
+            return f"{where}: the {self.experts} experts' {', '.join(self.params)} left as they are: {self.left}"
+        return (f"{where}: the {self.experts} experts' {', '.join(self.params)} laid out as one block each "
+                f"({self.bytes / 2 ** 20:.1f} MiB), read by the grouped form without a copy")
+
+
+SHARDED = ("sharded by a distributed engine (DTensor parameters, FSDP2's fully_shard): the engine gathers "
+           "each expert's parameter into memory of its own before each forward and backward, so the grouped "
+           "form stacks the gathered parameters on each call (a copy) instead of reading one block")
+"""Why the experts' parameters of a sharded model are not laid out."""
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """A DTensor (a distributed engine's sharded parameter; feature-tested)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without torch.distributed
+        return False
+    return isinstance(t, DTensor)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -135,6 +159,12 @@ def stack_expert_params(model: torch.nn.Module) -> list[Relayout]:
                 break
             groups.append((name, params))
         if not groups:
+            continue
+        if any(_sharded(p) for _, params in groups for p in params):
+            # Its local shards are not what a graph reads: the engine's gathered (unsharded) copies
+            # are, in allocations the engine makes per parameter (cgbackend.distributed).
+            done.append(Relayout(path, len(module), [name for name, _ in groups], 0, left=SHARDED))
+            log.info("cgbackend: %s: %s", path or "model", done[-1].describe())
             continue
         moved, nbytes = [], 0
         for name, params in groups:
