@@ -78,6 +78,8 @@ class CGBackend:
         self._loop_survey: Optional[list] = None
         self.regional: list = []
         """Stacks of identical layers cgbackend.compile compiles once each (regional.py)."""
+        self.fsdp_gathers: Optional[Any] = None
+        """FSDP2's gathered parameters pinned in a pool of their own (distributed.PinnedGathers)."""
         self.relayouts: list = []
         """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
         self.trace_fallback: Optional[str] = None

@@ -91,7 +91,12 @@ class GraphCache:
             params = self.param_addresses(ins)
         else:
             params = tuple(policy.key(ins[p]) for p in self.param_pos)
-        return (slot,) + shape_key + tuple(addr_parts) + params, shape_key
+        # Which parameters, not only where: an engine may put another layer's parameters at the
+        # same addresses (FSDP2's gathers in a pool of their own: cgbackend.distributed), and an
+        # entry keeps the ones it was captured with (its backward checks and recomputes read them).
+        # The first one's object stands for the layer (a layer's parameter objects stay the same).
+        layer = id(ins[self.param_pos[0]]) if self.param_pos else None
+        return (slot,) + shape_key + tuple(addr_parts) + params + (layer,), shape_key
 
     def param_addresses(self, ins: list) -> tuple:
         """The parameters' part of the key (ParamPolicy.key without volatile parameters: the address)."""
@@ -210,7 +215,8 @@ class GraphCache:
         shape_key = tuple(shape_parts)
         if missing_handoff:
             return None, shape_key
-        return (slot,) + shape_key + tuple(addr_parts), shape_key
+        layer = id(ins[self.param_pos[0]]) if self.param_pos else None  # which parameters (keys())
+        return (slot,) + shape_key + tuple(addr_parts) + (layer,), shape_key
 
     def views(self, entry: Entry, pad: Pad) -> tuple:
         """The entry's static outputs sliced to this call's actual sizes (cached per size)."""
