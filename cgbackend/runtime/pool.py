@@ -1,10 +1,11 @@
 """Graph memory pools and the replay-order rule that keeps graphs from overwriting live data.
 
-All graphs of a backend instance on one device share one pool (slot 0). A
-training forward that starts while ``k`` earlier forwards still wait for their
-backward uses slot ``k``: its own graphs in its own pool, so gradient
-accumulation with several outstanding micro-batches never shares activation
-memory.
+All graphs of a backend instance on one device share one pool (a fresh one
+once it is sealed, below). A training forward that starts while ``k`` earlier
+forwards still wait for their backward uses call slot ``k``: graphs of its own,
+captured in the same pool after the earlier ones, so the layers of a deep model
+(or micro-batches kept for one backward) share temporaries as eager's do, and
+the rule below keeps each graph's live data from the others.
 
 The rule. cgbackend never frees a graph's static inputs, saved activations or
 outputs, except the last region's inference outputs, which are copied for the

@@ -140,7 +140,7 @@ class Recorder:
         if device is None or (device.type != "cuda" and not shared.capturer.simulate):
             runner.disable(EagerReason.NO_CUDA, f"inputs on {device}")
             return None
-        pool = shared.pools.get(device, call.slot)
+        pool = shared.pools.get(device, 0)
         entry: Entry = TrainEntry() if grad_path else Entry()
         entry.pool = pool
         error = None
