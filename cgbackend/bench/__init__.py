@@ -25,8 +25,8 @@ forms that rebuild a model from the same weights), ``models`` (the benchmark mod
 models, real-size shapes with a ``--tokens`` sweep, transformers decode models), ``cases`` (one
 model x mode: weights, inputs, references, the runner), ``accuracy`` (the float64 rule),
 ``timing`` (preparing and timing contenders, alternating blocks), ``render`` (tables, JSON),
-``run`` (the entry point); ``decode``, ``serving`` (``serve-bench``) and ``dist`` / ``dist_check``
-(``bench-dist``) are the other modes. Any exception inside one contender marks that row ``error``
+``run`` (the entry point); ``decode``, ``serving`` (``serve-bench``) and ``dist`` (``bench-dist``, with
+``dist_models``, ``dist_run``, ``dist_timing``, ``dist_accuracy`` and ``dist_check``) are the other modes. Any exception inside one contender marks that row ``error``
 and the run goes on.
 """
 

@@ -10,7 +10,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -227,6 +227,62 @@ def render_markdown(results: dict[str, Any]) -> str:
         out.append(render_serving(results["serving"], level="##"))
     if results.get("te"):  # benchmarks/te_bench.py --append: one run per FP8 recipe
         out.append(render_te(results["te"], level="##"))
+    if results.get("multigpu"):  # bench-dist --append: its runs, one table
+        out.append(render_multigpu(results["multigpu"], level="##"))
+    return "\n".join(out)
+
+
+def _calls(calls: Optional[dict]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) if calls else "-"
+
+
+def _multigpu_cells(r: dict[str, Any], letter: str) -> list[str]:
+    if r.get("error"):
+        acc_cell = "skipped" if r["error"].startswith("skipped") else "FAILED"
+    elif r["contender"] == "eager":
+        acc_cell = "reference"
+    else:
+        acc_cell = (f"{'ok' if r['accuracy_ok'] else 'FAIL'} {r['loss_rel_err']:.1e} / "
+                    f"{r['grad_rel_err']:.1e}")
+    graphs = "-" if r.get("graphs") is None else (
+        f"{r['graphs']} ({'constant' if r.get('graphs_constant_after_warmup') else 'CHANGED'})")
+    calls = _calls(r.get("eager_calls"))
+    if r.get("eager_calls_timed"):
+        calls += f"; timed: {_calls(r['eager_calls_timed'])}"
+    spread = (f" ({fmt(r.get('p10_ms'), '.2f')}-{fmt(r.get('p90_ms'), '.2f')})"
+              if r.get("median_ms") is not None else "")
+    model = r["model"] + (f" ({r['local_dispatch']})" if r.get("local_dispatch") else "")
+    note = (r.get("error") or r.get("memory_error") or "").replace("|", "\\|")[:120]
+    peak = fmt(r.get("peak_mb"), ".0f") + (f" ({fmt(r['reserved_mb'], '.0f')})" if r.get("reserved_mb") else "")
+    return [r["setup"], model, fmt(r.get("layers")), fmt(r.get("tokens_per_rank")), r["contender"],
+            fmt(r.get("median_ms"), ".2f") + spread, fmt(r.get("vs_eager"), "ratio"),
+            fmt(r.get("vs_grouped_inductor"), "ratio"), acc_cell, graphs, calls, peak,
+            fmt(r.get("peak_vs_eager"), "ratio"), fmt(r.get("alloc_after_fwd_mb"), ".0f"), letter, note]
+
+
+def render_multigpu(section: dict[str, Any], level: str = "#") -> str:
+    """The multi-GPU training rows (``multigpu`` section of ``latest.json``, written by
+    ``bench-dist --append``): the runs (device, date, command), then one row per setup x model x
+    contender."""
+    meta = section["meta"]
+    runs = _runs(section)
+    out = [f"{level} Multi-GPU training (bench-dist)", "",
+           f"{meta.get('world_size')} ranks, {meta.get('dtype')}; per scenario every contender in one run: "
+           f"{meta.get('compare_steps')} steps compared with eager (loss and every gradient), then "
+           f"{meta.get('timed_steps')} timed steps each in {meta.get('timing_blocks', 5)} alternating blocks (each "
+           "step synchronized, ranks aligned before it; a step's time is its slowest rank's); peak memory read "
+           "with only that contender resident. See benchmarks/README.md (bench-dist).", ""]
+    out += [f"- run {_letter(i)}: {r['date']}, {r['device']}, torch {r['torch']}: `{r['command']}`"
+            for i, r in enumerate(runs)]
+    out.append("")
+    header = ["setup", "model", "layers", "tokens / rank", "contender", "median ms (p10-p90)", "x eager",
+              "x grouped-inductor", "accuracy (loss / grad rel. err)", "graphs", "eager calls", "peak MiB (reserved)",
+              "peak x eager", "MiB after fwd", "run", "note"]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "|".join("---" for _ in header) + "|")
+    for r in section["rows"]:
+        out.append("| " + " | ".join(_multigpu_cells(r, _letter(r.get("run", 0)))) + " |")
+    out.append("")
     return "\n".join(out)
 
 
@@ -313,15 +369,25 @@ def _runs(results: dict[str, Any]) -> list[dict[str, Any]]:
     return meta.get("runs") or [{k: meta.get(k) for k in _RUN_KEYS}]
 
 
-def merge_runs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """``bench --append``: ``new``'s rows added to ``old``'s. An old row of the same model, mode,
-    contender and token count is replaced; every row keeps ``run``, its index in ``meta.runs``."""
+def _bench_key(row: dict[str, Any]) -> tuple:
+    return row["model"], row["mode"], row["contender"], row.get("tokens")
+
+
+def multigpu_key(row: dict[str, Any]) -> tuple:
+    """What a bench-dist row measures: a later run's row of the same key replaces it."""
+    return row["setup"], row["model"], row.get("local_dispatch"), row.get("layers"), row["contender"]
+
+
+def merge_runs(old: dict[str, Any], new: dict[str, Any], key: Callable[[dict[str, Any]], tuple] = _bench_key
+               ) -> dict[str, Any]:
+    """``bench --append``: ``new``'s rows added to ``old``'s. An old row of the same ``key`` (model,
+    mode, contender and token count) is replaced; every row keeps ``run``, its index in
+    ``meta.runs``. bench-dist merges its section the same way (``key=multigpu_key``)."""
     runs = _runs(old)
     for row in old["rows"]:
         row.setdefault("run", 0)
     index = len(runs)
     runs.append({k: new["meta"].get(k) for k in _RUN_KEYS})
-    key = lambda r: (r["model"], r["mode"], r["contender"], r.get("tokens"))  # noqa: E731
     fresh = {key(r) for r in new["rows"]}
     rows = [r for r in old["rows"] if key(r) not in fresh] + [dict(r, run=index) for r in new["rows"]]
     used = sorted({r["run"] for r in rows})
@@ -330,10 +396,23 @@ def merge_runs(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         r["run"] = renumber[r["run"]]
     meta = dict(new["meta"], runs=[runs[i] for i in used])
     merged = {"meta": meta, "rows": rows}
-    for section in ("serving", "te"):  # serve-bench's and te_bench's sections stay until they replace them
+    for section in ("serving", "te", "multigpu"):  # the other modes' sections stay until they replace them
         if section in old:
             merged[section] = old[section]
     return merged
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """The bench results file an ``--append`` of another mode stores its section in, or SystemExit
+    saying why it cannot."""
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--append {path}: not a readable bench results file ({type(exc).__name__}: {exc})")
+    if not (isinstance(results, dict) and "rows" in results and "schema" in results.get("meta", {})):
+        raise SystemExit(f"--append {path}: not a bench results file (no 'rows', or no 'schema' in its "
+                         "'meta'; `python -m cgbackend bench --out` writes one)")
+    return results
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

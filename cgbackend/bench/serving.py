@@ -38,7 +38,7 @@ import torch
 
 from .accuracy import LIMIT, rel_err
 from .measure import cudagraph_tree_counts, log, sync
-from .render import command_line, device_name, render_serving as render_markdown, write_json
+from .render import command_line, device_name, read_results, render_serving as render_markdown, write_json
 from .settings import DTYPES, TOLERANCE, no_cuda_refusal
 from ..config import Config
 from ..models import build_model
@@ -250,18 +250,6 @@ def build_parser(prog: str = "python -m cgbackend serve-bench") -> argparse.Argu
     return p
 
 
-def _bench_results(path: Path) -> dict[str, Any]:
-    """The bench results file ``--append`` stores the run in, or SystemExit saying why it cannot."""
-    try:
-        results = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"--append {path}: not a readable bench results file ({type(exc).__name__}: {exc})")
-    if not (isinstance(results, dict) and "rows" in results and "schema" in results.get("meta", {})):
-        raise SystemExit(f"--append {path}: not a bench results file (no 'rows', or no 'schema' in its "
-                         "'meta'; `python -m cgbackend bench --out` writes one)")
-    return results
-
-
 def run(argv: Sequence[str], prog: str = "python -m cgbackend serve-bench") -> dict[str, Any]:
     args = build_parser(prog).parse_args(list(argv))
     refusal = no_cuda_refusal("serve-bench", args)
@@ -274,7 +262,7 @@ def run(argv: Sequence[str], prog: str = "python -m cgbackend serve-bench") -> d
     if args.contenders[0] != "eager":
         raise SystemExit("the first contender must be eager (the ratios are to it)")
     if args.append:
-        _bench_results(Path(args.append))  # before the run: a wrong path fails now, not after it
+        read_results(Path(args.append))  # before the run: a wrong path fails now, not after it
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
     for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
@@ -290,7 +278,7 @@ def run(argv: Sequence[str], prog: str = "python -m cgbackend serve-bench") -> d
     if args.markdown:
         Path(args.markdown).write_text(render_markdown(results))
     if args.append:  # read again: a bench run may have appended rows to it meanwhile
-        bench = _bench_results(Path(args.append))
+        bench = read_results(Path(args.append))
         bench["serving"] = results
         write_json(bench, Path(args.append))
     print(render_markdown(results))

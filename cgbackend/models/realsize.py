@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .grouped import StackedExperts
 from .layers import Expert
 
 __all__ = ["RealConfig", "SHAPES", "RealModel", "LoopMoE", "GroupedMoE", "grouped_from", "grouped_view",
@@ -176,36 +177,22 @@ class LoopMoE(nn.Module):
         return final.reshape(b, t, c), selected
 
 
-class GroupedMoE(nn.Module):
+class GroupedMoE(StackedExperts):
     """The same layer in the grouped-GEMM form, written by hand: expert weights stacked
     (``w1``, ``w3``: ``[E, ffn, hidden]``; ``w2``: ``[E, hidden, ffn]``), token copies sorted by
     expert on the device, group ends from a device-side count and ``cumsum`` (no host sync), one
     ``torch._grouped_mm`` per weight, the weighted copies put back in token order and summed over
-    the top-k. Needs the expert sizes to be multiples of 8 (16-byte strides in bf16)."""
+    the top-k (grouped.grouped_experts). Needs the expert sizes to be multiples of 8 (16-byte
+    strides in bf16)."""
 
     def __init__(self, cfg: RealConfig) -> None:
-        super().__init__()
+        super().__init__(cfg.hidden, cfg.ffn, cfg.experts, cfg.top_k)
         _router(self, cfg)
-        self.w1 = nn.Parameter(torch.empty(cfg.experts, cfg.ffn, cfg.hidden))
-        self.w3 = nn.Parameter(torch.empty(cfg.experts, cfg.ffn, cfg.hidden))
-        self.w2 = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.ffn))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, c = x.shape
         h, weights, selected = _routing(self, x)
-        flat = selected.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // self.top_k
-        counts = torch.zeros(self.n_experts, dtype=torch.int32, device=h.device)
-        counts = counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        xs = h[token]
-        a = torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offsets)
-        g = torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offsets)
-        y = torch._grouped_mm(F.silu(a) * g, self.w2.transpose(-2, -1), offs=offsets)
-        y = y * weights.reshape(-1)[order, None]
-        unsorted = torch.empty_like(y).index_copy(0, order, y)
-        final = unsorted.view(-1, self.top_k, c).sum(dim=1)
+        final = self.run_experts(h, weights, selected)
         if self.shared_experts is not None:
             final = final + self.shared_experts(h)
         return final.reshape(b, t, c), selected
@@ -282,9 +269,8 @@ def load_weights(model: nn.Module, base: nn.Module) -> None:
             p.copy_(base_params[name])
         for (_, mb), (_, bb) in zip(model.named_buffers(), base.named_buffers()):
             mb.copy_(bb)
-        for _, module, loop in _moe_pairs(model, base):
-            for w in ("w1", "w2", "w3"):
-                getattr(module, w).copy_(torch.stack([getattr(e, w).weight for e in loop.experts]))
+    for _, module, loop in _moe_pairs(model, base):
+        module.load_experts(loop.experts)
 
 
 def grouped_from(base: RealModel, device: torch.device | str | None = None) -> RealModel:
