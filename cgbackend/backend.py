@@ -35,8 +35,8 @@ from .runtime.executor import CompiledGraph, memory_of
 from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
-from .runtime.entries import RuntimeShared
-from .runtime.stats import EagerReason
+from .runtime.shared import RuntimeShared
+from .runtime.stats import Counters, EagerReason
 from .reporting import structured
 
 __all__ = ["CGBackend"]
@@ -60,9 +60,13 @@ class CGBackend:
         if config is not None and options:
             raise TypeError("CGBackend takes either a Config or keyword options, not both")
         self.config = config if config is not None else Config.from_options(options)
-        self.shared = RuntimeShared(self.config)
-        self.shared.mirror = CounterMirror(self.shared.counters)
-        """Brings this instance's counters into torch._dynamo.utils.counters["cgbackend"] (read there)."""
+        counters = Counters()
+        self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
+        """Per-region timing (option profile)."""
+        # The mirror brings this instance's counters into torch._dynamo.utils.counters["cgbackend"]
+        # (read there); the capture watch warns once when the model runs with nothing captured.
+        self.shared = RuntimeShared(self.config, counters=counters, mirror=CounterMirror(counters),
+                                    watch=self.timer, capture_watch=CaptureWatch(counters))
         self._graphs: list[weakref.ReferenceType[CompiledGraph]] = []
         self._analyses: list[tuple[Analysis, Optional[dict[str, str]]]] = []
         self._keep_analyses = False
@@ -85,11 +89,6 @@ class CGBackend:
         self.switch_per_call = False
         """cgbackend.compile switches Dynamo's data-dependent settings around each call rather than
         around each compile (tracing.CompileScope), after a compile ran without them."""
-        self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
-        """Per-region timing (option profile)."""
-        self.shared.watch = self.timer
-        self.shared.capture_watch = CaptureWatch(self.shared.counters)
-        """Warns once when the model runs with nothing captured (runtime/capture_watch.py)."""
         self.dry_run = DryRun(self.config.dryrun)
         """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"

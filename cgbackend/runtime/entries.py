@@ -19,23 +19,16 @@ Inputs of a region, by kind (decided once from the partition):
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..config import Config
-from ..progress import CaptureProgress
-from ..fx_utils import iter_tensors
-from .capture import Capturer, non_overlapping
+from .capture import non_overlapping
 from .handout import HandoutGraph
 from .inputs import InputViews
 from .outputs import foreach_copy
-from .params import ParamPolicy
-from .pool import PoolSet
-from .stats import Counters
-from .warmup import SyncDetector, cuda_sync_detector
 
-__all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "RuntimeShared", "Entry", "TrainEntry", "Pad",
+__all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "Entry", "TrainEntry", "Pad",
            "is_static_address", "static_buffer_like", "fill_grads", "freeze", "reserved", "copy_all"]
 
 PARAM, HANDOFF, EAGER, COPY, VALUE = "param", "handoff", "eager", "copy", "value"
@@ -44,64 +37,6 @@ PARAM, HANDOFF, EAGER, COPY, VALUE = "param", "handoff", "eager", "copy", "value
 def is_static_address(t: Any) -> bool:
     """Parameters and module buffers: Dynamo marks them with _dynamo_static_input_type."""
     return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
-
-
-class RuntimeShared:
-    """What all runners of one backend instance share: pools, capturer, counters, config."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        simulate = config.simulate_graphs or not torch.cuda.is_available()
-        self.pools = PoolSet(simulate=simulate)
-        self.capturer = Capturer(simulate=config.simulate_graphs)
-        self.counters = Counters()
-        self.sync_detector: Optional[SyncDetector] = None if config.simulate_graphs else cuda_sync_detector()
-        """What watches warm-up calls for host synchronization (runtime/warmup.py): CUDA's sync debug
-        mode where CUDA graphs are captured; tests may set a stand-in for simulated graphs."""
-        self.params = ParamPolicy()
-        """How parameter inputs are keyed, checked and (for volatile ones) copied: runtime/params.py."""
-        self.persistent_ptrs: set[int] = set()
-        """data_ptr() of every static output of every graph: hand-off candidates."""
-        self.persistent_storages: set[int] = set()
-        """Storage base pointers of static outputs and static input buffers: outputs aliasing
-        them are cloned before they reach the caller."""
-        self.padded_full: dict[tuple, torch.Tensor] = {}
-        """Static outputs of padded (bucketed) graphs by (data_ptr, full shape, stride, dtype): a
-        bucketed consumer given the sliced view reads the full padded tensor in place."""
-        self.watch: Optional[Callable[..., Any]] = None
-        """Called instead of each region of each call when set: ``watch(graph, position, run_step,
-        step, ins, call)`` runs ``run_step(step, ins, call)`` and returns its result. Set by explain
-        (coverage.py, counting launches) and by the option profile (timing.py, timing regions)."""
-        self.capture_watch: Optional[Any] = None
-        """Told when a compiled graph has run the call at which its regions capture
-        (runtime/capture_watch.py: the warning that nothing was captured)."""
-        self.handout_storages: set[int] = set()
-        """Storage base pointers of handout graphs' outputs (runtime/handout.py): outputs lying in
-        them are handed to the caller as aliases, not copied."""
-        self.progress = CaptureProgress()
-        """Counts captures and logs the progress of a long burst of them (progress.py)."""
-        self.layer_copies = 1
-        """How many layers of a stack share this backend's compiled graphs (regional.py): the bounds
-        that count a region's graphs, warm-up signatures and call slots scale by it, since each
-        layer's parameters are a signature of their own."""
-        self.handed: dict[int, tuple[Any, "TrainEntry"]] = {}
-        """Training entries whose static gradients were handed to autograd and may still be held
-        (as .grad or elsewhere): live data of their backward graph until reclaimed, by id, with the
-        region's backward side (runtime/backward.py) that reclaims them."""
-
-    def reclaim_handed(self) -> None:
-        """Before any replay of a new call: give each .grad still aliasing a static gradient its
-        own memory, and release the gradients nobody holds any more."""
-        for side, entry in list(self.handed.values()):
-            side.reclaim_grads(entry, entry.leaves)
-
-    def register_persistent(self, values: Any, handoff: bool = True) -> None:
-        for t in iter_tensors(values):
-            if t.numel() == 0:
-                continue
-            if handoff:
-                self.persistent_ptrs.add(t.data_ptr())
-            self.persistent_storages.add(t.untyped_storage().data_ptr())
 
 
 class Entry:

@@ -28,7 +28,8 @@ from ..passes.pipeline import Analysis
 from ..fx_utils import fake_value
 from ..opaque import opaque_info, region_hooks
 from .backward import QUEUE_CALLBACK
-from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, RuntimeShared, is_static_address
+from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, is_static_address
+from .shared import RuntimeShared
 from .region import RegionRunner
 from ..passes.bucket import mutated_input_positions, written_positions
 from ..passes.effects import Effects
@@ -251,7 +252,7 @@ class CompiledGraph:
         """Calls of this graph (each runs every dynamic region once): the runtime launch coverage."""
         self._settle_at = settle_call(self.config, shared.layer_copies)
         """The call after which this graph's regions have captured if they will (capture_watch.py)."""
-        self._mirror = getattr(shared, "mirror", None)
+        self._mirror = shared.mirror
         """runtime/mirror.py: torch._dynamo.utils.counters["cgbackend"] reads the counters when read;
         each call first checks that it was not cleared since (CounterMirror.begin)."""
 

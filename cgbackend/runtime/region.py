@@ -18,7 +18,8 @@ import torch
 
 from .backward import Backward, RegionFunction
 from .capture import clear_blas_workspaces
-from .entries import COPY, PARAM, VALUE, Entry, Pad, RuntimeShared, TrainEntry, copy_all, is_static_address
+from .entries import COPY, PARAM, VALUE, Entry, Pad, TrainEntry, copy_all, is_static_address
+from .shared import RuntimeShared
 from .fast import FastPath
 from .graph_cache import THRASH_EVICTIONS, GraphCache
 from .handout import HandoutGraph
