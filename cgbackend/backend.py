@@ -29,7 +29,7 @@ from .tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
 from .opaque import InstallResult
-from .runtime.timing import RegionTimer
+from .runtime.region_timer import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph, memory_of
 from .runtime.capture_watch import CaptureWatch

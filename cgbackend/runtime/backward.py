@@ -6,7 +6,7 @@ order or a held gradient forbids the replay), each counted with its reason.
 The static gradients a backward replay produces are handed to autograd as fresh aliases; a
 ``.grad`` that keeps one is given its own memory before the next backward replay rewrites them
 (``reclaim_grads``), so ``.grad`` accumulates as eagerly. Whether anything still holds them is
-read from their storages' use counts (handout.HeldStorages): a few calls, however many parameters
+read from their storages' use counts (held.HeldStorages): a few calls, however many parameters
 (a MoE layer's experts are hundreds of gradients on a few storages).
 
 Once its backward graph exists, an entry frees the saved activations the capture's autograd graph
@@ -34,7 +34,7 @@ import torch
 
 from .capture import CaptureError, SimulatedGraph, first_line
 from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
-from .handout import HeldStorages, handout_supported
+from .held import HeldStorages, use_counts_supported
 from .inner import KEEP_GRAPH, donating, no_donated_buffers
 from .inputs import saved_modified_error
 from .loose_outputs import StorageWeakRef, loose_alias, loose_supported
@@ -42,7 +42,7 @@ from .params import ParamPolicy
 from .reach import unreached
 from .saved import Loosening, loosening_supported, pool_ranges
 from .stats import EagerReason
-from .tangents import QUEUE_CALLBACK, Handover, handover_supported, release_incoming
+from .tangents import QUEUE_CALLBACK, OwnerTransfer, owner_transfer_supported, release_incoming
 
 if TYPE_CHECKING:
     from .region import RegionRunner
@@ -74,7 +74,7 @@ class Backward:
             self._capture_failed(first_line(exc), entry)
             return
         entry.static_grad_outs = grad_outs
-        shared.register_persistent(grad_outs, handoff=False)
+        shared.register_persistent(grad_outs, in_place=False)
         inputs = [entry.static_ins[p] for p in entry.diff_in]
         pool = entry.pool
         # The last backward graph its pool awaits may consume the capture's autograd graph: the
@@ -97,11 +97,11 @@ class Backward:
             loosening = self.loosening(entry)
             consume = loosening is not None
         released_in = []
-        handover = None
+        transfer = None
         if consume:
             pool.sealed = True
             released_in = self.release_inputs(entry)
-            handover = self.release_grad_outputs(entry, grad_outs)
+            transfer = self.release_grad_outputs(entry, grad_outs)
 
         def run() -> Any:
             during = (loosening.during(entry.autograd_outputs()) if loosening is not None
@@ -125,20 +125,20 @@ class Backward:
         reserved_before = reserved(device, settle=not shared.capturer.simulate)
         start = time.perf_counter()
         try:
-            with handover if handover is not None else contextlib.nullcontext():
+            with transfer if transfer is not None else contextlib.nullcontext():
                 graph, static_grad_ins = shared.capturer.capture(
                     run, entry.pool, hooks=runner.hooks,
                     reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
         except CaptureError as exc:
             if consume:  # the attempt may have used the autograd graph up
                 self.release_saved(entry, loosening)
-                self.count_released(entry, released_in, handover)
+                self.count_released(entry, released_in, transfer)
             self._capture_failed(str(exc), entry)
             return
         elapsed = time.perf_counter() - start
         if consume:
             self.release_saved(entry, loosening)
-            self.count_released(entry, released_in, handover)
+            self.count_released(entry, released_in, transfer)
         entry.bwd_graph = graph
         entry.bwd_index = entry.pool.new_index()
         entry.pool.backward_settled()
@@ -146,8 +146,8 @@ class Backward:
             graph.attach(entry.pool, entry.bwd_index)
         entry.static_grad_ins = static_grad_ins
         entry.grad_ptrs = frozenset(g.data_ptr() for g in static_grad_ins if g is not None)
-        entry.held = HeldStorages(static_grad_ins) if handout_supported() else None
-        shared.register_persistent([g for g in static_grad_ins if g is not None], handoff=False)
+        entry.held = HeldStorages(static_grad_ins) if use_counts_supported() else None
+        shared.register_persistent([g for g in static_grad_ins if g is not None], in_place=False)
         shared.counters.bwd_graphs += 1
         shared.counters.grad_outputs_shared += len(entry.grad_out_shared)
         runner.recorder.count_capture(entry, elapsed, reserved(device) - reserved_before, forward=False)
@@ -246,19 +246,19 @@ class Backward:
             del buf, storage
         return pending
 
-    def release_grad_outputs(self, entry: TrainEntry, grad_outs: list) -> Optional[Handover]:
+    def release_grad_outputs(self, entry: TrainEntry, grad_outs: list) -> Optional[OwnerTransfer]:
         """Before the last backward graph of a pool is captured: the outputs that take their
         incoming gradient in their own memory (recorder.py, ``grad_out_shared``), and those
         without a gradient that nothing but the caller's copy reads (``nondiff_loose``), are kept
         only as tensors on storages that do not own it, in ``entry.outputs``, in ``grad_outs``
         (the static gradient buffers) and, through ``.data``, in the captured forward's outputs.
-        The owners of the gradient buffers go to the capture in the returned Handover, which gives
+        The owners of the gradient buffers go to the capture in the returned OwnerTransfer, which gives
         each to the compiled backward that frees it after its last read; the others go now, for
         the capture to reuse from its start (tangents.py says why that is safe)."""
         if (not (entry.grad_out_shared or entry.nondiff_loose) or not loose_supported()
-                or not handover_supported()):
+                or not owner_transfer_supported()):
             return None
-        handover = Handover()
+        transfer = OwnerTransfer()
         outputs = list(entry.outputs)
         slots = {pos: k for k, pos in enumerate(entry.diff_out) if pos in entry.grad_out_shared}
         for pos in sorted(entry.grad_out_shared | entry.nondiff_loose):
@@ -269,29 +269,29 @@ class Backward:
                 log.debug("cgbackend: %s keeps the memory of output %d: %s", self.runner.name, pos,
                           first_line(exc))
                 continue
-            handover.add(pos, alias, outputs[pos], keep=pos in slots)
+            transfer.add(pos, alias, outputs[pos], keep=pos in slots)
             outputs[pos] = alias
             if pos in slots:
                 grad_outs[slots[pos]] = alias
         entry.outputs = tuple(outputs)
-        return handover
+        return transfer
 
-    def count_released(self, entry: TrainEntry, pending_in: list, handover: Optional[Handover]) -> None:
+    def count_released(self, entry: TrainEntry, pending_in: list, transfer: Optional[OwnerTransfer]) -> None:
         """The released static inputs and gradient buffers whose memory went back to the pool:
         nothing else held them (the capture's autograd graph, which saved some inputs, is gone by
         now). One still held elsewhere stays allocated, and its alias reads it."""
         for pos, ref, nbytes in pending_in:
             if ref.expired():
                 entry.released_in[pos] = nbytes
-        if handover is None:
+        if transfer is None:
             return
-        entry.released_out = handover.released()
+        entry.released_out = transfer.released()
         counters = self.runner.shared.counters
         counters.grad_outputs_released += len(entry.grad_out_shared.intersection(entry.released_out))
-        counters.grad_outputs_released_in_capture += handover.given
+        counters.grad_outputs_released_in_capture += transfer.given
         log.debug("cgbackend: %s released %d output(s) (%d B); %d gradient buffer(s) at their last read "
                   "in the capture", self.runner.name, len(entry.released_out),
-                  sum(entry.released_out.values()), handover.given)
+                  sum(entry.released_out.values()), transfer.given)
 
     def loosens(self, entry: TrainEntry) -> bool:
         """Does ``entry`` release its saved activations by loosening them (saved.py): a region that

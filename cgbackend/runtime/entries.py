@@ -7,7 +7,7 @@ Inputs of a region, by kind (decided once from the partition):
 * ``PARAM``: a parameter or buffer (static address). Read in place, never
   copied; its address is part of the graph's key, so a replaced parameter
   (``p.data = ...``) leads to a new capture, never to a stale replay.
-* ``HANDOFF``: produced by another static region. The graph reads the
+* ``FROM_GRAPH``: produced by another static region. The graph reads the
   producer's static output where it lies; the address is part of the key.
 * ``EAGER``: produced by eager code. Usually copied into a static buffer of
   the graph; read in place when it is another graph's static output (an eager
@@ -24,14 +24,14 @@ from typing import Any, Optional
 import torch
 
 from .capture import non_overlapping
-from .handout import HandoutGraph
+from .caller_graphs import CallerGraph
 from .inputs import InputViews
 from .outputs import foreach_copy
 
-__all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "Entry", "TrainEntry", "Pad",
+__all__ = ["PARAM", "FROM_GRAPH", "EAGER", "COPY", "VALUE", "Entry", "TrainEntry", "Pad",
            "is_static_address", "static_buffer_like", "fill_grads", "freeze", "reserved", "copy_all"]
 
-PARAM, HANDOFF, EAGER, COPY, VALUE = "param", "handoff", "eager", "copy", "value"
+PARAM, FROM_GRAPH, EAGER, COPY, VALUE = "param", "from_graph", "eager", "copy", "value"
 
 
 def is_static_address(t: Any) -> bool:
@@ -42,10 +42,10 @@ def is_static_address(t: Any) -> bool:
 class Entry:
     """One captured signature of a region (inference: one graph); common part of training entries."""
 
-    __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
+    __slots__ = ("pool", "static_ins", "copy_pos", "in_place_pos", "copy_back_pos",
                  "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds",
                  "param_addrs", "param_check", "volatile_pos",
-                 "pad_block", "input_views", "handouts", "compact", "copy_dst", "size", "out_released")
+                 "pad_block", "input_views", "caller_graphs", "compact", "copy_dst", "size", "out_released")
 
     training = False
     """A training entry (TrainEntry): read where the entry types cannot be imported."""
@@ -60,9 +60,9 @@ class Entry:
         self.copy_dst: list = []
         """What each copied input is copied into, in ``copy_pos`` order: its static buffer, or the
         buffer's slice (``compact``)."""
-        self.handouts: Optional[list[HandoutGraph]] = None
-        """Inference entries whose outputs may go to the caller without a copy: their handout
-        graphs, captured when first needed (runtime/handout.py); None where that does not apply."""
+        self.caller_graphs: Optional[list[CallerGraph]] = None
+        """Inference entries whose outputs may go to the caller without a copy: their caller
+        graphs, captured when first needed (runtime/caller_graphs.py); None where that does not apply."""
         self.copy_kinds: Optional[tuple[str, ...]] = None
         """What each copied input is (copied_by_kind), found at the first replay: the isinstance
         check against nn.Parameter costs more than the copy of a small input."""

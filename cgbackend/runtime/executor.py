@@ -28,7 +28,7 @@ from ..passes.pipeline import Analysis
 from ..fx_utils import fake_value
 from ..opaque import opaque_info, region_hooks
 from .backward import QUEUE_CALLBACK
-from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, is_static_address
+from .entries import COPY, EAGER, FROM_GRAPH, PARAM, VALUE, is_static_address
 from .shared import RuntimeShared
 from .region import RegionRunner
 from ..passes.bucket import mutated_input_positions, written_positions
@@ -184,7 +184,7 @@ class CompiledGraph:
         self._constant_values: list = list(made.values())
         # A constant the graph returns is copied out on every call, like graph memory: the caller
         # may write its copy (runtime/outputs.py copies outputs lying in these storages).
-        shared.register_persistent([made[n] for n in analysis.constants.returned], handoff=False)
+        shared.register_persistent([made[n] for n in analysis.constants.returned], in_place=False)
         for node in self.constants:
             slot_of[node] = len(slot_of)
         shared.counters.constants_hoisted += len(self.constants)
@@ -217,7 +217,7 @@ class CompiledGraph:
         """What the static regions of this graph are compiled with (inner.py): "eager" or "inductor"."""
         self._inner = inner
         self._runner_of: dict[torch.fx.Node, RegionRunner] = {}
-        """Node -> the runner of the static region computing it (hand-off producers)."""
+        """Node -> the runner of the static region computing it (producers of inputs read in place)."""
         self._pending_splits: list = []
         self.steps: list[Step] = []
         self.runners: list[RegionRunner] = []
@@ -257,7 +257,8 @@ class CompiledGraph:
         each call first checks that it was not cleared since (CounterMirror.begin)."""
 
     def _input_kinds(self, region) -> tuple[list[str], list[Optional[RegionRunner]]]:
-        """How a static region reads each input (region.py), and the runner producing hand-offs."""
+        """How a static region reads each input (region.py), and the runners whose graphs produce
+        the inputs read in place."""
         kinds, producers = [], []
         for inp in region.inputs:
             value = fake_value(inp)
@@ -272,7 +273,7 @@ class CompiledGraph:
                 kinds.append(PARAM if self._static_address[inp] else COPY)
                 producers.append(None)
             elif producer is not None:
-                kinds.append(HANDOFF)
+                kinds.append(FROM_GRAPH)
                 producers.append(producer)
             else:
                 kinds.append(EAGER)
@@ -317,7 +318,7 @@ class CompiledGraph:
 
     def mark_terminal(self) -> None:
         """The last static region of the graph: no static region reads its outputs, so its
-        inference graphs may hand them out without a copy (runtime/handout.py)."""
+        inference graphs may hand them out without a copy (runtime/caller_graphs.py)."""
         runners = [step.runner for step in self.steps if step.runner is not None]
         for runner in runners[:-1]:
             if runner.terminal:
@@ -392,7 +393,7 @@ class CompiledGraph:
                 self.shared.counters.layout_reruns += 1
                 log.info("cgbackend: graph %d: an expert parameter's address changed; the call "
                          "runs again on the laid-out parameters", self.index)
-                result = None  # the first run's outputs let go before the second (handout graphs)
+                result = None  # the first run's outputs let go before the second (caller graphs)
                 result = self._run(args, call)
         finally:
             if not training or call.tokens == 0:
@@ -486,7 +487,7 @@ class CompiledGraph:
                          "memory_by_size": memories[r.name]["by_size"],
                          "thrashing": r.thrashing,
                          "replays": r.replays, "eager_calls": dict(r.eager_calls),
-                         "handout_graphs": sum(len(e.handouts or ()) for e in r.entries.values()),
+                         "handout_graphs": sum(len(e.caller_graphs or ()) for e in r.entries.values()),
                          "disabled": r.disabled, "disabled_detail": r.disabled_detail,
                          "capture_time_s": round(r.capture_time_s, 4),
                          "inner": (r.lazy_inner.summary() if r.lazy_inner is not None

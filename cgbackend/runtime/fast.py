@@ -137,11 +137,11 @@ class FastPath:
             return None
         runner.stage_inputs(entry, ins, False, fast.static)
         counters = runner.shared.counters
-        if entry.handouts is not None:
-            handout = runner.recorder.handout(entry)
-            if handout is not None:
+        if entry.caller_graphs is not None:
+            caller = runner.recorder.caller_graph(entry)
+            if caller is not None:
                 counters.fast_replays += 1
-                return runner.replay_handout(handout)
+                return runner.replay_caller_graph(caller)
         entry.graph.replay()
         pool.acquire(entry.index)
         call.live.append((pool, entry.index))

@@ -2,7 +2,7 @@
 and which graph goes when the cache is full.
 
 Graphs are keyed on the inputs' shapes (so on the sizes a region depends on, and no other), strides,
-dtypes, the addresses of what the graph reads in place (parameters, hand-offs) and the call slot;
+dtypes, the addresses of what the graph reads in place (parameters, other graphs' outputs) and the call slot;
 or, for an inference call of a region with a bucket plan (passes/bucket.py), on the capture size
 its symbolic size pads up to: inputs sized by it are copied as the prefix of a padded buffer (or
 read in place when they are a slice of another padded graph's output), outputs are handed on as
@@ -22,7 +22,7 @@ import torch
 from ..fx_utils import iter_tensors
 from . import params as param_policy
 from .capture import SimulatedGraph
-from .entries import HANDOFF, EAGER, PARAM, VALUE, Entry, Pad, TrainEntry, freeze
+from .entries import FROM_GRAPH, EAGER, PARAM, VALUE, Entry, Pad, TrainEntry, freeze
 
 if TYPE_CHECKING:
     from .region import RegionRunner
@@ -45,7 +45,7 @@ class GraphCache:
         kinds = runner.kinds
         self.param_pos = tuple(p for p, k in enumerate(kinds) if k is PARAM)
         self.other_pos = tuple(p for p, k in enumerate(kinds) if k is not PARAM)
-        """Parameter inputs stay parameters (a split may turn a hand-off into an eager value only):
+        """Parameter inputs stay parameters (a split may turn an input read from a graph into an eager value only):
         the per-call key reads them in one pass (a MoE region has hundreds)."""
         self._param_idx = list(self.param_pos)
         self._param_ptrs: Optional[list] = None
@@ -65,7 +65,7 @@ class GraphCache:
     # ------------------------------------------------------------------ keys
 
     def keys(self, ins: list, grad_path: bool, slot: int) -> tuple[Optional[tuple], tuple]:
-        """(full key: slot, shapes and addresses, or None if a hand-off came from eager code;
+        """(full key: slot, shapes and addresses, or None if an input a graph produces came from eager code;
         shape key: what warm-up counts, the same for every slot).
 
         Parameters enter by address only: Dynamo guards their shape, stride, dtype, device and
@@ -75,16 +75,16 @@ class GraphCache:
         if runner.hooks is not None:
             shape_parts.append(runner.hooks.key())
         addr_parts: list = []
-        missing_handoff = False
+        producer_eager = False
         kinds = runner.kinds
         for pos in self.other_pos:
             value = ins[pos]
             if kinds[pos] is VALUE:
                 shape_parts.append(freeze(value))
             elif self.tensor_key(pos, value, grad_path, shape_parts, addr_parts):
-                missing_handoff = True
+                producer_eager = True
         shape_key = tuple(shape_parts)
-        if missing_handoff:
+        if producer_eager:
             return None, shape_key
         policy = runner.shared.params
         if policy.volatile is None:
@@ -130,7 +130,7 @@ class GraphCache:
             return False  # nothing to read: any empty tensor of that shape will do
         runner = self.runner
         kind = runner.kinds[pos]
-        if kind is HANDOFF:
+        if kind is FROM_GRAPH:
             producer = runner.producers[pos]
             ptr = value.data_ptr()
             if producer is not None and (producer.disabled is not None or ptr in producer.rebased_ptrs):
@@ -182,7 +182,7 @@ class GraphCache:
         if runner.hooks is not None:
             shape_parts.append(runner.hooks.key())
         addr_parts: list = []
-        missing_handoff = False
+        producer_eager = False
         for pos, value in enumerate(ins):
             kind = runner.kinds[pos]
             if kind is PARAM:
@@ -194,7 +194,7 @@ class GraphCache:
                 continue
             spec = plan.pad_inputs.get(pos)
             if spec is None:
-                missing_handoff |= self.tensor_key(pos, value, False, shape_parts, addr_parts)
+                producer_eager |= self.tensor_key(pos, value, False, shape_parts, addr_parts)
                 continue
             dim, size = spec
             shape, full = self.padded_full(value, dim, size(pad.padded))
@@ -203,12 +203,12 @@ class GraphCache:
                 addr_parts.append(full.data_ptr())
                 continue
             producer = runner.producers[pos]
-            if kind is HANDOFF and producer is not None and producer.bucket is not None \
+            if kind is FROM_GRAPH and producer is not None and producer.bucket is not None \
                     and producer.bucket.symbol == plan.symbol and producer.disabled is None:
-                missing_handoff = True  # the producer ran eagerly this call (warming up)
+                producer_eager = True  # the producer ran eagerly this call (warming up)
             addr_parts.append(None)
         shape_key = tuple(shape_parts)
-        if missing_handoff:
+        if producer_eager:
             return None, shape_key
         return (slot,) + shape_key + tuple(addr_parts), shape_key
 
@@ -290,10 +290,10 @@ class GraphCache:
         if entry.views is not None:
             for t in iter_tensors(entry.outputs):
                 shared.padded_full.pop((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype), None)
-        if entry.handouts:
-            for handout in entry.handouts:
-                shared.handout_storages -= handout.storages()
-        entry.graph = entry.outputs = entry.static_ins = entry.views = entry.handouts = None
+        if entry.caller_graphs:
+            for caller in entry.caller_graphs:
+                shared.caller_storages -= caller.storages()
+        entry.graph = entry.outputs = entry.static_ins = entry.views = entry.caller_graphs = None
         if isinstance(entry, TrainEntry):
             pool = entry.pool
             pool.releasable = [(side, e) for side, e in pool.releasable if e is not entry]

@@ -6,7 +6,7 @@ Dynamo guards the strides of a graph's inputs, but not always by value: a graph 
 stride change has symbolic strides, and Inductor may specialize them while it compiles a region
 (lazily, after Dynamo's guards are set, so nothing guards the specialization); and inputs made by
 eager code carry whatever strides eager gave them. So each copied input of a region (kinds COPY and
-EAGER: parameters and hand-offs are read in place, their strides guarded by Dynamo or set by their
+EAGER: parameters and other graphs' outputs are read in place, their strides guarded by Dynamo or set by their
 producer) gets one compiled :class:`Layout`, chosen from the example Dynamo recorded:
 
 * the example's strides where they are numbers (Dynamo guards them), a stride-0 (expanded) dim

@@ -60,7 +60,7 @@ def entry_memory(entry: Entry) -> dict[str, int]:
         out.update(held=0, reserved=0, released=0, released_outputs=0, released_inputs=0)
         return out
     seen: set[int] = set()
-    # Parameters and hand-offs are read in place: they belong to the model or to another graph.
+    # Parameters and other graphs' outputs are read in place: they belong to the model or to another graph.
     released_in = getattr(entry, "released_in", {})  # a training entry's (runtime/backward.py)
     released_inputs = sum(released_in.values())
     out["inputs"] = _storages((entry.static_ins[p] for p in entry.copy_pos if p not in released_in), seen)

@@ -143,7 +143,7 @@ class PoolSet:
         self._pools: dict[tuple[str, int], PoolState] = {}
 
     def private(self, device: str) -> PoolState:
-        """A pool of its own for one graph (a handout graph, runtime/handout.py): it shares memory
+        """A pool of its own for one graph (a caller graph, runtime/caller_graphs.py): it shares memory
         with no other graph, so no replay-order rule applies to it. Not kept here: it lives as long
         as its graph."""
         handle = None

@@ -1,5 +1,5 @@
 """Capturing a region's graphs: the static input buffers of a new entry, the capture of its forward
-(inference or training) graph in the call slot's pool, its handout graphs, and what a capture
+(inference or training) graph in the call slot's pool, its caller graphs, and what a capture
 costs (time, pool memory), counted; a failed capture is recorded once and the region then runs
 eagerly (RegionRunner decides, after asking eager whose error it was)."""
 
@@ -16,8 +16,9 @@ import torch
 
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph, first_line, non_overlapping
-from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reserved
-from .handout import HandoutGraph, handout_supported
+from .entries import EAGER, FROM_GRAPH, PARAM, VALUE, Entry, Pad, TrainEntry, reserved
+from .caller_graphs import CallerGraph
+from .held import use_counts_supported
 from .inputs import InputViews, fill_padding
 from .layouts import compact_view, copy_into, describe_inputs, input_buffer
 from .loose_outputs import release_outputs, releases_outputs
@@ -40,7 +41,7 @@ class Recorder:
         self.runner = runner
         self.failure: Optional[str] = None
         """The error of the latest failed capture attempt, until the call decides whose it was."""
-        self.handout_failed: Optional[str] = None
+        self.caller_graph_failed: Optional[str] = None
 
     # ------------------------------------------------------------------ forward and inference graphs
 
@@ -48,7 +49,7 @@ class Recorder:
         runner = self.runner
         shared = runner.shared
         static_ins: list = []
-        copy_pos, handoff_pos, volatile_pos = [], [], []
+        copy_pos, in_place_pos, volatile_pos = [], [], []
         persistent = shared.persistent_ptrs
         plan = runner.bucket if pad is not None else None
         layouts = runner.layouts
@@ -62,7 +63,7 @@ class Recorder:
                 shape, full = runner.cache.padded_full(value, dim, size(pad.padded))
                 if full is not None:
                     static_ins.append(full)
-                    handoff_pos.append(pos)
+                    in_place_pos.append(pos)
                     continue
                 # Padding rows are copies of the last real row (inputs.fill_padding): the region is
                 # row-independent, so they compute what that row computed, and no value an eager
@@ -95,13 +96,13 @@ class Recorder:
                 static_ins.append(empty.requires_grad_(True) if grad_path and value.requires_grad else empty)
                 continue
             producer = runner.producers[pos]
-            handoff = kind == EAGER or (kind == HANDOFF and producer is not None and producer.disabled is None)
-            if handoff and not volatile and value.data_ptr() in persistent:
+            in_place = kind == EAGER or (kind == FROM_GRAPH and producer is not None and producer.disabled is None)
+            if in_place and not volatile and value.data_ptr() in persistent:
                 alias = value.detach()
                 if grad_path and value.requires_grad:
                     alias.requires_grad_(True)
                 static_ins.append(alias)
-                handoff_pos.append(pos)
+                in_place_pos.append(pos)
                 continue
             # In the layout the compiled code reads (runtime/layouts.py): the staging copy converts.
             # A training forward's input that needs no gradient is made in the graph pool: its
@@ -119,12 +120,12 @@ class Recorder:
                 buf.requires_grad_(True)
             static_ins.append(buf)
             copy_pos.append(pos)
-        shared.register_persistent([static_ins[p] for p in copy_pos], handoff=False)
+        shared.register_persistent([static_ins[p] for p in copy_pos], in_place=False)
         entry.static_ins = static_ins
         entry.copy_pos = tuple(copy_pos)
         entry.copy_dst = [compact_view(static_ins[p].detach(), entry.compact[p]) if p in entry.compact
                           else static_ins[p] for p in copy_pos]
-        entry.handoff_pos = tuple(handoff_pos)
+        entry.in_place_pos = tuple(in_place_pos)
         entry.copy_back_pos = tuple(p for p in copy_pos if p in runner.mutated)
         entry.volatile_pos = tuple(volatile_pos)
         entry.param_addrs = ParamPolicy.record(
@@ -204,8 +205,8 @@ class Recorder:
         else:
             entry.outputs = outputs
             self._register_outputs(entry)
-            if pad is None and self._hands_out(entry):
-                entry.handouts = []
+            if pad is None and self._uses_caller_graphs(entry):
+                entry.caller_graphs = []
             if releases_outputs(runner, entry):
                 release_outputs(entry)
             del outputs
@@ -281,7 +282,7 @@ class Recorder:
         return list(entry.copy_pos) + [p for p, k in enumerate(self.runner.kinds) if k is PARAM]
 
     def _register_outputs(self, entry: Entry, skip: tuple = ()) -> None:
-        """Static outputs become hand-off candidates, except views of a static input: those are
+        """Static outputs become inputs other graphs read in place, except views of a static input: those are
         rebuilt on the caller's tensor after each replay (inputs.InputViews)."""
         views = InputViews.find(entry.outputs, entry.static_ins, self.caller_memory(entry), skip)
         entry.input_views = views
@@ -343,20 +344,20 @@ class Recorder:
                     runner.name, error)
         runner.disable(EagerReason.CAPTURE_FAILED, error)
 
-    # ------------------------------------------------------------------ handout graphs
+    # ------------------------------------------------------------------ caller graphs
 
-    def handout(self, entry: Entry) -> Optional[HandoutGraph]:
-        """A handout graph of ``entry`` whose earlier outputs nobody holds (captured now if all are
+    def caller_graph(self, entry: Entry) -> Optional[CallerGraph]:
+        """A caller graph of ``entry`` whose earlier outputs nobody holds (captured now if all are
         held and the option allows one more), or None: the entry's own graph runs, outputs copied."""
-        handouts = entry.handouts
-        for handout in handouts:
-            if handout.free():
-                return handout
-        if len(handouts) >= self.runner.config.handout_graphs or self.handout_failed is not None:
+        graphs = entry.caller_graphs
+        for caller in graphs:
+            if caller.free():
+                return caller
+        if len(graphs) >= self.runner.config.handout_graphs or self.caller_graph_failed is not None:
             return None
-        return self._capture_handout(entry)
+        return self._capture_caller_graph(entry)
 
-    def _capture_handout(self, entry: Entry) -> Optional[HandoutGraph]:
+    def _capture_caller_graph(self, entry: Entry) -> Optional[CallerGraph]:
         """Capture ``entry``'s region again, from its static inputs (staged for this call), in a
         pool of its own. A failure is recorded once; the region then copies its outputs."""
         runner = self.runner
@@ -371,32 +372,32 @@ class Recorder:
             graph, outputs = shared.capturer.capture(
                 lambda: fn(*static_ins), pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)])
         except CaptureError as exc:
-            self.handout_failed = str(exc)
+            self.caller_graph_failed = str(exc)
             shared.counters.handout_failures.append({"region": runner.name, "error": str(exc)})
             if runner.config.strict:
-                raise RuntimeError(f"cgbackend: capturing a handout graph of region {runner.name} failed: {exc}")
-            log.warning("cgbackend: capturing a handout graph of %s failed; its outputs are copied: %s",
+                raise RuntimeError(f"cgbackend: capturing a caller graph of region {runner.name} failed: {exc}")
+            log.warning("cgbackend: capturing a caller graph of %s failed; its outputs are copied: %s",
                         runner.name, exc)
             return None
         elapsed = time.perf_counter() - start
         if isinstance(graph, SimulatedGraph):
             graph.attach(pool, pool.new_index())
-        handout = HandoutGraph(graph, outputs, pool)
-        entry.handouts.append(handout)
-        shared.handout_storages |= handout.storages()
+        caller = CallerGraph(graph, outputs, pool)
+        entry.caller_graphs.append(caller)
+        shared.caller_storages |= caller.storages()
         shared.counters.handout_graphs += 1
         self.count_memory(entry, elapsed, reserved(device) - reserved_before)
-        log.log(logging.INFO if elapsed > 1.0 else logging.DEBUG, "cgbackend: captured handout graph %d of %s in %.3f s",
-                len(entry.handouts), runner.name, elapsed)
-        return handout
+        log.log(logging.INFO if elapsed > 1.0 else logging.DEBUG, "cgbackend: captured caller graph %d of %s in %.3f s",
+                len(entry.caller_graphs), runner.name, elapsed)
+        return caller
 
-    def _hands_out(self, entry: Entry) -> bool:
-        """May ``entry``'s outputs go to the caller from handout graphs (runtime/handout.py)?"""
+    def _uses_caller_graphs(self, entry: Entry) -> bool:
+        """May ``entry``'s outputs go to the caller from caller graphs (runtime/caller_graphs.py)?"""
         runner = self.runner
-        # Not for layers of a stack (regional.py): each would hold its own handout graphs and their
+        # Not for layers of a stack (regional.py): each would hold its own caller graphs and their
         # memory, to save one copy of a layer's output that the next layer reads anyway.
         return (runner.terminal and runner.config.handout_graphs > 0 and runner.shared.layer_copies == 1
-                and handout_supported()
+                and use_counts_supported()
                 and type(entry) is Entry and runner.hooks is None and entry.input_views is None
                 and not entry.pad_dims and not entry.copy_back_pos and not entry.volatile_pos
                 and any(t.numel() for t in iter_tensors(entry.outputs)))

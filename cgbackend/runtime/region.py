@@ -22,7 +22,7 @@ from .entries import COPY, PARAM, VALUE, Entry, Pad, TrainEntry, copy_all, is_st
 from .shared import RuntimeShared
 from .fast import FastPath
 from .graph_cache import THRASH_EVICTIONS, GraphCache
-from .handout import HandoutGraph
+from .caller_graphs import CallerGraph
 from .inputs import fill_padding, overlap, overlap_candidates
 from .layouts import AdaptedCall, InputLayouts, compact_view, copy_into
 from .reach import fake_output_reach, reached_inputs
@@ -82,13 +82,13 @@ class RegionRunner:
         (inputs.InputViews): a consumer copies them like eager values."""
         self.terminal = False
         """No static region of the graph runs after this one (set by the executor): its inference
-        entries may hand their outputs out without a copy (runtime/handout.py)."""
+        entries may hand their outputs out without a copy (runtime/caller_graphs.py)."""
         self.cache = GraphCache(self)
         """The held graphs by key, warm-up counts, eviction (graph_cache.py)."""
         self.fast = FastPath(self)
         """The inference fast path (fast.py)."""
         self.recorder = Recorder(self)
-        """Captures of entries and handout graphs (recorder.py)."""
+        """Captures of entries and caller graphs (recorder.py)."""
         self.backward = Backward(self)
         """Backward graphs of training entries (backward.py)."""
         self.caller_only: frozenset[int] = frozenset()
@@ -345,7 +345,7 @@ class RegionRunner:
             by_kind = counters.copied_by_kind
             for kind in copy_kinds:
                 by_kind[kind] += 1
-        counters.copies_avoided += len(entry.handoff_pos)
+        counters.copies_avoided += len(entry.in_place_pos)
 
     def _copy_kind(self, value: torch.Tensor, pos: int) -> str:
         if is_static_address(value):
@@ -356,21 +356,21 @@ class RegionRunner:
         self.stage_inputs(entry, ins, fresh)
         if self.hooks is not None:
             self.hooks.before_forward()
-        if entry.handouts is not None and not fresh:
-            handout = self.recorder.handout(entry)
-            if handout is not None:
-                return self.replay_handout(handout)
+        if entry.caller_graphs is not None and not fresh:
+            caller = self.recorder.caller_graph(entry)
+            if caller is not None:
+                return self.replay_caller_graph(caller)
         entry.graph.replay()
         self.after_replay(entry, ins, call)
         return entry.outputs if pad is None else self.cache.views(entry, pad)
 
-    def replay_handout(self, handout: HandoutGraph) -> Any:
-        handout.graph.replay()
+    def replay_caller_graph(self, graph: CallerGraph) -> Any:
+        graph.graph.replay()
         counters = self.shared.counters
         self.replays += 1
         counters.replays += 1
         counters.handout_replays += 1
-        return handout.outputs
+        return graph.outputs
 
     def after_replay(self, entry: Entry, ins: list, call: Any) -> None:
         for pos in entry.copy_back_pos:

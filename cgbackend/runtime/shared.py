@@ -78,7 +78,7 @@ class RuntimeShared:
     """Static outputs of padded (bucketed) graphs by (data_ptr, full shape, stride, dtype): a
     bucketed consumer given the sliced view reads the full padded tensor in place (owner: the
     recorders, which add them, and the graph caches, which drop them with their entries)."""
-    handout_storages: set[int] = dataclasses.field(default_factory=set)
+    caller_storages: set[int] = dataclasses.field(default_factory=set)
     """Storage base pointers of caller graphs' outputs (runtime/caller_graphs.py, option
     handout_graphs): outputs lying in them are handed to the caller as aliases, not copied
     (owner: the caller graphs, which add them, and the graph caches, which drop them)."""
@@ -100,12 +100,12 @@ class RuntimeShared:
         for side, entry in list(self.handed.values()):
             side.reclaim_grads(entry, entry.leaves)
 
-    def register_persistent(self, values: Any, handoff: bool = True) -> None:
+    def register_persistent(self, values: Any, in_place: bool = True) -> None:
         """Static tensors of a graph: their storages are graph memory (copied before they reach the
-        caller); ``handoff``: a graph reading one of them as an input reads it where it lies."""
+        caller); ``in_place``: a graph reading one of them as an input reads it where it lies."""
         for t in iter_tensors(values):
             if t.numel() == 0:
                 continue
-            if handoff:
+            if in_place:
                 self.persistent_ptrs.add(t.data_ptr())
             self.persistent_storages.add(t.untyped_storage().data_ptr())

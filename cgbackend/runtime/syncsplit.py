@@ -120,7 +120,7 @@ def _apply(graph: "CompiledGraph", step: Any, hit: Any) -> None:
     position = graph.steps.index(step)
     graph.steps[position:position + 1] = new_steps
     graph.mark_terminal()
-    # Later regions that took a hand-off from the old runner now take it from the part computing it,
+    # Later regions that read an output of the old runner in place now take it from the part computing it,
     # or, where an eager part computes it, read it as an eager value.
     for later in graph.steps[position + len(new_steps):]:
         runner = later.runner

@@ -393,7 +393,7 @@ def _backward_capture_peak(keep_buffer: bool) -> tuple[int, dict]:
     ref = copy.deepcopy(model)
     compiled = cgbackend.compile(model, warmup=1)
     xs = [torch.randn(2048, 4096, device="cuda") for _ in range(3)]
-    give, capture, peaks = tangents.Handover.give, Capturer.capture, []
+    give, capture, peaks = tangents.OwnerTransfer.give, Capturer.capture, []
 
     def measured(self, *args, **kwargs):
         torch.cuda.synchronize()
@@ -406,7 +406,7 @@ def _backward_capture_peak(keep_buffer: bool) -> tuple[int, dict]:
             peaks.append(torch.cuda.max_memory_allocated() - before)
     Capturer.capture = measured
     if keep_buffer:
-        tangents.Handover.give = lambda self, args: None
+        tangents.OwnerTransfer.give = lambda self, args: None
     try:
         for step, x in enumerate(xs):
             for m, fn in ((ref, ref), (model, compiled)):
@@ -414,7 +414,7 @@ def _backward_capture_peak(keep_buffer: bool) -> tuple[int, dict]:
                 fn(x).float().pow(2).mean().backward()
             _compare_grads(ref, model, torch.float32, f"step {step}")
     finally:
-        tangents.Handover.give, Capturer.capture = give, capture
+        tangents.OwnerTransfer.give, Capturer.capture = give, capture
     assert len(peaks) == 2, peaks  # the forward's capture, then the backward's
     return peaks[1], cgbackend.stats(compiled)
 

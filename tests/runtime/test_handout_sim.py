@@ -195,7 +195,7 @@ def test_a_handout_capture_that_fails_is_counted_and_the_region_copies(monkeypat
     torch.manual_seed(0)
     model = _Net().eval()
     compiled = cgbackend.compile(model, **SIM)
-    real = recorder.Recorder._capture_handout
+    real = recorder.Recorder._capture_caller_graph
     xs = _inputs(6)
     with torch.no_grad():
         compiled(xs[0])
@@ -206,7 +206,7 @@ def test_a_handout_capture_that_fails_is_counted_and_the_region_copies(monkeypat
                                 lambda *a, **k: (_ for _ in ()).throw(CaptureError("no memory")))
             return real(self, entry)
 
-        monkeypatch.setattr(recorder.Recorder, "_capture_handout", failing)
+        monkeypatch.setattr(recorder.Recorder, "_capture_caller_graph", failing)
         for x in xs[2:]:
             out, ref = compiled(x), model(x)
             assert all(torch.equal(o, r) for o, r in zip(out, ref))
