@@ -31,12 +31,10 @@ from .backward import QUEUE_CALLBACK
 from .entries import COPY, EAGER, FROM_GRAPH, PARAM, VALUE, is_static_address
 from .shared import RuntimeShared
 from .region import RegionRunner
-from ..passes.bucket import mutated_input_positions, written_positions
-from ..passes.effects import Effects
-from ..passes.gather import rewrite_gathers
+from ..passes.region_facts import RegionFacts
+from .constants import make_constants
 from .outputs import INPUT, OutputBuilder, output_aliases
 from .inner import InnerFallback, LazyInner, resolve_inner
-from ..passes.constants import make_constant
 from .split import Step, build_region_module
 from .syncsplit import apply_splits
 from .memory import add_up, entry_memory
@@ -130,19 +128,6 @@ _profiler_enabled: Callable[[], bool] = getattr(getattr(torch._C, "_autograd", N
 """Is an autograd/Kineto profiler (or emit_nvtx) recording? One C call; feature-tested."""
 
 
-def _runs_twice_alike(effects: Effects, nodes: list, inputs: list) -> bool:
-    """Running ``nodes`` (a graph, or a region of it, reading ``inputs``) a second time on the same
-    inputs gives the same outputs and leaves the same state: they write none of their inputs, draw
-    no random number, touch no global state and call no opaque module (whose own state they cannot
-    see)."""
-    members = set(nodes)
-    if any(n in members for n in effects.random_nodes) or any(n in members for n in effects.barriers):
-        return False
-    if any(opaque_info(n) is not None for n in nodes):
-        return False
-    return not written_positions(effects, nodes, inputs)
-
-
 class CompiledGraph:
     """The callable cgbackend hands back to Dynamo for one graph."""
 
@@ -157,8 +142,7 @@ class CompiledGraph:
         self._layout_checks = tuple(analysis.dispatch.layout_checks)
         """Run at every call: expert parameters read from one block still are its slices."""
         nodes = list(analysis.gm.graph.nodes)
-        self._check_after_launch = bool(self._layout_checks) and _runs_twice_alike(
-            analysis.effects, nodes, [n for n in nodes if n.op == "placeholder"])
+        self._check_after_launch = bool(self._layout_checks) and analysis.facts.reruns_alike
         """The checks of a list seen before are made once the graph is launched, while the GPU runs
         it (their hundreds of address comparisons were host time before each launch); a call whose
         check finds a changed address runs again on the laid-out parameters."""
@@ -178,9 +162,7 @@ class CompiledGraph:
         # Hoisted constants (passes/constants.py): made once, in slots right after the inputs.
         self.constants = tuple(analysis.constants.nodes)
         self._constant_set = set(self.constants)
-        made: dict = {}
-        for node in self.constants:  # in graph order: a conversion reads a constant made before it
-            made[node] = make_constant(node, made)
+        made = make_constants(self.constants)
         self._constant_values: list = list(made.values())
         # A constant the graph returns is copied out on every call, like graph memory: the caller
         # may write its copy (runtime/outputs.py copies outputs lying in these storages).
@@ -221,22 +203,19 @@ class CompiledGraph:
         self._pending_splits: list = []
         self.steps: list[Step] = []
         self.runners: list[RegionRunner] = []
-        self.gather_rewrites: dict[int, int] = {}
+        self.gather_rewrites = {i: len(found) for i, found in analysis.gathers.regions.items()}
         """Dynamic region index -> row gathers rewritten to index_select (passes/gather.py)."""
         for step_index, region in enumerate(partition.regions):
-            module = build_region_module(gm, region, analysis.schedule.order.get(region.index))
+            module = build_region_module(gm, region, analysis.schedule.order.get(region.index),
+                                         analysis.gathers.regions.get(region.index))
             ins = tuple(slot_of[n] for n in region.inputs)
             outs = tuple(slot_of[n] for n in region.outputs)
             frees = tuple(s for s in ins if last_use.get(s) == step_index and s not in self._graph_outputs)
             runner = None
             if region.is_static:
                 bucketing = analysis.buckets.regions.get(region.index)
-                runner = self._make_runner(region, module, bucketing.plan if bucketing is not None else None)
-            else:
-                # Only pays off under autograd (its backward is the cheap part); in inference the
-                # two-index form costs one more launch.
-                if self.training_graph:
-                    self.gather_rewrites[region.index] = rewrite_gathers(module)
+                runner = self._make_runner(region, module, bucketing.plan if bucketing is not None else None,
+                                           analysis.facts.regions[region.index])
             role = analysis.labels.region_roles.get(region.index, "other")
             self.steps.append(Step(ins, outs, frees, runner, module, region,
                                     f"cgbackend g{index}.{region.name} {role}"))
@@ -280,15 +259,15 @@ class CompiledGraph:
                 producers.append(None)
         return kinds, producers
 
-    def _make_runner(self, region, module: torch.fx.GraphModule, bucket) -> RegionRunner:
+    def _make_runner(self, region, module: torch.fx.GraphModule, bucket, facts: RegionFacts) -> RegionRunner:
         kinds, producers = self._input_kinds(region)
         hooks = region_hooks(region.nodes)
         opaque_calls = any(opaque_info(n) is not None for n in region.nodes)
         name = f"g{self.index}.{region.name}"  # the report's region id
-        mutated = mutated_input_positions(self.analysis.effects, region)
+        mutated = set(facts.written)
         fn = module
         lazy = None
-        recomputable = hooks is None and _runs_twice_alike(self.analysis.effects, region.nodes, region.inputs)
+        recomputable = hooks is None and facts.reruns_alike
         if self._inner is not None:
             # Inductor would trace an opaque call with fake tensors and keep only its shape:
             # regions holding one run their FX module as it is.
@@ -306,8 +285,7 @@ class CompiledGraph:
                               bucket=bucket, device=_region_device(region), hooks=hooks)
         runner.lazy_inner = lazy
         runner.recomputable = recomputable
-        runner.caller_only = frozenset(i for i, node in enumerate(region.outputs)
-                                       if node.users and all(u.op == "output" for u in node.users))
+        runner.caller_only = facts.caller_only
         runner.on_sync = self._request_split
         if self.blocked is not None:
             runner.disable(self.blocked, _BLOCKED_DETAIL.get(self.blocked, self.blocked))

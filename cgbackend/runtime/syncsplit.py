@@ -1,11 +1,9 @@
 """Split a static region at the op that synchronized with the host during its warm-up.
 
-The warm-up (runtime/warmup.py) names the node; :func:`split_region` cuts the region into up to
-three parts with the partitioner's own level rule (passes/partition.py), the node taken as
-dynamic: the static nodes that do not depend on it (captured), the node with the elements of its
-tuple output (eager), the static nodes after it (captured). A part estimated below
-``min_region_ops`` kernel launches runs eagerly like any small region. :func:`apply_splits` then
-replaces the region's step of the compiled graph by the parts, after the call that found the node
+The warm-up (runtime/warmup.py) names the node; passes/sync_split.py (the one pass the runtime
+calls, since the op shows up only when it runs) cuts the region into up to three parts: the static
+nodes that do not depend on it (captured), the node with the elements of its tuple output (eager),
+the static nodes after it (captured). :func:`apply_splits` then replaces the region's step of the compiled graph by the parts, after the call that found the node
 (that call ran the whole region eagerly, so its results are eager's). Parts are new regions: they
 warm up, compile (inner.py) and capture like any other, and a part that synchronizes again is
 split again.
@@ -17,69 +15,22 @@ carried over: the parts key their graphs on exact sizes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
 from ..fx_utils import op_name, source_location
-from ..passes.cost import estimate_kernels
-from ..passes.partition import Region, levels, set_boundaries
+from ..passes.partition import Region
+from ..passes.sync_split import split_at_sync
 from .split import Step, build_region_module
 
 if TYPE_CHECKING:
     from .executor import CompiledGraph
 
-__all__ = ["SplitPart", "split_region", "apply_splits"]
+__all__ = ["apply_splits"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class SplitPart(Region):
-    """A part of a split region; named after it (``S0.a``, ``S0.sync``, ``S0.b``)."""
-
-    label: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.label
-
-
-def split_region(region: Region, node: torch.fx.Node, effects: Any, min_region_ops: int,
-                 region_of: dict[torch.fx.Node, Region]) -> list[SplitPart]:
-    """The parts of ``region`` with ``node`` run eagerly, in execution order. ``region_of`` maps
-    every node of the graph to its region (the parts' inputs and outputs are found with it)."""
-    nodes = list(region.nodes)
-    static = {n: n is not node for n in nodes}
-    level = levels(nodes, static, effects)
-    groups: dict[tuple[int, int], list[torch.fx.Node]] = {}
-    for n in nodes:
-        groups.setdefault((level[n], 0 if static[n] else 1), []).append(n)
-    steps: list[list] = []
-    for key in sorted(groups):
-        members = groups[key]
-        kind = "static" if key[1] == 0 else "dynamic"
-        if kind == "static" and sum(estimate_kernels(n) for n in members) < min_region_ops:
-            kind = "dynamic"
-        if steps and steps[-1][0] == kind == "dynamic":
-            steps[-1][1].extend(members)
-        else:
-            steps.append([kind, list(members)])
-    order = {n: i for i, n in enumerate(nodes)}
-    parts: list[SplitPart] = []
-    static_labels = iter("abcdefghijklmnopqrstuvwxyz")
-    local = dict(region_of)
-    for kind, members in steps:
-        members.sort(key=order.__getitem__)
-        label = f"{region.name}.{next(static_labels)}" if kind == "static" else f"{region.name}.sync"
-        part = SplitPart(index=region.index, kind=kind, nodes=members, label=label)
-        parts.append(part)
-        for n in members:
-            local[n] = part
-    set_boundaries(None, parts, local)
-    return parts
 
 
 def apply_splits(graph: "CompiledGraph") -> None:
@@ -96,7 +47,7 @@ def _apply(graph: "CompiledGraph", step: Any, hit: Any) -> None:
     for s in graph.steps:
         for n in s.region.nodes:
             region_of[n] = s.region
-    parts = split_region(region, hit.node, graph.analysis.effects, graph.config.min_region_ops, region_of)
+    parts = split_at_sync(region, hit.node, graph.analysis.effects, graph.config.min_region_ops, region_of)
     slot_of = graph._slot_of
     base = graph.n_values  # slots from here on hold values internal to the old region
     for part in parts:
@@ -115,7 +66,7 @@ def _apply(graph: "CompiledGraph", step: Any, hit: Any) -> None:
         ins = tuple(slot_of[n] for n in part.inputs)
         outs = tuple(slot_of[n] for n in part.outputs)
         frees = tuple(s for s in ins if last_part.get(s) == i and (s in step.frees or s >= base))
-        runner = graph._make_runner(part, module, None) if part.is_static else None
+        runner = graph._make_runner(part, module, None, part.facts) if part.is_static else None
         new_steps.append(Step(ins, outs, frees, runner, module, part, f"{step.range_name}.{i}"))
     position = graph.steps.index(step)
     graph.steps[position:position + 1] = new_steps
