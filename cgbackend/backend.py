@@ -31,7 +31,8 @@ from .reporting.hints import build_hints
 from .opaque import InstallResult
 from .runtime.region_timer import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
-from .runtime.executor import CompiledGraph, memory_of
+from .runtime.executor import CompiledGraph
+from .runtime.memory import memory_of
 from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
@@ -196,7 +197,8 @@ class CGBackend:
         out["pending_forwards"] = sum(g.slots.pending() for g in self.compiled_graphs())
         out["nothing_captured_reason"] = next(
             (g.blocked for g in self.compiled_graphs() if g.blocked is not None), None)
-        out["memory"] = memory_of([r for g in self.compiled_graphs() for r in g.runners])
+        out["memory"] = memory_of([e for g in self.compiled_graphs() for r in g.runners
+                                   for e in r.cache.entries.values()])
         # Capture size -> pool bytes its held graphs added (0 where nothing was reserved, as with
         # simulated graphs).
         out["captured_sizes"] = {size: part["reserved"] for size, part in out["memory"]["by_size"].items()}

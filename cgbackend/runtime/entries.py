@@ -1,20 +1,6 @@
-"""What a region's runtime is made of: the kinds of its inputs, the state all regions of a backend
-share, and the graph entries it holds (an inference entry holds one graph, a training entry a
-forward and a backward graph), with the small helpers that fill their buffers.
-
-Inputs of a region, by kind (decided once from the partition):
-
-* ``PARAM``: a parameter or buffer (static address). Read in place, never
-  copied; its address is part of the graph's key, so a replaced parameter
-  (``p.data = ...``) leads to a new capture, never to a stale replay.
-* ``FROM_GRAPH``: produced by another static region. The graph reads the
-  producer's static output where it lies; the address is part of the key.
-* ``EAGER``: produced by eager code. Usually copied into a static buffer of
-  the graph; read in place when it is another graph's static output (an eager
-  ``index_add_`` returns the static buffer it wrote into), address in the key.
-* ``COPY``: passed by the caller: copied into a static buffer of the graph
-  before each replay (written back afterwards if the region writes it in place).
-* ``VALUE``: not a tensor (sizes, flags): part of the key.
+"""The graph entries a region holds (an inference entry holds one graph, a training entry a forward
+and a backward graph), with the small helpers that fill their buffers. The kinds of a region's
+inputs are in spec.py.
 """
 
 from __future__ import annotations
@@ -24,14 +10,11 @@ from typing import Any, Optional
 import torch
 
 from .capture import non_overlapping
-from .caller_graphs import CallerGraph
 from .inputs import InputViews
 from .outputs import foreach_copy
 
-__all__ = ["PARAM", "FROM_GRAPH", "EAGER", "COPY", "VALUE", "Entry", "TrainEntry", "Pad",
-           "is_static_address", "static_buffer_like", "fill_grads", "freeze", "reserved", "copy_all"]
-
-PARAM, FROM_GRAPH, EAGER, COPY, VALUE = "param", "from_graph", "eager", "copy", "value"
+__all__ = ["Entry", "TrainEntry", "Pad", "is_static_address", "static_buffer_like", "fill_grads", "freeze",
+           "reserved", "copy_all"]
 
 
 def is_static_address(t: Any) -> bool:
@@ -60,7 +43,7 @@ class Entry:
         self.copy_dst: list = []
         """What each copied input is copied into, in ``copy_pos`` order: its static buffer, or the
         buffer's slice (``compact``)."""
-        self.caller_graphs: Optional[list[CallerGraph]] = None
+        self.caller_graphs: Optional[list] = None
         """Inference entries whose outputs may go to the caller without a copy: their caller
         graphs, captured when first needed (runtime/caller_graphs.py); None where that does not apply."""
         self.copy_kinds: Optional[tuple[str, ...]] = None
@@ -104,7 +87,7 @@ class Pad:
 class TrainEntry(Entry):
     """A training signature: the forward graph (replayed inside an autograd.Function) and the
     backward graph captured at the first backward; its call slot stays busy until the backward
-    pass is over (executor.CallState)."""
+    pass is over (calls.CallState)."""
 
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",

@@ -244,7 +244,7 @@ def _fake_like(example: torch.Tensor, strides: Sequence[Any]) -> torch.Tensor:
 
 
 class AdaptedCall:
-    """A region's compiled code, callable with its copied inputs in any layout (runner.fn).
+    """A region's compiled code, callable with its copied inputs in any layout (RegionCode.fn).
 
     Each input is copied into its compiled layout where it lies in another (counted in
     ``layout_copies``: warm-up and eager calls; a capture reads static buffers already in it) and

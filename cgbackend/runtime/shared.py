@@ -83,9 +83,9 @@ class RuntimeShared:
     handout_graphs): outputs lying in them are handed to the caller as aliases, not copied
     (owner: the caller graphs, which add them, and the graph caches, which drop them)."""
     handed: dict[int, Any] = dataclasses.field(default_factory=dict)
-    """Training entries whose static gradients were handed to autograd and may still be held (as
+    """Training entries whose static gradients were given to autograd and may still be held (as
     .grad or elsewhere): live data of their backward graph until reclaimed, by id (owner:
-    runtime/static_grads.py)."""
+    runtime/static_grads.py, which the executor asks before each call's first replay)."""
 
     def __post_init__(self) -> None:
         config = self.config
@@ -93,12 +93,6 @@ class RuntimeShared:
         self.pools = PoolSet(simulate=simulate)
         self.capturer = Capturer(simulate=config.simulate_graphs)
         self.sync_detector = None if config.simulate_graphs else cuda_sync_detector()
-
-    def reclaim_handed(self) -> None:
-        """Before any replay of a new call: give each .grad still aliasing a static gradient its
-        own memory, and release the gradients nobody holds any more."""
-        for side, entry in list(self.handed.values()):
-            side.reclaim_grads(entry, entry.leaves)
 
     def register_persistent(self, values: Any, in_place: bool = True) -> None:
         """Static tensors of a graph: their storages are graph memory (copied before they reach the

@@ -312,7 +312,7 @@ def test_incoming_gradient_in_the_output_memory_on_gpu(inner):
             assert_matches(g, e, torch.float32, f"kept output step {step}")
     st = cgbackend.stats(compiled)
     (entry,) = [e for g in find_backend(compiled).compiled_graphs() for r in g.runners
-                for e in r.entries.values()]
+                for e in r.cache.entries.values()]
     # z always; y where the backward does not read tanh's result (Inductor may recompute it)
     assert 2 in entry.grad_out_shared and 0 not in entry.grad_out_shared
     if inner == "eager":
@@ -361,7 +361,7 @@ def test_an_output_without_gradient_goes_to_the_last_backward_graph():
     for step, (got, want) in enumerate(zip(kept, expected)):
         assert torch.equal(got, want), f"kept counts of step {step}"
     (entry,) = [e for g in find_backend(compiled).compiled_graphs() for r in g.runners
-                for e in r.entries.values()]
+                for e in r.cache.entries.values()]
     nbytes = entry.outputs[1].untyped_storage().nbytes()
     assert entry.nondiff_loose == {1} and entry.released_out.get(1) == nbytes, entry.released_out
     st = cgbackend.stats(compiled)
@@ -459,7 +459,7 @@ def _steps(compiled, mine, xs, expected, what):
 
 def _compiled_calls(compiled):
     from cgbackend.runtime.inner import compiled_call
-    return [compiled_call(r.fn) for g in find_backend(compiled).compiled_graphs() for r in g.runners]
+    return [compiled_call(r.code.fn) for g in find_backend(compiled).compiled_graphs() for r in g.runners]
 
 
 def test_a_training_warmup_forward_leaves_no_blas_workspace_for_its_backward():
@@ -582,7 +582,7 @@ def _bn_mlp():
 
 
 def _runners(compiled):
-    return [r for g in find_backend(compiled).compiled_graphs() for r in g.runners if r.entries]
+    return [r for g in find_backend(compiled).compiled_graphs() for r in g.runners if r.cache.entries]
 
 
 def _compare_bn(ref, mine, what):
@@ -612,7 +612,7 @@ def test_a_region_that_cannot_recompute_gives_its_saved_activations_to_the_backw
     gc_sync()
     held = torch.cuda.memory_allocated() - start
     (runner,) = _runners(compiled)
-    assert not runner.recomputable
+    assert not runner.spec.recomputable
     st = cgbackend.stats(compiled)
     mem = st["memory"]
     assert st["saved_released"] == 1 and st["bwd_replays"] >= 3 and st["bwd_recomputes"] == 0, st
