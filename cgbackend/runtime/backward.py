@@ -8,18 +8,18 @@ The static gradients a backward replay produces are given to autograd as fresh a
 (runtime/static_grads.py), so ``.grad`` accumulates as eagerly.
 
 Once its backward graph exists, an entry frees the saved activations the capture's autograd graph
-held (runtime/backward_memory.py, ``settle``; pool.py says when that is safe): between steps only its static buffers stay
-allocated. A backward that cannot replay its graph then runs autograd through a recomputed
-forward (the region's code on the static inputs, which hold this call's values until its backward
-is over). That takes a region that computes the same thing twice: no random op, no global state,
-no input written in place, no opaque module call. Any other region keeps the capture's autograd
-graph and loosens what it saved instead (saved.py): its blocks go to the backward graph the same
-way, and the backwards that cannot replay the graph run through that autograd graph on this
-forward replay's values. The static inputs that need no gradient go to the pool's last backward
-graph too (backward_memory.py, ``release_inputs``), and a recomputable region's Inductor code may
-donate saved tensors to its backward (inner.donating): a backward graph that writes over what it
-reads replays once per forward, and a backward that keeps the graph (retain_graph=True), or a later
-one through the same forward, runs on the forward computed again (or through the kept graph)
+held (runtime/backward_memory.py, ``settle``; pool.py says when that is safe): between steps only
+its static buffers stay allocated. A backward that cannot replay its graph then runs autograd
+through a recomputed forward (the region's code on the static inputs, which hold this call's values
+until its backward is over). That takes a region that computes the same thing twice: no random op,
+no global state, no input written in place, no opaque module call. Any other region keeps the
+capture's autograd graph and loosens what it saved instead (saved.py): its blocks go to the backward
+graph the same way, and the backwards that cannot replay the graph run through that autograd graph
+on this forward replay's values. The static inputs that need no gradient go to the pool's last
+backward graph too (backward_memory.py, ``release_inputs``), and a recomputable region's Inductor
+code may donate saved tensors to its backward (inner.donating): a backward graph that writes over
+what it reads replays once per forward, and a backward that keeps the graph (retain_graph=True), or
+a later one through the same forward, runs on the forward computed again (or through the kept graph)
 instead.
 
 The backward side reads the region's spec, code and counters and replays through its Replayer;

@@ -102,15 +102,15 @@ class TrainEntry(Entry):
         """The capture's saved-tensor hooks (saved.SavedTensors): the slots its autograd graph holds."""
         self.pooled_pos: list[int] = []
         """Copied inputs whose static buffer was made in the graph pool, alone in its storage (no
-        output lies there): those Backward.release_inputs may give to the backward graph."""
+        output lies there): those BackwardMemory.release_inputs may give to the backward graph."""
         self.released_in: dict[int, int] = {}
         """Position -> bytes of the static inputs the runtime holds no more: their blocks are the
-        backward graph's (Backward.release_inputs); each replay's staging copy writes them again."""
+        backward graph's (BackwardMemory.release_inputs); each replay's staging copy writes them again."""
         self.nondiff_loose: frozenset[int] = frozenset()
         """Outputs without a gradient that only the caller reads, as a copy (recorder.py): the
-        pool's last backward graph takes their memory (Backward.release_grad_outputs)."""
+        pool's last backward graph takes their memory (BackwardMemory.release_grad_outputs)."""
         self.released_out: dict[int, int] = {}
-        """Position -> bytes of the outputs the runtime holds no more (Backward.release_grad_outputs,
+        """Position -> bytes of the outputs the runtime holds no more (BackwardMemory.release_grad_outputs,
         tangents.py): each forward replay writes them again, and for those holding their incoming
         gradient each backward replay's staging copy."""
 

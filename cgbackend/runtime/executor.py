@@ -186,8 +186,9 @@ class CompiledGraph:
         """Replace each region whose runner asked to be split by its parts (runtime/syncsplit.py)."""
         pending, self._pending_splits = self._pending_splits, []
         for step, hit in pending:
-            new_steps, self.n_values, parts = split_step(step, hit.node, self.steps, self._slot_of, self.n_values,
-                                                         self.analysis, self.config.min_region_ops, self._make.make)
+            new_steps, self.n_values, parts = split_step(
+                step, hit.node, self.steps, self._slot_of, self.n_values, self.analysis, self.config.min_region_ops,
+                self._make.make)
             position = self.steps.index(step)
             self.steps[position:position + 1] = new_steps
             self.mark_terminal()

@@ -39,7 +39,8 @@ THRASH_EVICTIONS = 2
 costs far more than an eager call, so a cache its signatures churn through only slows it down."""
 
 
-def padded_source(padded_full: dict, value: torch.Tensor, dim: int, size: int) -> tuple[tuple, Optional[torch.Tensor]]:
+def padded_source(padded_full: dict, value: torch.Tensor, dim: int,
+                  size: int) -> tuple[tuple, Optional[torch.Tensor]]:
     """The padded shape of an input, and the full static tensor it is a slice of, if any
     (``padded_full``: RuntimeShared.padded_full)."""
     shape = list(value.shape)

@@ -259,7 +259,7 @@ class Recorder:
         entry.saved_bytes = sum(alone.values())
         if entry.saved is not None:
             entry.saved.alone = frozenset(alone)
-        # Pooled inputs go to the backward graph (Backward.release_inputs) only alone in their storage.
+        # Pooled inputs go to the backward graph (BackwardMemory.release_inputs) only alone in their storage.
         entry.pooled_pos = [p for p in entry.pooled_pos
                             if own[entry.static_ins[p].untyped_storage().data_ptr()] == 1]
         entry.grad_out_shared = self._read_once(entry, entry.diff_out, saved, own)
@@ -273,7 +273,7 @@ class Recorder:
         that storage (``own``: tensors per storage). Every later forward replay writes them again.
         A differentiable one takes its incoming gradient at backward (``grad_out_shared``,
         Backward.capture) instead of a buffer of its size held for good; every such output goes to
-        the pool's last backward graph (Backward.release_grad_outputs)."""
+        the pool's last backward graph (BackwardMemory.release_grad_outputs)."""
         shared = []
         for i in positions:
             out = entry.outputs[i]

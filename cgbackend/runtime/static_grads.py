@@ -40,7 +40,8 @@ def give_grads(entry: TrainEntry, leaves: list[torch.Tensor], handed: dict[int, 
     return out
 
 
-def reclaim_grads(entry: TrainEntry, leaves: list[torch.Tensor], handed: dict[int, Any], counters: Counters) -> bool:
+def reclaim_grads(entry: TrainEntry, leaves: list[torch.Tensor], handed: dict[int, Any],
+                  counters: Counters) -> bool:
     """Before a backward replay rewrites the static gradients: may it?
 
     The last backward gave out aliases of them. A ``.grad`` still aliasing one gets its own copy
