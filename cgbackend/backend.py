@@ -29,14 +29,15 @@ from .tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
 from .opaque import InstallResult
-from .runtime.timing import RegionTimer
+from .runtime.region_timer import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
-from .runtime.executor import CompiledGraph, memory_of
+from .runtime.executor import CompiledGraph
+from .runtime.memory import memory_of
 from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
-from .runtime.entries import RuntimeShared
-from .runtime.stats import EagerReason
+from .runtime.shared import RuntimeShared
+from .runtime.stats import Counters, EagerReason
 from .reporting import structured
 
 __all__ = ["CGBackend"]
@@ -60,9 +61,13 @@ class CGBackend:
         if config is not None and options:
             raise TypeError("CGBackend takes either a Config or keyword options, not both")
         self.config = config if config is not None else Config.from_options(options)
-        self.shared = RuntimeShared(self.config)
-        self.shared.mirror = CounterMirror(self.shared.counters)
-        """Brings this instance's counters into torch._dynamo.utils.counters["cgbackend"] (read there)."""
+        counters = Counters()
+        self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
+        """Per-region timing (option profile)."""
+        # The mirror brings this instance's counters into torch._dynamo.utils.counters["cgbackend"]
+        # (read there); the capture watch warns once when the model runs with nothing captured.
+        self.shared = RuntimeShared(self.config, counters=counters, mirror=CounterMirror(counters),
+                                    watch=self.timer, capture_watch=CaptureWatch(counters))
         self._graphs: list[weakref.ReferenceType[CompiledGraph]] = []
         self._analyses: list[tuple[Analysis, Optional[dict[str, str]]]] = []
         self._keep_analyses = False
@@ -87,11 +92,6 @@ class CGBackend:
         self.switch_per_call = False
         """cgbackend.compile switches Dynamo's data-dependent settings around each call rather than
         around each compile (tracing.CompileScope), after a compile ran without them."""
-        self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
-        """Per-region timing (option profile)."""
-        self.shared.watch = self.timer
-        self.shared.capture_watch = CaptureWatch(self.shared.counters)
-        """Warns once when the model runs with nothing captured (runtime/capture_watch.py)."""
         self.dry_run = DryRun(self.config.dryrun)
         """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"
@@ -199,7 +199,8 @@ class CGBackend:
         out["pending_forwards"] = sum(g.slots.pending() for g in self.compiled_graphs())
         out["nothing_captured_reason"] = next(
             (g.blocked for g in self.compiled_graphs() if g.blocked is not None), None)
-        out["memory"] = memory_of([r for g in self.compiled_graphs() for r in g.runners])
+        out["memory"] = memory_of([e for g in self.compiled_graphs() for r in g.runners
+                                   for e in r.cache.entries.values()])
         # Capture size -> pool bytes its held graphs added (0 where nothing was reserved, as with
         # simulated graphs).
         out["captured_sizes"] = {size: part["reserved"] for size, part in out["memory"]["by_size"].items()}

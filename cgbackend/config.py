@@ -134,7 +134,7 @@ class Config:
     profile: bool = False
     """Time every region call of the forward (CUDA events on a GPU, perf_counter otherwise), split
     into graph replays and eager calls; shown in cgbackend.report(compiled) and its HTML page
-    (runtime/timing.py). Costs two event records per region call."""
+    (runtime/region_timer.py). Costs two event records per region call."""
 
     simulate_graphs: bool = False
     """Test aid for machines without a GPU: "capture" runs the region once into static buffers and

@@ -32,9 +32,10 @@ def _rows(backend: Any) -> list[list[str]]:
                 rows.append([f"g{graph.index}.{region.name}", "dynamic", role, "-", "-",
                              f"every call ({graph.calls})", "-"])
                 continue
-            pool = sum(e.nbytes for e in runner.entries.values())
-            rows.append([runner.name, "static", role, str(runner.n_graphs), str(runner.replays),
-                         _eager_text(runner.eager_calls), _mib(pool)])
+            pool = sum(e.nbytes for e in runner.cache.entries.values())
+            counts = runner.counts
+            rows.append([runner.name, "static", role, str(counts.graphs), str(counts.replays),
+                         _eager_text(counts.eager_calls), _mib(pool)])
     return rows
 
 

@@ -1,6 +1,8 @@
-"""The package's shape: no import cycles (imports inside functions count; ``if TYPE_CHECKING`` blocks
-do not), no private name imported from another package, every module importable on its own, and
-no module or class too large to hold in mind (docs/design.md, "Layout")."""
+"""The package's shape: no import cycles (imports inside functions and ``if TYPE_CHECKING`` blocks
+count: a type-checking import of the class that owns you is a back-pointer too), no private name
+imported from another package, every module importable on its own, no module or class too large to
+hold in mind, and a region runner that hands its collaborators no back-pointer (docs/design.md,
+"Layout")."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cgbackend"
-MAX_MODULE_LINES = 700
-MAX_CLASS_LINES = 400
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 350
+SPLIT_UNDER_WAY = {"cgbackend/reporting/report.py": 625}
+"""Modules over the limit whose split into smaller ones is under way in the package-layout work:
+each may not grow past the lines it has. Remove an entry once its module fits."""
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -29,16 +34,14 @@ MODULES = _modules()
 
 
 def _imports(name: str) -> list[tuple[str, list[str], int]]:
-    """(imported module, names taken from it, line) for every import of ``name`` outside
-    ``if TYPE_CHECKING`` blocks, function-level imports included."""
+    """(imported module, names taken from it, line) for every import of ``name``, function-level
+    imports and ``if TYPE_CHECKING`` blocks included."""
     path = MODULES[name]
     is_pkg = path.name == "__init__.py"
     found: list[tuple[str, list[str], int]] = []
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = name.split(".") if is_pkg else name.split(".")[:-1]
@@ -111,10 +114,12 @@ def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import(tmp_path,
     (pkg / "a.py").write_text("from .b import f\n")
     (pkg / "b.py").write_text("def f():\n    from .a import g\n")
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import x\n")
+    (pkg / "d.py").write_text("from .e import E\n")
+    (pkg / "e.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .d import D\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
     monkeypatch.setattr(sys.modules[__name__], "MODULES", _modules())
-    assert import_cycles() == [["cgbackend.a", "cgbackend.b"]]
+    assert import_cycles() == [["cgbackend.a", "cgbackend.b"], ["cgbackend.d", "cgbackend.e"]]
 
 
 def test_no_private_name_imported_from_another_package():
@@ -133,12 +138,91 @@ def test_modules_and_classes_fit_in_mind():
     for name, path in MODULES.items():
         text = path.read_text()
         lines = len(text.splitlines())
-        if lines > MAX_MODULE_LINES:
+        if lines > SPLIT_UNDER_WAY.get(str(path.relative_to(ROOT)), MAX_MODULE_LINES):
             big.append(f"{path.relative_to(ROOT)}: {lines} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 big.append(f"{path.relative_to(ROOT)}: class {node.name} {node.end_lineno - node.lineno + 1} lines")
     assert big == []
+
+
+RUNNER = "cgbackend.runtime.region"
+"""The module of RegionRunner."""
+RUNNER_OWNERS = {"cgbackend.runtime.executor", "cgbackend.runtime.runners"}
+"""The executor's modules: they make runners (runners.py) and run them in order (executor.py)."""
+HOLDING_RUNNERS = {RUNNER, *RUNNER_OWNERS, "cgbackend.runtime.split", "cgbackend.runtime.syncsplit"}
+"""Modules whose objects hold runners (split.Step holds one; syncsplit makes steps)."""
+
+
+def _runner_collaborators() -> set[str]:
+    """The runtime modules region.py imports: the runner's collaborators."""
+    return {t for t, _, _ in _imports(RUNNER) if t.startswith("cgbackend.runtime.")}
+
+
+def _passes_self(node: ast.AST) -> bool:
+    """Does ``node`` (an argument) pass ``self`` itself, or inside a tuple, list, set or dict?"""
+    if isinstance(node, ast.Name):
+        return node.id == "self"
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_passes_self(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return any(v is not None and _passes_self(v) for v in node.values)
+    if isinstance(node, ast.Starred):
+        return _passes_self(node.value)
+    return False
+
+
+def runner_back_pointers(tree: ast.AST) -> list[str]:
+    """Where a module hands ``self`` to another object: as a call argument (itself or in a
+    container), or stored in another object's attribute or item."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            args = list(node.args) + [k.value for k in node.keywords]
+            if any(_passes_self(a) for a in args):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and _passes_self(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(not isinstance(t, ast.Name) for t in targets):
+                found.append((node.lineno, ast.unparse(node)))
+    return [f"line {line}: {text}" for line, text in sorted(found)]
+
+
+def test_the_region_runner_hands_its_collaborators_no_back_pointer():
+    """RegionRunner gives its collaborators (graph cache, fast path, recorder, caller graphs,
+    backward side, warm-up) what they read (runtime/spec.py), never itself: region.py passes
+    ``self`` to no call and stores it in no other object; no collaborator imports a module whose
+    objects hold runners (type-checking imports included), so none can name one in a signature;
+    and none takes a parameter named ``runner``."""
+    assert runner_back_pointers(ast.parse(MODULES[RUNNER].read_text())) == []
+    collaborators = _runner_collaborators()
+    assert {"cgbackend.runtime.graph_cache", "cgbackend.runtime.fast", "cgbackend.runtime.recorder",
+            "cgbackend.runtime.backward", "cgbackend.runtime.warmup"} <= collaborators
+    wrong = []
+    for name in sorted(collaborators):
+        for target, _, line in _imports(name):
+            if target in HOLDING_RUNNERS:
+                wrong.append(f"{MODULES[name].relative_to(ROOT)}:{line} imports {target}")
+        for node in ast.walk(ast.parse(MODULES[name].read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                wrong += [f"{MODULES[name].relative_to(ROOT)}:{node.lineno} {node.name}({p.arg})"
+                          for p in params if p.arg == "runner"
+                          or (p.annotation is not None and "RegionRunner" in ast.unparse(p.annotation))]
+    importers = sorted(m for m in MODULES if m not in RUNNER_OWNERS and m != RUNNER
+                       and any(t == RUNNER for t, _, _ in _imports(m)))
+    assert wrong == [] and importers == []
+
+
+def test_the_back_pointer_finder_sees_self_passed_on():
+    tree = ast.parse("class R:\n"
+                     "    def f(self):\n"
+                     "        self.cache = Cache(self)\n"
+                     "        Fn.apply((self, 1), 2)\n"
+                     "        other.owner = self\n"
+                     "        me = self\n"
+                     "        self.fast.replay(x, key=self.spec)\n")
+    assert [f.split(":")[0] for f in runner_back_pointers(tree)] == ["line 3", "line 4", "line 5"]
 
 
 _IMPORT_EACH = """

@@ -5,7 +5,7 @@
 all Python constants (Dynamo specializes ``x.device``). On CUDA ``torch.tensor`` copies the Python
 number to the device, a host synchronization that breaks a capture (Hugging Face's attention-mask
 helper does exactly this), and every call makes the tensor again. Such a node is made once per
-compiled graph (``runtime/executor.py``) and read by the regions as a constant input, read in place
+compiled graph (``runtime/constants.py``) and read by the regions as a constant input, read in place
 like a parameter: out of every region, never copied, never synchronizing.
 
 Reads: each node's target, arguments, fake value; the storages :class:`~cgbackend.passes.effects.Effects`
@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx
@@ -64,7 +64,7 @@ from ..fx_utils import fake_value, storage_ids
 from .effects import Effects
 
 __all__ = ["CONVERSIONS", "Constants", "FACTORIES", "FOLDED_FUNCTIONS", "FOLDED_METHODS", "MAX_ELEMENTS",
-           "find_constants", "make_constant"]
+           "find_constants"]
 
 MAX_ELEMENTS = 1 << 16
 """Largest constant hoisted (elements): bigger ones are left to the region that makes them."""
@@ -107,7 +107,7 @@ _CONSTANT_TYPES = (int, float, bool, complex, str, type(None), torch.device, tor
 
 @dataclasses.dataclass
 class Constants:
-    """Hoisted nodes in graph order; the runtime makes each once with :func:`make_constant`."""
+    """Hoisted nodes in graph order; the runtime makes each once (runtime/constants.py)."""
 
     nodes: list[torch.fx.Node] = dataclasses.field(default_factory=list)
     returned: list[torch.fx.Node] = dataclasses.field(default_factory=list)
@@ -200,28 +200,3 @@ def _is_folded(node: torch.fx.Node, hoisted: set) -> bool:
         known = node.op == "call_method" and node.target in FOLDED_METHODS
     inputs = node.all_input_nodes
     return known and bool(inputs) and all(n in hoisted for n in inputs) and _python_args_constant(node)
-
-
-def make_constant(node: torch.fx.Node, made: Optional[dict] = None) -> torch.Tensor:
-    """Make a hoisted node's tensor (outside any capture); checked against its fake value. ``made``:
-    the tensors of the constants made before it (a conversion reads one)."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), (made or {}).__getitem__)
-    if node.op == "call_method":
-        value = getattr(args[0], node.target)(*args[1:], **kwargs)
-    else:
-        value = node.target(*args, **kwargs)
-    expected = fake_value(node)
-    if not isinstance(value, torch.Tensor) or value.shape != expected.shape or value.dtype != expected.dtype \
-            or value.device.type != expected.device.type:
-        raise RuntimeError(
-            f"cgbackend: constant {node.name} ({node.target}) made {_describe(value)} at run time but was "
-            f"traced as {_describe(expected)}")
-    return value
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)}@{value.dtype} on {value.device}"
-    return type(value).__name__
-
-

@@ -1,7 +1,9 @@
 """Rewrite row gathers in eager regions so their backward is cheap.
 
-Reads and writes: one dynamic region's GraphModule (in place), before it runs.
-Returns how many gathers were rewritten.
+Reads: the dynamic regions of a training graph's partition (:func:`plan_gathers`, run by the
+pipeline), or one GraphModule (:func:`rewrite_gathers`, which rewrites it in place).
+Returns the rewrites as data, by region: node -> the function and arguments it calls instead.
+runtime/split.py builds each dynamic region's module with them; the runtime decides nothing.
 
 Why. ``h[top_x]`` (advanced indexing with one index tensor) differentiates
 through ``index_put_(accumulate=True)``, which sorts the indices: a dozen
@@ -27,14 +29,28 @@ gradients are equal up to the order of summing repeated indices.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx
 
 from ..fx_utils import callee_name, fake_value
+from .partition import Partition
 
-__all__ = ["rewrite_gathers"]
+__all__ = ["GatherPlan", "plan_gathers", "rewrite_gathers"]
+
+Rewrite = tuple[Callable[..., Any], tuple]
+"""What a gather node calls instead: (function, arguments; FX nodes among them)."""
+
+
+@dataclasses.dataclass
+class GatherPlan:
+    regions: dict[int, dict[torch.fx.Node, Rewrite]] = dataclasses.field(default_factory=dict)
+    """Dynamic region index -> its rewritten gathers (only regions that have some)."""
+
+    def count(self, index: int) -> int:
+        return len(self.regions.get(index, ()))
 
 _NONNEG_SOURCES = {"nonzero", "argwhere", "argsort", "argmax", "argmin", "arange", "randperm",
                    "bincount", "searchsorted"}
@@ -43,25 +59,28 @@ _VIEWS = {"view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous", "d
           "to", "long", "int", "view_as", "reshape_as", "expand", "t", "permute", "transpose"}
 
 
-def _nonnegative(node: Any, depth: int = 0) -> bool:
-    if not isinstance(node, torch.fx.Node) or depth > 12:
+def _nonnegative(node: Any, within: Optional[set], depth: int = 0) -> bool:
+    """Is ``node``'s value known to be non-negative? Only nodes of ``within`` (a region's nodes;
+    None: all) are looked into: a value from outside the region is an input it knows nothing of."""
+    if not isinstance(node, torch.fx.Node) or depth > 12 or (within is not None and node not in within):
         return False
     name = callee_name(node)
     if name in _NONNEG_SOURCES or (name == "where" and len(node.args) == 1 and not node.kwargs):
         return True
     if node.op == "call_function" and node.target is operator.getitem and node.args:
         src, key = node.args[0], node.args[1] if len(node.args) > 1 else None
-        src_name = callee_name(src) if isinstance(src, torch.fx.Node) else ""
+        src_name = (callee_name(src) if isinstance(src, torch.fx.Node) and (within is None or src in within)
+                    else "")
         if isinstance(fake_value(src), (tuple, list)):
             if src_name in ("where", "nonzero") or (src_name in _INDICES_OF and key == 1):
                 return True
             return False
-        return _nonnegative(src, depth + 1) and _simple_key(key)
+        return _nonnegative(src, within, depth + 1) and _simple_key(key)
     if name in _VIEWS:
-        return _nonnegative(node.args[0] if node.args else None, depth + 1)
+        return _nonnegative(node.args[0] if node.args else None, within, depth + 1)
     if name == "floordiv" and len(node.args) == 2:
         divisor = node.args[1]
-        return isinstance(divisor, int) and divisor > 0 and _nonnegative(node.args[0], depth + 1)
+        return isinstance(divisor, int) and divisor > 0 and _nonnegative(node.args[0], within, depth + 1)
     return False
 
 
@@ -94,7 +113,7 @@ def _take_pairs(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, new_axe
     return out
 
 
-def _match(node: torch.fx.Node) -> Optional[tuple[Any, tuple]]:
+def _match(node: torch.fx.Node, within: Optional[set] = None) -> Optional[Rewrite]:
     if not (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2):
         return None
     x, key = node.args
@@ -107,7 +126,7 @@ def _match(node: torch.fx.Node) -> Optional[tuple[Any, tuple]]:
     if not others_ok or not tensors:
         return None
     new_axes = tuple(pos for pos, k in enumerate(items) if k is None)
-    if not all(_index_tensor(k) is not None and _nonnegative(k) for _, k in tensors):
+    if not all(_index_tensor(k) is not None and _nonnegative(k, within) for _, k in tensors):
         return None
     if len(tensors) == 1:
         pos, index = tensors[0]
@@ -121,7 +140,27 @@ def _match(node: torch.fx.Node) -> Optional[tuple[Any, tuple]]:
     return None
 
 
+def plan_gathers(partition: Partition, training: bool) -> GatherPlan:
+    """The gathers of each dynamic region to rewrite: only under autograd (the backward is the
+    cheap part; in inference the two-index form costs one more launch), and not with deterministic
+    algorithms on (as the graph is compiled)."""
+    plan = GatherPlan()
+    if not training or torch.are_deterministic_algorithms_enabled():
+        return plan
+    for region in partition.dynamic_regions():
+        within = set(region.nodes)
+        found = {}
+        for node in region.nodes:
+            rewrite = _match(node, within)
+            if rewrite is not None:
+                found[node] = rewrite
+        if found:
+            plan.regions[region.index] = found
+    return plan
+
+
 def rewrite_gathers(module: torch.fx.GraphModule) -> int:
+    """Rewrite the gathers of ``module`` in place; returns how many."""
     if torch.are_deterministic_algorithms_enabled():
         return 0
     count = 0

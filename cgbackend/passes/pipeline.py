@@ -1,4 +1,5 @@
-"""Run the passes in order on one Dynamo graph; the result feeds both the runtime and the report."""
+"""Run the passes in order on one Dynamo graph; the result feeds both the runtime and the report.
+The runtime consumes it as it is: every analysis and rewrite decision it acts on is here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from . import (Classification, Effects, Labels, Partition, Schedule, Shapes, ana
 from .bucket import Buckets, buckets
 from .constants import Constants, find_constants
 from .dispatch import DispatchResult, rewrite_static_dispatch
+from .gather import GatherPlan, plan_gathers
+from .region_facts import GraphFacts, graph_facts
 from ..reasons import Reason
 
 __all__ = ["Analysis", "analyze"]
@@ -31,6 +34,10 @@ class Analysis:
     dispatch: DispatchResult = dataclasses.field(default_factory=DispatchResult)
     buckets: Buckets = dataclasses.field(default_factory=lambda: Buckets(regions={}))
     constants: Constants = dataclasses.field(default_factory=Constants)
+    facts: GraphFacts = dataclasses.field(default_factory=GraphFacts)
+    """What the runtime needs of each static region (written inputs, ...): passes/region_facts.py."""
+    gathers: GatherPlan = dataclasses.field(default_factory=GatherPlan)
+    """Row gathers of dynamic regions rewritten for a cheap backward (training): passes/gather.py."""
 
     def reason_of(self, node: torch.fx.Node) -> Optional[Reason]:
         return self.partition.reason_of(node, self.classification)
@@ -47,4 +54,6 @@ def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool
     return Analysis(gm=gm, config=config, effects=effects, classification=classification,
                     partition=part, labels=label(gm, part, effects), shapes=region_shapes,
                     schedule=schedule(part, classification, effects), dispatch=dispatch,
-                    buckets=buckets(part, region_shapes, effects, config), constants=constants)
+                    buckets=buckets(part, region_shapes, effects, config), constants=constants,
+                    facts=graph_facts(gm, part, effects),
+                    gathers=plan_gathers(part, classification.training))

@@ -331,14 +331,14 @@ def runtime_launches(graphs: list, compiled: list, broke: bool) -> dict[str, Any
     by_region: dict[str, int] = {}
     for report, graph in zip(graphs, compiled):
         runners = {r.name.split(".", 1)[-1]: r for r in graph.runners}  # "g0.S0" -> "S0"
-        warm = max((r.eager_calls.get(EagerReason.WARMUP, 0) for r in graph.runners), default=0)
+        warm = max((r.counts.eager_calls.get(EagerReason.WARMUP, 0) for r in graph.runners), default=0)
         calls += max(graph.calls - warm, 0)
         warmups += warm
         for region in report.regions:
             runner = runners.get(region.id.split(".", 1)[-1])
             if runner is not None:
-                replayed = runner.replays * region.est_kernels
-                ran = sum(n for reason, n in runner.eager_calls.items()
+                replayed = runner.counts.replays * region.est_kernels
+                ran = sum(n for reason, n in runner.counts.eager_calls.items()
                           if reason != EagerReason.WARMUP) * region.est_kernels
             else:
                 replayed, ran = 0, max(graph.calls - warm, 0) * region.est_kernels

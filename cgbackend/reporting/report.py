@@ -63,7 +63,7 @@ region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``r
 of reserved memory while its held graphs were captured), ``bucketed`` (the padded symbol),
 ``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``; with the option
 ``profile``, ``timing``: ``{region name: {"replay" | "eager": {"calls", "total_ms", "mean_ms"}}}``
-(runtime/timing.py).
+(runtime/region_timer.py).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ from .memory_estimate import analysis_memory, memory_text
 from ..opaque import opaque_info
 from ..passes.cost import estimate_kernels
 from ..runtime.memory import released_kinds
-from ..runtime.timing import timing_text
+from ..runtime.region_timer import timing_text
 from ..reasons import Rule
 
 __all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]

@@ -70,13 +70,13 @@ def nothing_captured_reason(graph: Any) -> str:
     if not graph.runners:
         return (f"graph {graph.index} has no static region, every op of it runs eagerly "
                 "(cgbackend.report(compiled) names the reasons)")
-    disabled = [r for r in graph.runners if r.disabled]
+    disabled = [(r.name, r.state) for r in graph.runners if r.state.disabled]
     if len(disabled) == len(graph.runners):
-        shown = ", ".join(f"{r.name} ({r.disabled}: {r.disabled_detail})" for r in disabled[:3])
+        shown = ", ".join(f"{name} ({state.disabled}: {state.disabled_detail})" for name, state in disabled[:3])
         return f"every static region of graph {graph.index} runs eagerly for good: {shown}"
     eager: dict[str, int] = {}
     for runner in graph.runners:
-        for reason, n in runner.eager_calls.items():
+        for reason, n in runner.counts.eager_calls.items():
             eager[reason] = eager.get(reason, 0) + n
     if eager and max(eager, key=eager.get) == EagerReason.WARMUP:
         return (f"{_WARMING} {graph.index} are still warming up after {graph.calls} calls "

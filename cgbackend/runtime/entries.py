@@ -1,44 +1,20 @@
-"""What a region's runtime is made of: the kinds of its inputs, the state all regions of a backend
-share, and the graph entries it holds (an inference entry holds one graph, a training entry a
-forward and a backward graph), with the small helpers that fill their buffers.
-
-Inputs of a region, by kind (decided once from the partition):
-
-* ``PARAM``: a parameter or buffer (static address). Read in place, never
-  copied; its address is part of the graph's key, so a replaced parameter
-  (``p.data = ...``) leads to a new capture, never to a stale replay.
-* ``HANDOFF``: produced by another static region. The graph reads the
-  producer's static output where it lies; the address is part of the key.
-* ``EAGER``: produced by eager code. Usually copied into a static buffer of
-  the graph; read in place when it is another graph's static output (an eager
-  ``index_add_`` returns the static buffer it wrote into), address in the key.
-* ``COPY``: passed by the caller: copied into a static buffer of the graph
-  before each replay (written back afterwards if the region writes it in place).
-* ``VALUE``: not a tensor (sizes, flags): part of the key.
+"""The graph entries a region holds (an inference entry holds one graph, a training entry a forward
+and a backward graph), with the small helpers that fill their buffers. The kinds of a region's
+inputs are in spec.py.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..config import Config
-from ..progress import CaptureProgress
-from ..fx_utils import iter_tensors
-from .capture import Capturer, non_overlapping
-from .handout import HandoutGraph
+from .capture import non_overlapping
 from .inputs import InputViews
 from .outputs import foreach_copy
-from .params import ParamPolicy
-from .pool import PoolSet
-from .stats import Counters
-from .warmup import SyncDetector, cuda_sync_detector
 
-__all__ = ["PARAM", "HANDOFF", "EAGER", "COPY", "VALUE", "RuntimeShared", "Entry", "TrainEntry", "Pad",
-           "is_static_address", "static_buffer_like", "fill_grads", "freeze", "reserved", "copy_all"]
-
-PARAM, HANDOFF, EAGER, COPY, VALUE = "param", "handoff", "eager", "copy", "value"
+__all__ = ["Entry", "TrainEntry", "Pad", "is_static_address", "static_buffer_like", "fill_grads", "freeze",
+           "reserved", "copy_all"]
 
 
 def is_static_address(t: Any) -> bool:
@@ -46,71 +22,13 @@ def is_static_address(t: Any) -> bool:
     return isinstance(t, torch.nn.Parameter) or getattr(t, "_dynamo_static_input_type", None) is not None
 
 
-class RuntimeShared:
-    """What all runners of one backend instance share: pools, capturer, counters, config."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        simulate = config.simulate_graphs or not torch.cuda.is_available()
-        self.pools = PoolSet(simulate=simulate)
-        self.capturer = Capturer(simulate=config.simulate_graphs)
-        self.counters = Counters()
-        self.sync_detector: Optional[SyncDetector] = None if config.simulate_graphs else cuda_sync_detector()
-        """What watches warm-up calls for host synchronization (runtime/warmup.py): CUDA's sync debug
-        mode where CUDA graphs are captured; tests may set a stand-in for simulated graphs."""
-        self.params = ParamPolicy()
-        """How parameter inputs are keyed, checked and (for volatile ones) copied: runtime/params.py."""
-        self.persistent_ptrs: set[int] = set()
-        """data_ptr() of every static output of every graph: hand-off candidates."""
-        self.persistent_storages: set[int] = set()
-        """Storage base pointers of static outputs and static input buffers: outputs aliasing
-        them are cloned before they reach the caller."""
-        self.padded_full: dict[tuple, torch.Tensor] = {}
-        """Static outputs of padded (bucketed) graphs by (data_ptr, full shape, stride, dtype): a
-        bucketed consumer given the sliced view reads the full padded tensor in place."""
-        self.watch: Optional[Callable[..., Any]] = None
-        """Called instead of each region of each call when set: ``watch(graph, position, run_step,
-        step, ins, call)`` runs ``run_step(step, ins, call)`` and returns its result. Set by explain
-        (coverage.py, counting launches) and by the option profile (timing.py, timing regions)."""
-        self.capture_watch: Optional[Any] = None
-        """Told when a compiled graph has run the call at which its regions capture
-        (runtime/capture_watch.py: the warning that nothing was captured)."""
-        self.handout_storages: set[int] = set()
-        """Storage base pointers of handout graphs' outputs (runtime/handout.py): outputs lying in
-        them are handed to the caller as aliases, not copied."""
-        self.progress = CaptureProgress()
-        """Counts captures and logs the progress of a long burst of them (progress.py)."""
-        self.layer_copies = 1
-        """How many layers of a stack share this backend's compiled graphs (regional.py): the bounds
-        that count a region's graphs, warm-up signatures and call slots scale by it, since each
-        layer's parameters are a signature of their own."""
-        self.handed: dict[int, tuple[Any, "TrainEntry"]] = {}
-        """Training entries whose static gradients were handed to autograd and may still be held
-        (as .grad or elsewhere): live data of their backward graph until reclaimed, by id, with the
-        region's backward side (runtime/backward.py) that reclaims them."""
-
-    def reclaim_handed(self) -> None:
-        """Before any replay of a new call: give each .grad still aliasing a static gradient its
-        own memory, and release the gradients nobody holds any more."""
-        for side, entry in list(self.handed.values()):
-            side.reclaim_grads(entry, entry.leaves)
-
-    def register_persistent(self, values: Any, handoff: bool = True) -> None:
-        for t in iter_tensors(values):
-            if t.numel() == 0:
-                continue
-            if handoff:
-                self.persistent_ptrs.add(t.data_ptr())
-            self.persistent_storages.add(t.untyped_storage().data_ptr())
-
-
 class Entry:
     """One captured signature of a region (inference: one graph); common part of training entries."""
 
-    __slots__ = ("pool", "static_ins", "copy_pos", "handoff_pos", "copy_back_pos",
+    __slots__ = ("pool", "static_ins", "copy_pos", "in_place_pos", "copy_back_pos",
                  "outputs", "index", "graph", "slot", "pad_dims", "views", "nbytes", "copy_kinds",
                  "param_addrs", "param_check", "volatile_pos",
-                 "pad_block", "input_views", "handouts", "compact", "copy_dst", "size", "out_released")
+                 "pad_block", "input_views", "caller_graphs", "compact", "copy_dst", "size", "out_released")
 
     training = False
     """A training entry (TrainEntry): read where the entry types cannot be imported."""
@@ -125,9 +43,9 @@ class Entry:
         self.copy_dst: list = []
         """What each copied input is copied into, in ``copy_pos`` order: its static buffer, or the
         buffer's slice (``compact``)."""
-        self.handouts: Optional[list[HandoutGraph]] = None
-        """Inference entries whose outputs may go to the caller without a copy: their handout
-        graphs, captured when first needed (runtime/handout.py); None where that does not apply."""
+        self.caller_graphs: Optional[list] = None
+        """Inference entries whose outputs may go to the caller without a copy: their caller
+        graphs, captured when first needed (runtime/caller_graphs.py); None where that does not apply."""
         self.copy_kinds: Optional[tuple[str, ...]] = None
         """What each copied input is (copied_by_kind), found at the first replay: the isinstance
         check against nn.Parameter costs more than the copy of a small input."""
@@ -169,7 +87,7 @@ class Pad:
 class TrainEntry(Entry):
     """A training signature: the forward graph (replayed inside an autograd.Function) and the
     backward graph captured at the first backward; its call slot stays busy until the backward
-    pass is over (executor.CallState)."""
+    pass is over (calls.CallState)."""
 
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",
@@ -184,15 +102,15 @@ class TrainEntry(Entry):
         """The capture's saved-tensor hooks (saved.SavedTensors): the slots its autograd graph holds."""
         self.pooled_pos: list[int] = []
         """Copied inputs whose static buffer was made in the graph pool, alone in its storage (no
-        output lies there): those Backward.release_inputs may give to the backward graph."""
+        output lies there): those BackwardMemory.release_inputs may give to the backward graph."""
         self.released_in: dict[int, int] = {}
         """Position -> bytes of the static inputs the runtime holds no more: their blocks are the
-        backward graph's (Backward.release_inputs); each replay's staging copy writes them again."""
+        backward graph's (BackwardMemory.release_inputs); each replay's staging copy writes them again."""
         self.nondiff_loose: frozenset[int] = frozenset()
         """Outputs without a gradient that only the caller reads, as a copy (recorder.py): the
-        pool's last backward graph takes their memory (Backward.release_grad_outputs)."""
+        pool's last backward graph takes their memory (BackwardMemory.release_grad_outputs)."""
         self.released_out: dict[int, int] = {}
-        """Position -> bytes of the outputs the runtime holds no more (Backward.release_grad_outputs,
+        """Position -> bytes of the outputs the runtime holds no more (BackwardMemory.release_grad_outputs,
         tangents.py): each forward replay writes them again, and for those holding their incoming
         gradient each backward replay's staging copy."""
 

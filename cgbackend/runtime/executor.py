@@ -6,12 +6,9 @@ memory are cloned, so a later replay never overwrites them, and outputs that
 eager returns as views (of an input, a parameter, a buffer, another output)
 are rebuilt as such views (runtime/outputs.py).
 
-Training calls take a *call slot*: slot ``k`` means "the k-th forward still
-waiting for its backward". Every graph replayed in the call belongs to slot
-``k`` (its own entries and pool), and the slot stays busy until the backward
-pass through the call has finished (``queue_callback`` at the first graphed
-backward of the call), or until the call's autograd graph is freed without a
-backward. Inference calls use slot 0 and release it when they return.
+Training calls take a *call slot* (runtime/calls.py). The static regions' runners are made by
+runtime/runners.py; a region split at a host synchronization found in its warm-up is replaced by
+its parts after the call that found it (runtime/syncsplit.py).
 """
 
 from __future__ import annotations
@@ -24,108 +21,28 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
+from ..passes.partition import Region
 from ..passes.pipeline import Analysis
-from ..fx_utils import fake_value
-from ..opaque import opaque_info, region_hooks
-from .backward import QUEUE_CALLBACK
-from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, RuntimeShared, is_static_address
-from .region import RegionRunner
-from ..passes.bucket import mutated_input_positions, written_positions
-from ..passes.effects import Effects
-from ..passes.gather import rewrite_gathers
-from .outputs import INPUT, OutputBuilder, output_aliases
-from .inner import InnerFallback, LazyInner, resolve_inner
-from ..passes.constants import make_constant
-from .split import Step, build_region_module
-from .syncsplit import apply_splits
-from .memory import add_up, entry_memory
-from .stats import EagerReason
-from .capture_watch import settle_call
+from .calls import AnchorClone, CallState, SlotTable
 from .sharing import LayerSharing
+from .capture_watch import settle_call
+from .constants import make_constants
+from .entries import is_static_address
+from .inner import resolve_inner
+from .memory import memory_of
+from .outputs import INPUT, OutputBuilder, output_aliases
+from .region import RegionRunner
+from .runners import RunnerBuilder
+from .shared import RuntimeShared
+from .split import Step, build_region_module
+from .static_grads import reclaim_all
+from .stats import EagerReason
+from .syncsplit import count_split, split_step
+from .warmup import SyncHit
 
-__all__ = ["CompiledGraph", "CallState", "SlotTable", "run_step"]
+__all__ = ["CompiledGraph", "run_step"]
 
 log = logging.getLogger(__name__)
-
-
-class SlotTable:
-    """Busy flags and generations of the call slots of one compiled graph (training). At most
-    ``per_layer`` slots for each layer sharing the graph (``sharing``: runtime/sharing.py)."""
-
-    def __init__(self, per_layer: int, sharing: Optional[LayerSharing] = None) -> None:
-        self.per_layer = per_layer
-        self.sharing = sharing
-        self.busy: list[bool] = []
-        self.generation: list[int] = []
-
-    @property
-    def max_slots(self) -> int:
-        return self.per_layer * (self.sharing.copies if self.sharing is not None else 1)
-
-    def acquire(self) -> Optional[tuple[int, int]]:
-        for k, busy in enumerate(self.busy):
-            if not busy:
-                break
-        else:
-            if len(self.busy) >= self.max_slots:
-                return None
-            self.busy.append(False)
-            self.generation.append(0)
-            k = len(self.busy) - 1
-        self.busy[k] = True
-        self.generation[k] += 1
-        return k, self.generation[k]
-
-    def release(self, k: int, generation: int, live: list) -> None:
-        if self.busy[k] and self.generation[k] == generation:
-            self.busy[k] = False
-            for pool, index in live:
-                pool.release(index)
-            live.clear()
-
-    def pending(self) -> int:
-        return sum(self.busy)
-
-
-class CallState:
-    """One call of a compiled graph: its slot, the graphs it replayed, its training anchors."""
-
-    __slots__ = ("slot", "generation", "training", "live", "tokens", "_table", "_scheduled",
-                 "__weakref__")
-
-    def __init__(self, slot: int, generation: int, training: bool, table: Optional[SlotTable]) -> None:
-        self.slot = slot
-        self.generation = generation
-        self.training = training
-        self.live: list = []
-        self.tokens = 0
-        self._table = table
-        self._scheduled = False
-
-    def add_token(self) -> None:
-        self.tokens += 1
-
-    def still_valid(self, generation: int) -> bool:
-        table = self._table
-        return table is None or table.generation[self.slot] == generation
-
-    def release(self) -> None:
-        if self._table is not None:
-            self._table.release(self.slot, self.generation, self.live)
-        else:
-            for pool, index in self.live:
-                pool.release(index)
-            self.live.clear()
-
-    def on_backward(self) -> None:
-        """A graphed backward of this call runs: free the slot once the whole backward pass is over."""
-        if self._scheduled:
-            return
-        self._scheduled = True
-        if QUEUE_CALLBACK is not None:
-            QUEUE_CALLBACK(self.release)
-        else:  # no engine hook: no forward can start before this backward pass returns anyway
-            self.release()
 
 
 def _never() -> bool:
@@ -134,19 +51,6 @@ def _never() -> bool:
 
 _profiler_enabled: Callable[[], bool] = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", _never)
 """Is an autograd/Kineto profiler (or emit_nvtx) recording? One C call; feature-tested."""
-
-
-def _runs_twice_alike(effects: Effects, nodes: list, inputs: list) -> bool:
-    """Running ``nodes`` (a graph, or a region of it, reading ``inputs``) a second time on the same
-    inputs gives the same outputs and leaves the same state: they write none of their inputs, draw
-    no random number, touch no global state and call no opaque module (whose own state they cannot
-    see)."""
-    members = set(nodes)
-    if any(n in members for n in effects.random_nodes) or any(n in members for n in effects.barriers):
-        return False
-    if any(opaque_info(n) is not None for n in nodes):
-        return False
-    return not written_positions(effects, nodes, inputs)
 
 
 class CompiledGraph:
@@ -162,9 +66,7 @@ class CompiledGraph:
         self.config = shared.config
         self._layout_checks = tuple(analysis.dispatch.layout_checks)
         """Run at every call: expert parameters read from one block still are its slices."""
-        nodes = list(analysis.gm.graph.nodes)
-        self._check_after_launch = bool(self._layout_checks) and _runs_twice_alike(
-            analysis.effects, nodes, [n for n in nodes if n.op == "placeholder"])
+        self._check_after_launch = bool(self._layout_checks) and analysis.facts.reruns_alike
         """The checks of a list seen before are made once the graph is launched, while the GPU runs
         it (their hundreds of address comparisons were host time before each launch); a call whose
         check finds a changed address runs again on the laid-out parameters."""
@@ -177,22 +79,19 @@ class CompiledGraph:
         # Whether each input is a parameter or buffer (read in place), not the example tensors
         # themselves: Dynamo passes the first call's real inputs, which kept for good would hold
         # that batch's memory as long as the graph lives.
-        self._static_address = {n: i < len(example_inputs) and is_static_address(example_inputs[i])
-                                for i, n in enumerate(placeholders)}
-        first_param = next((i for i, n in enumerate(placeholders) if self._static_address[n]), None)
+        static_address = {n: i < len(example_inputs) and is_static_address(example_inputs[i])
+                          for i, n in enumerate(placeholders)}
+        first_param = next((i for i, n in enumerate(placeholders) if static_address[n]), None)
         self.sharing = LayerSharing(shared.layer_copies, first_param)
         """How many layers share this graph (runtime/sharing.py): scales the per-layer bounds."""
         self.slots = SlotTable(self.config.max_pending_forwards, self.sharing)
         # Hoisted constants (passes/constants.py): made once, in slots right after the inputs.
         self.constants = tuple(analysis.constants.nodes)
-        self._constant_set = set(self.constants)
-        made: dict = {}
-        for node in self.constants:  # in graph order: a conversion reads a constant made before it
-            made[node] = make_constant(node, made)
+        made = make_constants(self.constants)
         self._constant_values: list = list(made.values())
         # A constant the graph returns is copied out on every call, like graph memory: the caller
         # may write its copy (runtime/outputs.py copies outputs lying in these storages).
-        shared.register_persistent([made[n] for n in analysis.constants.returned], handoff=False)
+        shared.register_persistent([made[n] for n in analysis.constants.returned], in_place=False)
         for node in self.constants:
             slot_of[node] = len(slot_of)
         shared.counters.constants_hoisted += len(self.constants)
@@ -206,7 +105,7 @@ class CompiledGraph:
         # Outputs that view an input, another output or each other are rebuilt as views at the end
         # of each call (runtime/outputs.py); the values they are rebuilt from stay until then.
         self.output_aliases = output_aliases(gm, set(slot_of))
-        self._builder = OutputBuilder(self.output_aliases, self._output_template, slot_of, shared)
+        self._outputs = OutputBuilder(self.output_aliases, self._output_template, slot_of, shared)
         graph_outputs = {slot_of[n] for n in output_node.all_input_nodes}
         graph_outputs |= {slot_of[n] for n in self.output_aliases.leaves}
         graph_outputs |= {slot_of[g.root] for g in self.output_aliases.groups
@@ -224,27 +123,25 @@ class CompiledGraph:
             self.config, analysis.classification.compute_device)
         """What the static regions of this graph are compiled with (inner.py): "eager" or "inductor"."""
         self._inner = inner
-        self._runner_of: dict[torch.fx.Node, RegionRunner] = {}
-        """Node -> the runner of the static region computing it (hand-off producers)."""
+        self._make = RunnerBuilder(shared, index, static_address, set(self.constants), inner, self.inner_mode,
+                                   blocked, on_sync=self._request_split, sharing=self.sharing)
+        """Makes the static regions' runners (runtime/runners.py)."""
         self._pending_splits: list = []
         self.steps: list[Step] = []
-        self.runners: list[RegionRunner] = []
-        self.gather_rewrites: dict[int, int] = {}
+        self.runners: list[RegionRunner] = self._make.runners
+        self.gather_rewrites = {i: len(found) for i, found in analysis.gathers.regions.items()}
         """Dynamic region index -> row gathers rewritten to index_select (passes/gather.py)."""
         for step_index, region in enumerate(partition.regions):
-            module = build_region_module(gm, region, analysis.schedule.order.get(region.index))
+            module = build_region_module(gm, region, analysis.schedule.order.get(region.index),
+                                         analysis.gathers.regions.get(region.index))
             ins = tuple(slot_of[n] for n in region.inputs)
             outs = tuple(slot_of[n] for n in region.outputs)
             frees = tuple(s for s in ins if last_use.get(s) == step_index and s not in self._graph_outputs)
             runner = None
             if region.is_static:
                 bucketing = analysis.buckets.regions.get(region.index)
-                runner = self._make_runner(region, module, bucketing.plan if bucketing is not None else None)
-            else:
-                # Only pays off under autograd (its backward is the cheap part); in inference the
-                # two-index form costs one more launch.
-                if self.training_graph:
-                    self.gather_rewrites[region.index] = rewrite_gathers(module)
+                runner = self._make.make(region, module, bucketing.plan if bucketing is not None else None,
+                                         analysis.facts.regions[region.index])
             role = analysis.labels.region_roles.get(region.index, "other")
             self.steps.append(Step(ins, outs, frees, runner, module, region,
                                     f"cgbackend g{index}.{region.name} {role}"))
@@ -260,96 +157,48 @@ class CompiledGraph:
         """Calls of this graph (each runs every dynamic region once): the runtime launch coverage."""
         self._settle_at = settle_call(self.config, shared.layer_copies)
         """The call after which this graph's regions have captured if they will (capture_watch.py)."""
-        self._mirror = getattr(shared, "mirror", None)
+        self._mirror = shared.mirror
         """runtime/mirror.py: torch._dynamo.utils.counters["cgbackend"] reads the counters when read;
         each call first checks that it was not cleared since (CounterMirror.begin)."""
 
-    def _input_kinds(self, region) -> tuple[list[str], list[Optional[RegionRunner]]]:
-        """How a static region reads each input (region.py), and the runner producing hand-offs."""
-        kinds, producers = [], []
-        for inp in region.inputs:
-            value = fake_value(inp)
-            producer = self._runner_of.get(inp)
-            if not isinstance(value, torch.Tensor):
-                kinds.append(VALUE)
-                producers.append(None)
-            elif inp in self._constant_set:
-                kinds.append(PARAM)  # made once, never written: read in place like a parameter
-                producers.append(None)
-            elif inp.op == "placeholder":
-                kinds.append(PARAM if self._static_address[inp] else COPY)
-                producers.append(None)
-            elif producer is not None:
-                kinds.append(HANDOFF)
-                producers.append(producer)
-            else:
-                kinds.append(EAGER)
-                producers.append(None)
-        return kinds, producers
-
-    def _make_runner(self, region, module: torch.fx.GraphModule, bucket) -> RegionRunner:
-        kinds, producers = self._input_kinds(region)
-        hooks = region_hooks(region.nodes)
-        opaque_calls = any(opaque_info(n) is not None for n in region.nodes)
-        name = f"g{self.index}.{region.name}"  # the report's region id
-        mutated = mutated_input_positions(self.analysis.effects, region)
-        fn = module
-        lazy = None
-        recomputable = hooks is None and _runs_twice_alike(self.analysis.effects, region.nodes, region.inputs)
-        if self._inner is not None:
-            # Inductor would trace an opaque call with fake tensors and keep only its shape:
-            # regions holding one run their FX module as it is.
-            fn = module if opaque_calls else self._inner(module, region)
-        elif self.inner_mode == "inductor" and self.blocked is None:
-            lazy = LazyInner(module, name, self.shared.counters, strict=self.config.strict,
-                             copied=tuple(p for p, k in enumerate(kinds) if k in (COPY, EAGER)),
-                             written=tuple(sorted(mutated)),
-                             donate=recomputable and not self.shared.capturer.simulate)
-            if opaque_calls:  # a policy, not an error: counted, never raised under strict
-                lazy.strict = False
-                lazy.fall_back(InnerFallback.OPAQUE_CALL, "opaque module call in the region")
-                lazy = None
-        runner = RegionRunner(name, fn, kinds, producers, mutated, self.shared,
-                              bucket=bucket, device=_region_device(region), hooks=hooks, sharing=self.sharing)
-        runner.lazy_inner = lazy
-        runner.recomputable = recomputable
-        runner.caller_only = frozenset(i for i, node in enumerate(region.outputs)
-                                       if node.users and all(u.op == "output" for u in node.users))
-        runner.on_sync = self._request_split
-        if self.blocked is not None:
-            runner.disable(self.blocked, _BLOCKED_DETAIL.get(self.blocked, self.blocked))
-        for node in region.outputs:
-            self._runner_of[node] = runner
-        self.runners.append(runner)
-        return runner
-
     def mark_terminal(self) -> None:
         """The last static region of the graph: no static region reads its outputs, so its
-        inference graphs may hand them out without a copy (runtime/handout.py)."""
+        inference graphs may hand them out without a copy (runtime/caller_graphs.py)."""
         runners = [step.runner for step in self.steps if step.runner is not None]
         for runner in runners[:-1]:
-            if runner.terminal:
-                # A static region now reads its outputs, which its graphs may have released
-                # (runtime/loose_outputs.py): those graphs go, and it captures again.
-                for key, entry in [(k, e) for k, e in runner.entries.items() if e.out_released]:
-                    del runner.entries[key]
-                    runner.cache.release(entry)
-            runner.terminal = False
+            runner.set_terminal(False)
         if runners:
-            runners[-1].terminal = True
+            runners[-1].set_terminal(True)
 
-    def _request_split(self, runner: RegionRunner, hit: Any) -> bool:
-        """A runner saw its op ``hit.node`` synchronize in warm-up: split it after this call."""
-        if runner.entries or runner.n_graphs:
-            return False  # graphs of other signatures exist: keep the region whole (eager)
-        step = next((s for s in self.steps if s.runner is runner), None)
-        if step is None:
+    def _request_split(self, region: Region, hit: SyncHit) -> bool:
+        """The runner of ``region`` saw its op ``hit.node`` synchronize in warm-up: split the
+        region after this call (False: it cannot be, and the region then runs eagerly)."""
+        step = next((s for s in self.steps if s.region is region), None)
+        if step is None or step.runner is None:
             return False
+        runner = step.runner
+        if runner.cache.entries or runner.counts.graphs:
+            return False  # graphs of other signatures exist: keep the region whole (eager)
         node = step.module.meta.get("cgbackend_origin", {}).get(hit.node)
         if node is None or node not in step.region.nodes:
             return False
-        self._pending_splits.append((step, type(hit)(node, hit.detail)))
+        self._pending_splits.append((step, SyncHit(node, hit.detail)))
         return True
+
+    def _apply_splits(self) -> None:
+        """Replace each region whose runner asked to be split by its parts (runtime/syncsplit.py)."""
+        pending, self._pending_splits = self._pending_splits, []
+        for step, hit in pending:
+            new_steps, self.n_values, parts = split_step(
+                step, hit.node, self.steps, self._slot_of, self.n_values, self.analysis, self.config.min_region_ops,
+                self._make.make)
+            position = self.steps.index(step)
+            self.steps[position:position + 1] = new_steps
+            self.mark_terminal()
+            # Later regions read the values the old region computed from the parts computing them
+            # now, or, where an eager part does, as eager values.
+            self._make.retire(step.runner, step.region)
+            count_split(self.shared.counters, step.runner.name, hit, parts)
 
     def _blocked_reason(self) -> Optional[str]:
         if not self.config.capture:
@@ -383,7 +232,7 @@ class CompiledGraph:
             for check in checks:
                 check(args)
         if self.shared.handed:
-            self.shared.reclaim_handed()
+            reclaim_all(self.shared.handed, self.shared.counters)
         if training:
             acquired = self.slots.acquire()
             if acquired is None:
@@ -401,13 +250,13 @@ class CompiledGraph:
                 self.shared.counters.layout_reruns += 1
                 log.info("cgbackend: graph %d: an expert parameter's address changed; the call "
                          "runs again on the laid-out parameters", self.index)
-                result = None  # the first run's outputs let go before the second (handout graphs)
+                result = None  # the first run's outputs let go before the second (caller graphs)
                 result = self._run(args, call)
         finally:
             if not training or call.tokens == 0:
                 call.release()
         if self._pending_splits:
-            apply_splits(self)
+            self._apply_splits()
         if not self._capture_logged:
             self._log_capture_once()
         if self.calls == self._settle_at and self.shared.capture_watch is not None:
@@ -442,8 +291,8 @@ class CompiledGraph:
             for i in step.frees:
                 env[i] = None
         if call.training and call.tokens == 0 and call.live:
-            return self._builder.build(env, anchor=lambda values: self._anchor(values, call))
-        return self._builder.build(env)
+            return self._outputs.build(env, anchor=lambda values: self._anchor(values, call))
+        return self._outputs.build(env)
 
     def _anchor(self, values: dict, call: CallState) -> None:
         """A training call that replayed graphs but made no graphed backward (no region had an input
@@ -452,7 +301,7 @@ class CompiledGraph:
         grads = [(node, v) for node, v in values.items() if isinstance(v, torch.Tensor) and v.requires_grad]
         if not grads:
             return
-        clones = _AnchorClone.apply(call, *(v for _, v in grads))
+        clones = AnchorClone.apply(call, *(v for _, v in grads))
         self.shared.counters.output_clones += len(grads)
         for (node, _), clone in zip(grads, clones):
             values[node] = clone
@@ -461,67 +310,55 @@ class CompiledGraph:
         env = self._env(args)
         for step in self.steps:
             if step.runner is not None:
-                step.runner.count_eager(reason)
+                step.runner.counts.eager(reason)
             out = step.module(*[env[i] for i in step.ins])
             for i, value in zip(step.outs, out):
                 env[i] = value
-        return self._builder.build(env)
+        return self._outputs.build(env)
 
     # ------------------------------------------------------------------ logs and reports
 
     def _log_capture_once(self) -> None:
-        if any(r.n_graphs == 0 and r.disabled is None for r in self.runners):
+        if any(r.counts.graphs == 0 and r.state.disabled is None for r in self.runners):
             return  # some regions are still warming up
         self._capture_logged = True
-        graphs = sum(r.n_graphs for r in self.runners)
-        seconds = sum(r.capture_time_s for r in self.runners)
-        eager = [f"{r.name} ({r.disabled}: {r.disabled_detail})" for r in self.runners if r.disabled]
+        graphs = sum(r.counts.graphs for r in self.runners)
+        seconds = sum(r.counts.capture_time_s for r in self.runners)
+        eager = [f"{r.name} ({r.state.disabled}: {r.state.disabled_detail})" for r in self.runners
+                 if r.state.disabled]
         pool_mib = self.shared.counters.pool_bytes / 2**20
         log.info("cgbackend: graph %d: %d static regions, %d graphs captured in %.2f s, pool %.1f MiB%s",
                  self.index, len(self.runners), graphs, seconds, pool_mib,
                  f"; eager: {', '.join(eager)}" if eager else "")
 
     def runtime_summary(self) -> dict[str, Any]:
-        memories = {r.name: memory_of([r]) for r in self.runners}
         return {
             "blocked": self.blocked,
-            "regions": {
-                r.name: {"graphs": r.n_graphs, "held": len(r.entries), "evicted": r.evicted,
-                         "recaptured": r.recaptured,
-                         "pool_bytes": sum(e.nbytes for e in r.entries.values()),
-                         "bucketed": r.bucket.symbol if r.bucket is not None else None,
-                         "captured_sizes": sorted({e.size for e in r.entries.values() if e.size is not None}),
-                         "memory": {k: v for k, v in memories[r.name].items() if k != "by_size"},
-                         "memory_by_size": memories[r.name]["by_size"],
-                         "thrashing": r.thrashing,
-                         "replays": r.replays, "eager_calls": dict(r.eager_calls),
-                         "handout_graphs": sum(len(e.handouts or ()) for e in r.entries.values()),
-                         "disabled": r.disabled, "disabled_detail": r.disabled_detail,
-                         "capture_time_s": round(r.capture_time_s, 4),
-                         "inner": (r.lazy_inner.summary() if r.lazy_inner is not None
-                                   else {"state": "eager" if self._inner is None else "compiled"})}
-                for r in self.runners
-            },
+            "regions": {r.name: self._region_summary(r) for r in self.runners},
             "inner": self.inner_mode,
             "constants": self.analysis.constants.to_dict(),
             "pending_forwards": self.slots.pending(),
             "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
         }
 
-
-def memory_of(runners: Any) -> dict[str, Any]:
-    """What the held graphs of ``runners`` hold and reserved (runtime/memory.py), in all, and per
-    capture size of their bucketed entries (``by_size``); each entry measured once."""
-    parts, sizes = [], {}
-    for r in runners:
-        for e in r.entries.values():
-            part = entry_memory(e)
-            parts.append(part)
-            if e.size is not None:
-                sizes.setdefault(e.size, []).append(part)
-    out: dict[str, Any] = add_up(parts)
-    out["by_size"] = {size: add_up(group) for size, group in sorted(sizes.items())}
-    return out
+    def _region_summary(self, r: RegionRunner) -> dict[str, Any]:
+        entries = r.cache.entries
+        memory = memory_of(entries.values())
+        state, counts, lazy = r.state, r.counts, r.code.lazy
+        return {"graphs": counts.graphs, "held": len(entries), "evicted": r.cache.evicted,
+                "recaptured": r.cache.recaptured,
+                "pool_bytes": sum(e.nbytes for e in entries.values()),
+                "bucketed": r.spec.bucket.symbol if r.spec.bucket is not None else None,
+                "captured_sizes": sorted({e.size for e in entries.values() if e.size is not None}),
+                "memory": {k: v for k, v in memory.items() if k != "by_size"},
+                "memory_by_size": memory["by_size"],
+                "thrashing": r.cache.thrashing,
+                "replays": counts.replays, "eager_calls": dict(counts.eager_calls),
+                "handout_graphs": sum(len(e.caller_graphs or ()) for e in entries.values()),
+                "disabled": state.disabled, "disabled_detail": state.disabled_detail,
+                "capture_time_s": round(counts.capture_time_s, 4),
+                "inner": (lazy.summary() if lazy is not None
+                          else {"state": "eager" if self._inner is None else "compiled"})}
 
 
 def run_step(step: Step, ins: list, call: CallState) -> Any:
@@ -529,31 +366,3 @@ def run_step(step: Step, ins: list, call: CallState) -> Any:
     if step.runner is not None:
         return step.runner(ins, call)
     return step.module(*ins)
-
-
-class _AnchorClone(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, call: CallState, *tensors: torch.Tensor) -> Any:
-        ctx.call = call
-        call.add_token()
-        return tuple(t.clone() for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.call.on_backward()
-        return (None,) + grads
-
-
-_BLOCKED_DETAIL = {
-    EagerReason.NO_CUDA: "the graph computes on the CPU; CUDA graphs need CUDA tensors",
-    EagerReason.CAPTURE_DISABLED: "the option capture=False",
-}
-
-
-def _region_device(region) -> Optional[torch.device]:
-    """Where a region computes, from the fake values of its nodes (for regions fed only numbers)."""
-    for node in region.outputs + region.nodes:
-        value = fake_value(node)
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return None

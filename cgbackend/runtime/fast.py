@@ -2,6 +2,8 @@
 key, and the next call checks those parts one by one (same shapes, strides, dtypes, numbers,
 parameter addresses and inference mode) instead of building the full key. A call that differs in
 anything, or that the replay-order rule forbids now, takes the full path (``RegionRunner.__call__``).
+It reads the region's spec and parameter addresses and replays through the region's Replayer; it
+holds nothing of the runner.
 
 One entry is remembered per address of the region's first parameter: the layers of a stack that
 share the region (regional.py) call it in turn, each with its own parameters, and each finds its
@@ -10,14 +12,15 @@ own entry with one dictionary lookup.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
-from .entries import COPY, PARAM, VALUE, Entry, freeze
-
-if TYPE_CHECKING:
-    from .region import RegionRunner
+from .caller_graphs import CallerGraphs
+from .entries import Entry, freeze
+from .params import ParamAddresses, ParamPolicy
+from .replay import Replayer
+from .spec import COPY, PARAM, VALUE, RegionCounts, RegionSpec
 
 __all__ = ["FastPath"]
 
@@ -37,7 +40,7 @@ class _Remembered:
         self.values = values
         """(position, frozen value) of each number input."""
         self.params = params
-        """The parameters' addresses (GraphCache.param_key)."""
+        """The parameters' addresses (ParamAddresses.key)."""
         self.ptrs = ptrs
         """The same, aligned with the inputs, for PyTorch's C++ comparison (None without it)."""
         self.static = static
@@ -70,19 +73,33 @@ _STRIDED = torch.strided
 
 
 class FastPath:
-    def __init__(self, runner: "RegionRunner") -> None:
-        self.runner = runner
-        kinds, mutated = runner.kinds, runner.mutated
-        self.ok = (runner.hooks is None and runner.bucket is None
+    """The inference fast path of one region: what it remembers, and the replay it makes. It stages
+    and finishes through the region's Replayer and picks caller graphs through its CallerGraphs."""
+
+    def __init__(self, spec: RegionSpec, params: ParamAddresses, policy: ParamPolicy, replayer: Replayer,
+                 callers: CallerGraphs, counts: RegionCounts) -> None:
+        kinds, written = spec.kinds, spec.written
+        self.kinds = kinds
+        self.params = params
+        self.policy = policy
+        self.replayer = replayer
+        self.callers = callers
+        self.counts = counts
+        self.counters = counts.counters
+        self.param_pos = spec.param_pos
+        self.other_pos = spec.other_pos
+        self.written = written
+        self.overlap_pos = spec.overlap_pos
+        self.ok = (spec.hooks is None and spec.bucket is None
                    and all(k is PARAM or k is COPY or k is VALUE for k in kinds)
-                   and all(kinds[p] is PARAM for p in mutated))
+                   and all(kinds[p] is PARAM for p in written))
         """Inference calls may take the fast path: the region reads only parameters, the caller's
         tensors and numbers, pads nothing, and writes only inputs it reads in place (a static KV
         cache's buffers: nothing to copy back)."""
         self.remembered: dict[int, _Remembered] = {}
         """By the first parameter's address: the inference entry replayed last for it and what its
         key was made of (cleared when an entry is dropped)."""
-        self._first = runner.cache.param_pos[0] if runner.cache.param_pos else None
+        self._first = spec.param_pos[0] if spec.param_pos else None
 
     def clear(self) -> None:
         self.remembered = {}
@@ -94,21 +111,20 @@ class FastPath:
     def note(self, entry: Entry, ins: list) -> None:
         """Remember an inference entry this call replays (or captured), with the parts of its key
         (GraphCache.keys, just computed for it)."""
-        runner = self.runner
         if not self.ok or type(entry) is not Entry or entry.input_views is not None \
-                or entry.pad_dims or runner.shared.params.volatile is not None:
+                or entry.pad_dims or self.policy.volatile is not None:
             self.remembered.pop(self._slot(ins), None)
             return
-        kinds = runner.kinds
-        cache = runner.cache
-        tensors = tuple((p, ins[p].shape, ins[p].stride(), ins[p].dtype) for p in cache.other_pos
+        kinds = self.kinds
+        tensors = tuple((p, ins[p].shape, ins[p].stride(), ins[p].dtype) for p in self.other_pos
                         if kinds[p] is not VALUE)
-        values = tuple((p, freeze(ins[p])) for p in cache.other_pos if kinds[p] is VALUE)
-        written = runner.written
+        values = tuple((p, freeze(ins[p])) for p in self.other_pos if kinds[p] is VALUE)
+        written = self.written
         offsets = tuple((p, ins[p].storage_offset(), ins[p].element_size()) for p in written)
         stores = frozenset(ins[p].untyped_storage().data_ptr() for p in written)
+        params = self.params
         self.remembered[self._slot(ins)] = _Remembered(
-            entry, torch.is_inference_mode_enabled(), tensors, values, cache.param_key, cache.aligned_ptrs(),
+            entry, torch.is_inference_mode_enabled(), tensors, values, params.key, params.aligned(),
             entry.copy_dst, offsets, stores)
 
     def replay(self, ins: list, call: Any) -> Any:
@@ -125,27 +141,25 @@ class FastPath:
         for pos, frozen in fast.values:
             if freeze(ins[pos]) != frozen:
                 return None
-        runner = self.runner
-        cache = runner.cache
-        if cache.param_pos and not cache.same_params(ins, fast.params, fast.ptrs):
+        if self.param_pos and not self.params.same(ins, fast.params, fast.ptrs):
             return None
-        if runner.written and _shares_written(ins, fast, runner.overlap_pos):
+        if self.written and _shares_written(ins, fast, self.overlap_pos):
             return None  # the full path tells a real overlap (run eagerly) from a shared storage
         entry = fast.entry
         pool = entry.pool
         if pool.live and pool.hazard(entry.index):
             return None
-        runner.stage_inputs(entry, ins, False, fast.static)
-        counters = runner.shared.counters
-        if entry.handouts is not None:
-            handout = runner.recorder.handout(entry)
-            if handout is not None:
+        self.replayer.stage(entry, ins, False, fast.static)
+        counters = self.counters
+        if entry.caller_graphs is not None:
+            caller = self.callers.pick(entry)
+            if caller is not None:
                 counters.fast_replays += 1
-                return runner.replay_handout(handout)
+                return self.replayer.replay_caller(caller)
         entry.graph.replay()
         pool.acquire(entry.index)
         call.live.append((pool, entry.index))
-        runner.replays += 1
+        self.counts.replays += 1
         counters.replays += 1
         counters.fast_replays += 1
         return entry.outputs

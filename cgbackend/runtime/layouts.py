@@ -6,7 +6,7 @@ Dynamo guards the strides of a graph's inputs, but not always by value: a graph 
 stride change has symbolic strides, and Inductor may specialize them while it compiles a region
 (lazily, after Dynamo's guards are set, so nothing guards the specialization); and inputs made by
 eager code carry whatever strides eager gave them. So each copied input of a region (kinds COPY and
-EAGER: parameters and hand-offs are read in place, their strides guarded by Dynamo or set by their
+EAGER: parameters and other graphs' outputs are read in place, their strides guarded by Dynamo or set by their
 producer) gets one compiled :class:`Layout`, chosen from the example Dynamo recorded:
 
 * the example's strides where they are numbers (Dynamo guards them), a stride-0 (expanded) dim
@@ -244,7 +244,7 @@ def _fake_like(example: torch.Tensor, strides: Sequence[Any]) -> torch.Tensor:
 
 
 class AdaptedCall:
-    """A region's compiled code, callable with its copied inputs in any layout (runner.fn).
+    """A region's compiled code, callable with its copied inputs in any layout (RegionCode.fn).
 
     Each input is copied into its compiled layout where it lies in another (counted in
     ``layout_copies``: warm-up and eager calls; a capture reads static buffers already in it) and

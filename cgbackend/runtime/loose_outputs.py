@@ -32,16 +32,12 @@ code that read them after another replay would fail a test.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..fx_utils import iter_tensors
 from .capture import SimulatedGraph
-
-if TYPE_CHECKING:
-    from .entries import Entry
-    from .region import RegionRunner
 
 __all__ = ["StorageWeakRef", "loose_alias", "loose_supported", "releases_outputs", "release_outputs"]
 
@@ -71,14 +67,15 @@ def loose_alias(value: torch.Tensor) -> torch.Tensor:
     return _on(_from_pointer(storage.data_ptr(), value.device, storage.nbytes()), value)
 
 
-def releases_outputs(runner: "RegionRunner", entry: "Entry") -> bool:
-    """Are ``entry``'s static outputs released after its capture (module docstring)?"""
-    return (runner.terminal and not entry.training and runner.hooks is None
+def releases_outputs(entry: Any, terminal: bool, hooks: Any) -> bool:
+    """Are ``entry``'s static outputs released after its capture (module docstring)? ``terminal``:
+    its region is the graph's last static one; ``hooks``: its opaque module calls' (or None)."""
+    return (terminal and not entry.training and hooks is None
             and entry.input_views is None and entry.outputs is not None
             and (isinstance(entry.graph, SimulatedGraph) or _from_pointer is not None))
 
 
-def release_outputs(entry: "Entry") -> None:
+def release_outputs(entry: Any) -> None:
     """Release ``entry``'s static outputs (module docstring); ``entry.out_released`` says how many
     bytes."""
     inputs = {t.untyped_storage().data_ptr() for t in iter_tensors(entry.static_ins) if t.numel()}

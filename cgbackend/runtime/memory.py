@@ -32,7 +32,7 @@ import torch
 from ..fx_utils import iter_tensors
 from .entries import Entry
 
-__all__ = ["KINDS", "entry_memory", "add_up", "released_kinds"]
+__all__ = ["KINDS", "entry_memory", "add_up", "memory_of", "released_kinds"]
 
 KINDS = ("inputs", "outputs", "saved", "grads")
 """The parts of ``held``, in the order a storage is attributed to them."""
@@ -60,7 +60,7 @@ def entry_memory(entry: Entry) -> dict[str, int]:
         out.update(held=0, reserved=0, released=0, released_outputs=0, released_inputs=0)
         return out
     seen: set[int] = set()
-    # Parameters and hand-offs are read in place: they belong to the model or to another graph.
+    # Parameters and other graphs' outputs are read in place: they belong to the model or to another graph.
     released_in = getattr(entry, "released_in", {})  # a training entry's (runtime/backward.py)
     released_inputs = sum(released_in.values())
     out["inputs"] = _storages((entry.static_ins[p] for p in entry.copy_pos if p not in released_in), seen)
@@ -105,3 +105,17 @@ def released_kinds(mem: dict[str, int]) -> dict[str, int]:
     parts = {"saved activations": mem.get("released", 0) - outputs - inputs, "static inputs": inputs,
              "outputs": outputs}
     return {k: v for k, v in parts.items() if v}
+
+
+def memory_of(entries: Iterable[Entry]) -> dict[str, Any]:
+    """What the graph entries ``entries`` hold and reserved, in all, and per capture size of the
+    bucketed ones (``by_size``); each entry measured once."""
+    parts, sizes = [], {}
+    for e in entries:
+        part = entry_memory(e)
+        parts.append(part)
+        if e.size is not None:
+            sizes.setdefault(e.size, []).append(part)
+    out: dict[str, Any] = add_up(parts)
+    out["by_size"] = {size: add_up(group) for size, group in sorted(sizes.items())}
+    return out

@@ -273,7 +273,7 @@ class OutputBuilder:
         self._warned: set = set()
         self._plans: list = []
         """Which plain outputs lay in graph memory, by position, for the latest few sets of tensor
-        objects returned (a replayed graph returns its static outputs; a region with handout graphs
+        objects returned (a replayed graph returns its static outputs; a region with caller graphs
         alternates between theirs): reused while a call returns the same objects and no graph
         memory was added since."""
 
@@ -306,21 +306,21 @@ class OutputBuilder:
         copies nothing and raises when an overwritten output is read). Tensors autograd must see
         copied (a training call's outputs) keep ``clone()``."""
         storages = self.shared.persistent_storages
-        handout = self.shared.handout_storages
-        if not storages and not handout:
+        callers = self.shared.caller_storages
+        if not storages and not callers:
             return
         sources = [values[n] for n in nodes]
         plan = None
         for known in self._plans:
-            if known.holds(nodes, storages, handout, sources):
+            if known.holds(nodes, storages, callers, sources):
                 plan = known
                 break
         if plan is None:
-            plan = _OwnPlan(nodes, storages, handout, sources)
+            plan = _OwnPlan(nodes, storages, callers, sources)
             if nodes is self.plain:
                 self._plans = [plan] + self._plans[:_PLANS_KEPT - 1]
         if plan.handed:
-            # A handout graph's outputs (runtime/handout.py): a new tensor object on the same memory,
+            # A caller graph's outputs (runtime/caller_graphs.py): a new tensor object on the same memory,
             # which the graph does not write again while it (or anything made from it) is alive.
             for i in plan.handed:
                 values[nodes[i]] = sources[i].detach()
@@ -468,20 +468,20 @@ _PLANS_KEPT = 4
 
 class _OwnPlan:
     """Which outputs (positions in ``nodes``) lie in graph memory and are copied, and which are a
-    handout graph's and are handed out as aliases, decided for the tensor objects ``sources``. It
+    caller graph's and are handed out as aliases, decided for the tensor objects ``sources``. It
     holds for a later call that passes the same ``nodes`` list and the same tensor objects (weakly
-    referenced: a plan keeps no graph memory alive) while the sets of graph storages and handout
-    storages have not changed size (graph storages are only added; handout storages go with their
-    entry, whose tensor objects then die, so no plan made for them holds any more)."""
+    referenced: a plan keeps no graph memory alive) while the sets of graph storages and caller
+    graph storages have not changed size (graph storages are only added; caller graph storages go
+    with their entry, whose tensor objects then die, so no plan made for them holds any more)."""
 
-    __slots__ = ("nodes", "storages", "size", "handout", "handout_size", "refs", "copied", "handed")
+    __slots__ = ("nodes", "storages", "size", "callers", "callers_size", "refs", "copied", "handed")
 
-    def __init__(self, nodes: list, storages: set, handout: set, sources: list) -> None:
+    def __init__(self, nodes: list, storages: set, callers: set, sources: list) -> None:
         self.nodes = nodes
         self.storages = storages
         self.size = len(storages)
-        self.handout = handout
-        self.handout_size = len(handout)
+        self.callers = callers
+        self.callers_size = len(callers)
         refs: list = []
         copied: list = []
         handed: list = []
@@ -495,15 +495,15 @@ class _OwnPlan:
             ptr = value.untyped_storage().data_ptr()
             if ptr in storages:
                 copied.append(i)
-            elif ptr in handout:
+            elif ptr in callers:
                 handed.append(i)
         self.refs = tuple(refs)
         self.copied = tuple(copied)
         self.handed = tuple(handed)
 
-    def holds(self, nodes: list, storages: set, handout: set, sources: list) -> bool:
+    def holds(self, nodes: list, storages: set, callers: set, sources: list) -> bool:
         if nodes is not self.nodes or storages is not self.storages or len(storages) != self.size \
-                or handout is not self.handout or len(handout) != self.handout_size:
+                or callers is not self.callers or len(callers) != self.callers_size:
             return False
         for ref, value in zip(self.refs, sources):
             if ref is None:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["ParamPolicy", "ptrs_equal", "storage_key"]
+__all__ = ["ParamAddresses", "ParamPolicy", "ptrs_equal", "storage_key"]
 
 ptrs_equal: Optional[Callable[[list, list, Sequence[int]], bool]] = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", None)
@@ -113,3 +113,47 @@ class ParamPolicy:
                         "again before this forward or backward")
                 static_ins[pos].detach().copy_(src)
         return len(sources)
+
+
+class ParamAddresses:
+    """The addresses of one region's parameter inputs as the latest call had them, and the key part
+    they make: where PyTorch's C++ comparison exists (CUDA builds, the one cudagraph trees uses), an
+    unchanged set is one call instead of one data_ptr() each (a MoE region has hundreds). The graph
+    cache keys with it, and the fast path compares with it."""
+
+    __slots__ = ("positions", "_idx", "_ptrs", "key")
+
+    def __init__(self, positions: tuple[int, ...]) -> None:
+        self.positions = positions
+        """The parameter inputs' positions."""
+        self._idx = list(positions)
+        self._ptrs: Optional[list] = None
+        self.key: tuple = ()
+        """The latest call's parameters' part of the key (their addresses)."""
+
+    def addresses(self, ins: list) -> tuple:
+        """The parameters' part of the key (ParamPolicy.key without volatile parameters: the address)."""
+        last, is_list = self._ptrs, isinstance(ins, list)  # the C++ check takes lists only
+        if (last is not None and is_list and len(last) == len(ins)
+                and ptrs_equal(ins, last, self._idx)):
+            return self.key
+        ptrs = [ins[p].data_ptr() for p in self.positions]
+        if ptrs_equal is not None and is_list:
+            aligned: list = [None] * len(ins)
+            for p, ptr in zip(self.positions, ptrs):
+                aligned[p] = ptr
+            self._ptrs = aligned
+        self.key = tuple(ptrs)
+        return self.key
+
+    def aligned(self) -> Optional[list]:
+        """The latest call's parameter addresses aligned with its inputs, for the C++ comparison
+        (None where PyTorch lacks it)."""
+        return self._ptrs
+
+    def same(self, ins: list, params: tuple, ptrs: Optional[list]) -> bool:
+        """Are ``ins``' parameters at the addresses ``params`` (``ptrs``: the same, aligned)?"""
+        if ptrs is not None and isinstance(ins, list) and len(ptrs) == len(ins):
+            return ptrs_equal(ins, ptrs, self._idx)
+        found = self.addresses(ins)
+        return found is params or found == params

@@ -10,8 +10,8 @@ the rule below keeps each graph's live data from the others.
 The rule. cgbackend never frees a graph's static inputs, saved activations or
 outputs, except the last region's inference outputs, which are copied for the
 caller before any other replay (runtime/loose_outputs.py), and the static
-inputs a pool's last backward graph receives (runtime/backward.py,
-``Backward.release_inputs``: captured last, into a sealed pool, no other graph
+inputs a pool's last backward graph receives (runtime/backward_memory.py,
+``BackwardMemory.release_inputs``: captured last, into a sealed pool, no other graph
 can hold them). So the only memory
 two graphs of a pool share is what a graph captured earlier no longer needs
 between replays (its temporaries, with its cuBLAS workspace: capture.py; those
@@ -27,7 +27,7 @@ Released memory. A training entry's saved activations are needed only between
 its forward replay and its backward replay. Once every training forward of a
 pool has its backward graph, nothing will be captured in that pool again (it
 is *sealed*: new captures of the slot go to a fresh pool), and the entries free
-their saved activations (runtime/backward.py, ``Backward.settle``): the blocks
+their saved activations (runtime/backward_memory.py, ``BackwardMemory.settle``): the blocks
 stay reserved in the pool, which no allocation outside a capture into it ever
 receives, and the graphs go on writing and reading them at their addresses.
 A region that cannot compute its forward again keeps its capture's autograd
@@ -144,7 +144,7 @@ class PoolSet:
         self._pools: dict[tuple[str, int], PoolState] = {}
 
     def private(self, device: str) -> PoolState:
-        """A pool of its own for one graph (a handout graph, runtime/handout.py): it shares memory
+        """A pool of its own for one graph (a caller graph, runtime/caller_graphs.py): it shares memory
         with no other graph, so no replay-order rule applies to it. Not kept here: it lives as long
         as its graph."""
         handle = None

@@ -1,68 +1,80 @@
 """Capturing a region's graphs: the static input buffers of a new entry, the capture of its forward
-(inference or training) graph in the call slot's pool, its handout graphs, and what a capture
-costs (time, pool memory), counted; a failed capture is recorded once and the region then runs
-eagerly (RegionRunner decides, after asking eager whose error it was)."""
+(inference or training) graph in the call slot's pool, and what a capture costs (time, pool
+memory), counted. The recorder reads the region's spec, code and state; it returns the entry, or a
+:class:`NoEntry` saying why there is none: the region has no CUDA device (RegionRunner then runs
+it eagerly for good), or the attempt failed (RegionRunner asks eager whose error it was)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from ..fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph, first_line, non_overlapping
-from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reserved
-from .handout import HandoutGraph, handout_supported
+from .entries import Entry, Pad, TrainEntry, reserved
+from .graph_cache import padded_source
 from .inputs import InputViews, fill_padding
 from .layouts import compact_view, copy_into, describe_inputs, input_buffer
 from .loose_outputs import release_outputs, releases_outputs
 from .params import ParamPolicy
 from .saved import SavedTensors
+from .shared import RuntimeShared
+from .spec import EAGER, FROM_GRAPH, PARAM, VALUE, RegionCode, RegionCounts, RegionSpec, RegionState
 from .stats import EagerReason
 
-if TYPE_CHECKING:
-    from .region import RegionRunner
-
-__all__ = ["Recorder"]
+__all__ = ["NoEntry", "Recorder"]
 
 log = logging.getLogger(__name__)
 
 
-class Recorder:
-    """Captures the graphs of one region (RegionRunner.recorder)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class NoEntry:
+    """Why a capture made no entry: ``reason`` NO_CUDA (the region cannot be captured: it runs
+    eagerly for good) or CAPTURE_FAILED (this attempt raised; ``detail`` is its error)."""
 
-    def __init__(self, runner: "RegionRunner") -> None:
-        self.runner = runner
-        self.failure: Optional[str] = None
-        """The error of the latest failed capture attempt, until the call decides whose it was."""
-        self.handout_failed: Optional[str] = None
+    reason: str
+    detail: str
+
+
+class Recorder:
+    """Captures the graphs of one region."""
+
+    def __init__(self, spec: RegionSpec, code: RegionCode, state: RegionState, shared: RuntimeShared,
+                 counts: RegionCounts) -> None:
+        self.spec = spec
+        self.code = code
+        self.state = state
+        self.shared = shared
+        self.counts = counts
 
     # ------------------------------------------------------------------ forward and inference graphs
 
     def prepare_static_inputs(self, ins: list, grad_path: bool, entry: Entry, pad: Optional[Pad] = None) -> None:
-        runner = self.runner
-        shared = runner.shared
+        spec = self.spec
+        shared = self.shared
         static_ins: list = []
-        copy_pos, handoff_pos, volatile_pos = [], [], []
+        copy_pos, in_place_pos, volatile_pos = [], [], []
         persistent = shared.persistent_ptrs
-        plan = runner.bucket if pad is not None else None
-        layouts = runner.layouts
+        plan = spec.bucket if pad is not None else None
+        layouts = self.code.layouts
         for pos, value in enumerate(ins):
-            kind = runner.kinds[pos]
+            kind = spec.kinds[pos]
             if plan is not None and pos in plan.value_inputs:
                 static_ins.append(plan.value_inputs[pos](pad.padded))
                 continue
             if plan is not None and pos in plan.pad_inputs:
                 dim, size = plan.pad_inputs[pos]
-                shape, full = runner.cache.padded_full(value, dim, size(pad.padded))
+                shape, full = padded_source(shared.padded_full, value, dim, size(pad.padded))
                 if full is not None:
                     static_ins.append(full)
-                    handoff_pos.append(pos)
+                    in_place_pos.append(pos)
                     continue
                 # Padding rows are copies of the last real row (inputs.fill_padding): the region is
                 # row-independent, so they compute what that row computed, and no value an eager
@@ -94,14 +106,16 @@ class Recorder:
                 empty = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
                 static_ins.append(empty.requires_grad_(True) if grad_path and value.requires_grad else empty)
                 continue
-            producer = runner.producers[pos]
-            handoff = kind == EAGER or (kind == HANDOFF and producer is not None and producer.disabled is None)
-            if handoff and not volatile and value.data_ptr() in persistent:
+            # An eager value, or a graph's output while its producer captures (or eager code computes
+            # it since its region was split): read in place where it is a static output.
+            producer = spec.sources[pos].state if kind == FROM_GRAPH else None
+            in_place = kind == EAGER or (kind == FROM_GRAPH and (producer is None or producer.disabled is None))
+            if in_place and not volatile and value.data_ptr() in persistent:
                 alias = value.detach()
                 if grad_path and value.requires_grad:
                     alias.requires_grad_(True)
                 static_ins.append(alias)
-                handoff_pos.append(pos)
+                in_place_pos.append(pos)
                 continue
             # In the layout the compiled code reads (runtime/layouts.py): the staging copy converts.
             # A training forward's input that needs no gradient is made in the graph pool: its
@@ -119,27 +133,25 @@ class Recorder:
                 buf.requires_grad_(True)
             static_ins.append(buf)
             copy_pos.append(pos)
-        shared.register_persistent([static_ins[p] for p in copy_pos], handoff=False)
+        shared.register_persistent([static_ins[p] for p in copy_pos], in_place=False)
         entry.static_ins = static_ins
         entry.copy_pos = tuple(copy_pos)
         entry.copy_dst = [compact_view(static_ins[p].detach(), entry.compact[p]) if p in entry.compact
                           else static_ins[p] for p in copy_pos]
-        entry.handoff_pos = tuple(handoff_pos)
-        entry.copy_back_pos = tuple(p for p in copy_pos if p in runner.mutated)
+        entry.in_place_pos = tuple(in_place_pos)
+        entry.copy_back_pos = tuple(p for p in copy_pos if p in spec.written)
         entry.volatile_pos = tuple(volatile_pos)
         entry.param_addrs = ParamPolicy.record(
-            static_ins, [p for p, k in enumerate(runner.kinds) if k == PARAM and p not in entry.volatile_pos])
+            static_ins, [p for p in spec.param_pos if p not in entry.volatile_pos])
         entry.param_check = ParamPolicy.check_of(static_ins, entry.param_addrs)
 
-    def capture(self, ins: list, grad_path: bool, call: Any, pad: Optional[Pad] = None) -> Optional[Entry]:
-        """A new entry for this call's signature, its graph captured; None if it could not be (the
-        region is then disabled, or ``failure`` holds the error of the attempt)."""
-        runner = self.runner
-        shared = runner.shared
-        device = next((v.device for v, k in zip(ins, runner.kinds) if k != VALUE), runner.device)
+    def capture(self, ins: list, grad_path: bool, call: Any, pad: Optional[Pad] = None) -> Union[Entry, NoEntry]:
+        """A new entry for this call's signature, its graph captured, or why there is none."""
+        spec = self.spec
+        shared = self.shared
+        device = next((v.device for v, k in zip(ins, spec.kinds) if k != VALUE), spec.device)
         if device is None or (device.type != "cuda" and not shared.capturer.simulate):
-            runner.disable(EagerReason.NO_CUDA, f"inputs on {device}")
-            return None
+            return NoEntry(EagerReason.NO_CUDA, f"inputs on {device}")
         pool = shared.pools.get(device, 0)
         entry: Entry = TrainEntry() if grad_path else Entry()
         entry.pool = pool
@@ -149,10 +161,9 @@ class Recorder:
         except torch.OutOfMemoryError as exc:  # the static buffers are part of what capturing costs
             error = first_line(exc)
         if error is not None:  # outside the handler: its traceback holds the buffers made so far
-            self.failed_attempt(error)
-            return None
+            return self.failed_attempt(error)
         static_ins = entry.static_ins
-        fn = runner.fn
+        fn = self.code.fn
         saved_storages: dict[int, int] = {}
         if grad_path:
             entry.saved_modified = None
@@ -177,7 +188,7 @@ class Recorder:
         start = time.perf_counter()
         try:
             graph, outputs = shared.capturer.capture(
-                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=runner.hooks)
+                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=spec.hooks)
         except CaptureError as exc:
             error = self._with_inputs(str(exc), static_ins)
         if error is not None:
@@ -185,15 +196,14 @@ class Recorder:
             # blocks are handed back
             entry.static_ins = None
             del static_ins, run, entry
-            self.failed_attempt(error)
-            return None
+            return self.failed_attempt(error)
         elapsed = time.perf_counter() - start
         entry.graph = graph
         entry.index = pool.new_index()
         entry.slot = call.slot
         if isinstance(graph, SimulatedGraph):
             graph.attach(pool, entry.index)
-        self.count_capture(entry, elapsed, reserved(device) - reserved_before, forward=grad_path)
+        self.counts.captured(entry, elapsed, reserved(device) - reserved_before, forward=grad_path)
         if grad_path:
             self._finish_train_entry(entry, outputs, saved_storages)
             # Inputs read from the caller's memory whose static tensor the forward saved: their
@@ -204,18 +214,16 @@ class Recorder:
         else:
             entry.outputs = outputs
             self._register_outputs(entry)
-            if pad is None and self._hands_out(entry):
-                entry.handouts = []
-            if releases_outputs(runner, entry):
+            if releases_outputs(entry, self.state.terminal, spec.hooks):
                 release_outputs(entry)
             del outputs
         if pad is not None:
             entry.views = {}
             full = shared.padded_full
-            for i in runner.bucket.outputs:
+            for i in spec.bucket.outputs:
                 t = entry.outputs[i]
                 full[(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)] = t
-        log.debug("cgbackend: captured %s (%s, slot %d) in %.3f s", runner.name,
+        log.debug("cgbackend: captured %s (%s, slot %d) in %.3f s", spec.name,
                   "forward" if grad_path else "inference", call.slot, elapsed)
         return entry
 
@@ -224,7 +232,7 @@ class Recorder:
         entry.capture_outs = outs
         entry.released = False
         entry.pool.awaiting_backward += 1
-        entry.tensor_pos = tuple(p for p, k in enumerate(self.runner.kinds) if k != VALUE)
+        entry.tensor_pos = self.spec.tensor_pos
         entry.diff_in = tuple(p for p in entry.tensor_pos
                               if isinstance(entry.static_ins[p], torch.Tensor) and entry.static_ins[p].requires_grad)
         entry.diff_out = tuple(i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.requires_grad)
@@ -251,7 +259,7 @@ class Recorder:
         entry.saved_bytes = sum(alone.values())
         if entry.saved is not None:
             entry.saved.alone = frozenset(alone)
-        # Pooled inputs go to the backward graph (Backward.release_inputs) only alone in their storage.
+        # Pooled inputs go to the backward graph (BackwardMemory.release_inputs) only alone in their storage.
         entry.pooled_pos = [p for p in entry.pooled_pos
                             if own[entry.static_ins[p].untyped_storage().data_ptr()] == 1]
         entry.grad_out_shared = self._read_once(entry, entry.diff_out, saved, own)
@@ -265,11 +273,11 @@ class Recorder:
         that storage (``own``: tensors per storage). Every later forward replay writes them again.
         A differentiable one takes its incoming gradient at backward (``grad_out_shared``,
         Backward.capture) instead of a buffer of its size held for good; every such output goes to
-        the pool's last backward graph (Backward.release_grad_outputs)."""
+        the pool's last backward graph (BackwardMemory.release_grad_outputs)."""
         shared = []
         for i in positions:
             out = entry.outputs[i]
-            if i not in self.runner.caller_only or not out.numel() or not non_overlapping(out):
+            if i not in self.spec.caller_only or not out.numel() or not non_overlapping(out):
                 continue
             ptr = out.untyped_storage().data_ptr()
             if ptr not in saved and own[ptr] == 1:
@@ -278,125 +286,32 @@ class Recorder:
 
     def caller_memory(self, entry: Entry) -> list[int]:
         """Positions whose static tensor stands for a caller's memory: copies and parameters."""
-        return list(entry.copy_pos) + [p for p, k in enumerate(self.runner.kinds) if k is PARAM]
+        return list(entry.copy_pos) + list(self.spec.param_pos)
 
     def _register_outputs(self, entry: Entry, skip: tuple = ()) -> None:
-        """Static outputs become hand-off candidates, except views of a static input: those are
+        """Static outputs become inputs other graphs read in place, except views of a static input: those are
         rebuilt on the caller's tensor after each replay (inputs.InputViews)."""
         views = InputViews.find(entry.outputs, entry.static_ins, self.caller_memory(entry), skip)
         entry.input_views = views
         outs = entry.outputs if views is None else [
             o for i, o in enumerate(entry.outputs) if i not in views.views]
-        self.runner.shared.register_persistent(outs)
+        self.shared.register_persistent(outs)
 
-    # ------------------------------------------------------------------ accounting and failures
-
-    def count_capture(self, entry: Entry, elapsed: float, pool_growth: int, forward: bool) -> None:
-        runner = self.runner
-        counters = runner.shared.counters
-        counters.graphs_captured += 1
-        if forward:
-            counters.fwd_graphs += 1
-        self.count_memory(entry, elapsed, pool_growth)
-        runner.n_graphs += 1
-        runner.shared.progress.captured(runner.name, elapsed)
-        if elapsed > 1.0:
-            log.info("cgbackend: capturing %s took %.2f s", runner.name, elapsed)
-
-    def count_memory(self, entry: Entry, elapsed: float, pool_growth: int) -> None:
-        """A capture's time and the reserved memory it added, for ``entry``'s graphs."""
-        counters = self.runner.shared.counters
-        counters.capture_time_s += elapsed
-        growth = max(pool_growth, 0)
-        counters.pool_bytes += growth
-        counters.pool_bytes_held += growth
-        entry.nbytes += growth
-        self.runner.capture_time_s += elapsed
+    # ------------------------------------------------------------------ failures
 
     def _with_inputs(self, error: str, static_ins: list) -> str:
         """A stride assertion (compiled code called with other strides than it was compiled for)
         names the region's inputs, their sizes and strides, and the strides compiled for."""
         if "stride" not in error:
             return error
-        runner = self.runner
-        lazy = runner.lazy_inner
-        module = lazy.module if lazy is not None else runner.fn
-        if not isinstance(module, torch.fx.GraphModule):
-            module = None
-        return (f"{error} (region {runner.name} inputs: "
-                f"{describe_inputs(module, runner.kinds, static_ins, runner.layouts, PARAM)})")
+        code = self.code
+        return (f"{error} (region {self.spec.name} inputs: "
+                f"{describe_inputs(code.module, self.spec.kinds, static_ins, code.layouts, PARAM)})")
 
-    def failed_attempt(self, error: str) -> None:
-        self.failure = error
-        if torch.cuda.is_available() and not self.runner.shared.capturer.simulate:
+    def failed_attempt(self, error: str) -> NoEntry:
+        if torch.cuda.is_available() and not self.shared.capturer.simulate:
             # Hand back what the failed attempt held and cached (its pool's blocks): the eager
             # calls need it, and after an out-of-memory error they may need all of it.
             gc.collect()
             torch.cuda.empty_cache()
-
-    def capture_failed(self, error: str) -> None:
-        runner = self.runner
-        runner.shared.counters.capture_failures.append({"region": runner.name, "error": error})
-        if runner.config.strict:
-            raise RuntimeError(f"cgbackend: capturing region {runner.name} failed: {error}")
-        log.warning("cgbackend: capturing region %s failed, it runs eagerly from now on: %s",
-                    runner.name, error)
-        runner.disable(EagerReason.CAPTURE_FAILED, error)
-
-    # ------------------------------------------------------------------ handout graphs
-
-    def handout(self, entry: Entry) -> Optional[HandoutGraph]:
-        """A handout graph of ``entry`` whose earlier outputs nobody holds (captured now if all are
-        held and the option allows one more), or None: the entry's own graph runs, outputs copied."""
-        handouts = entry.handouts
-        for handout in handouts:
-            if handout.free():
-                return handout
-        if len(handouts) >= self.runner.config.handout_graphs or self.handout_failed is not None:
-            return None
-        return self._capture_handout(entry)
-
-    def _capture_handout(self, entry: Entry) -> Optional[HandoutGraph]:
-        """Capture ``entry``'s region again, from its static inputs (staged for this call), in a
-        pool of its own. A failure is recorded once; the region then copies its outputs."""
-        runner = self.runner
-        shared = runner.shared
-        pool = shared.pools.private(entry.pool.device)
-        static_ins = entry.static_ins
-        fn = runner.fn
-        device = torch.device(entry.pool.device)
-        reserved_before = reserved(device, settle=not shared.capturer.simulate)
-        start = time.perf_counter()
-        try:
-            graph, outputs = shared.capturer.capture(
-                lambda: fn(*static_ins), pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)])
-        except CaptureError as exc:
-            self.handout_failed = str(exc)
-            shared.counters.handout_failures.append({"region": runner.name, "error": str(exc)})
-            if runner.config.strict:
-                raise RuntimeError(f"cgbackend: capturing a handout graph of region {runner.name} failed: {exc}")
-            log.warning("cgbackend: capturing a handout graph of %s failed; its outputs are copied: %s",
-                        runner.name, exc)
-            return None
-        elapsed = time.perf_counter() - start
-        if isinstance(graph, SimulatedGraph):
-            graph.attach(pool, pool.new_index())
-        handout = HandoutGraph(graph, outputs, pool)
-        entry.handouts.append(handout)
-        shared.handout_storages |= handout.storages()
-        shared.counters.handout_graphs += 1
-        self.count_memory(entry, elapsed, reserved(device) - reserved_before)
-        log.log(logging.INFO if elapsed > 1.0 else logging.DEBUG, "cgbackend: captured handout graph %d of %s in %.3f s",
-                len(entry.handouts), runner.name, elapsed)
-        return handout
-
-    def _hands_out(self, entry: Entry) -> bool:
-        """May ``entry``'s outputs go to the caller from handout graphs (runtime/handout.py)?"""
-        runner = self.runner
-        # Not for layers of a stack (regional.py): each would hold its own handout graphs and their
-        # memory, to save one copy of a layer's output that the next layer reads anyway.
-        return (runner.terminal and runner.config.handout_graphs > 0 and runner.sharing.copies == 1
-                and handout_supported()
-                and type(entry) is Entry and runner.hooks is None and entry.input_views is None
-                and not entry.pad_dims and not entry.copy_back_pos and not entry.volatile_pos
-                and any(t.numel() for t in iter_tensors(entry.outputs)))
+        return NoEntry(EagerReason.CAPTURE_FAILED, error)

@@ -29,10 +29,11 @@ def release_graphs(graph_refs: list, simulate: bool) -> int:
         if graph is None:
             continue
         for runner in graph.runners:
-            for entry in list(runner.entries.values()):
-                runner.release_entry(entry)
+            cache = runner.cache
+            for entry in list(cache.entries.values()):
+                cache.release(entry, sync=False)  # synchronized above
                 dropped += 1
-            runner.entries.clear()
+            cache.entries.clear()
         graph.shared.handed.clear()
     return dropped
 

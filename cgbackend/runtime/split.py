@@ -1,6 +1,6 @@
 """Turn each region of a partition into its own GraphModule (inputs in Region.inputs order,
-outputs as a tuple in Region.outputs order). The mapping region -> module is kept by the caller;
-nothing is recovered from names.
+outputs as a tuple in Region.outputs order), with the rewrites the passes decided for it. The
+mapping region -> module is kept by the caller; nothing is recovered from names.
 
 In eager (dynamic) regions, Dynamo's host-only checks on sizes (``aten._assert_scalar``,
 ``aten.sym_size``) become plain Python: same results and errors, without a dispatcher round trip
@@ -10,7 +10,7 @@ per call (a per-expert loop has several per expert).
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
@@ -36,7 +36,11 @@ _HOST_ONLY_REPLACEMENTS = {
 
 
 def build_region_module(gm: torch.fx.GraphModule, region: Region,
-                        order: Optional[Sequence[torch.fx.Node]] = None) -> torch.fx.GraphModule:
+                        order: Optional[Sequence[torch.fx.Node]] = None,
+                        rewrites: Optional[Mapping[torch.fx.Node, tuple[Callable[..., Any], tuple]]] = None,
+                        ) -> torch.fx.GraphModule:
+    """``region``'s nodes (in ``order`` when given: passes/schedule.py) as a GraphModule; a node in
+    ``rewrites`` (passes/gather.py's plan) calls the function and arguments given there instead."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     origin: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -46,6 +50,10 @@ def build_region_module(gm: torch.fx.GraphModule, region: Region,
         env[inp] = placeholder
     for node in (order if order is not None else region.nodes):
         new = graph.node_copy(node, lambda n: env[n])
+        if rewrites is not None and node in rewrites:
+            target, args = rewrites[node]
+            new.target = target
+            new.args = torch.fx.node.map_arg(args, lambda n: env[n])
         if not region.is_static and new.op == "call_function":
             new.target = _HOST_ONLY_REPLACEMENTS.get(new.target, new.target)
         env[node] = new

@@ -155,15 +155,15 @@ class Counters:
     ones. Graph replays never need one (their static buffers lie in the compiled layout)."""
     output_clones: int = 0
     handout_graphs: int = 0
-    """Handout graphs captured (option handout_graphs, runtime/handout.py): second captures of an
+    """Caller graphs captured (option handout_graphs, runtime/caller_graphs.py): second captures of an
     inference graph, each in a pool of its own, whose outputs go to the caller without a copy. Not
     part of graphs_captured."""
     handout_replays: int = 0
-    """Replays of handout graphs (included in replays)."""
+    """Replays of caller graphs (included in replays)."""
     outputs_handed: int = 0
-    """Returned tensors that are a handout graph's outputs, handed over without a copy."""
+    """Returned tensors that are a caller graph's outputs, handed to the caller without a copy."""
     handout_failures: list = dataclasses.field(default_factory=list)
-    """One entry per handout graph whose capture failed ({"region", "error"}): the region then
+    """One entry per caller graph whose capture failed ({"region", "error"}): the region then
     copies its outputs, as with handout_graphs=0."""
     output_views: int = 0
     """Returned tensors rebuilt as views of what eager returns them as views of: a graph input

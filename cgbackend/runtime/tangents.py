@@ -13,9 +13,9 @@ What. At the pool's last backward capture (the pool is sealed: no capture follow
 point where static inputs go to the backward graph, backward.py ``release_inputs``), the runtime
 keeps each such buffer only as a tensor on a storage that does not own its memory
 (loose_outputs.loose_alias); the captured forward's outputs, the autograd roots, get that storage
-too (``.data``). The owning tensor goes to the capture in a :class:`Handover`: while the capture
-runs, AOT autograd's runtime call (``call_func_at_runtime_with_args``, private: feature-tested) is
-wrapped, and an argument that is a buffer's alias is replaced by its owner in the list that the
+too (``.data``). The owning tensor goes to the capture in an :class:`OwnerTransfer`: while the
+capture runs, AOT autograd's runtime call (``call_func_at_runtime_with_args``, private:
+feature-tested) is wrapped, and an argument that is a buffer's alias is replaced by its owner in the list that the
 compiled backward takes and clears. The compiled code frees the buffer after its last read, and
 the backward graph's later temporaries may take the block. An owner no compiled backward took
 (eager kernels, an opaque module call, a torch whose AOT autograd calls its backward otherwise) is
@@ -35,7 +35,7 @@ gradient a node receives until that node returns; for a region compiled whole, t
 backward, where an eager model frees it after its last layer's backward. So the outputs only the
 caller reads reach the caller through :class:`GradRelay` (its copies of a replay's outputs, or a
 warm-up call's outputs themselves), whose backward hands each incoming gradient on as a tensor on
-a storage that does not own its memory, the owner held by a handover: the region's backward then
+a storage that does not own its memory, the owner held by a transfer: the region's backward then
 holds the last reference. Inductor's code (a warm-up call) takes the owner through the same wrap
 and frees it after its last read; a training entry's backward drops it once it is copied into the
 backward graph's buffer, before the graph replays or is captured (a backward that then runs
@@ -55,7 +55,7 @@ import torch
 
 from .loose_outputs import StorageWeakRef, loose_alias, loose_supported
 
-__all__ = ["GradRelay", "Handover", "QUEUE_CALLBACK", "handover_supported", "relay_copies",
+__all__ = ["GradRelay", "OwnerTransfer", "QUEUE_CALLBACK", "owner_transfer_supported", "relay_copies",
            "relay_outputs", "release_incoming"]
 
 _ENTRY = "call_func_at_runtime_with_args"
@@ -72,35 +72,36 @@ def _aot_runtime() -> Optional[Any]:
     return runtime_wrappers if callable(getattr(runtime_wrappers, _ENTRY, None)) else None
 
 
-def handover_supported() -> bool:
+def owner_transfer_supported() -> bool:
     """Can a released buffer's owner reach the compiled backward's arguments?"""
     return StorageWeakRef is not None and _aot_runtime() is not None
 
 
-# The wrap is process-wide (AOT autograd's module attribute), so the handovers it serves are too:
+# The wrap is process-wide (AOT autograd's module attribute), so the transfers it serves are too:
 # the backward of a capture runs on autograd's device thread, not the thread that entered.
 _lock = threading.RLock()
-_active: list["Handover"] = []
+_active: list["OwnerTransfer"] = []
 _original: Optional[Any] = None
-_relayed: dict[int, "Handover"] = {}
-"""id of a relayed gradient's alias -> the handover holding its owner (release_incoming)."""
+_relayed: dict[int, "OwnerTransfer"] = {}
+"""id of a relayed gradient's alias -> the transfer holding its owner (release_incoming)."""
 
 
 def _call(f: Any, args: Any, *rest: Any, **kwargs: Any) -> Any:
-    """AOT autograd's runtime call, with the owners of the active handovers put into a stolen
+    """AOT autograd's runtime call, with the owners of the active transfers put into a stolen
     argument list (``steal_args``: the callee takes the list, and compiled code clears it)."""
     steal = kwargs.get("steal_args", rest[0] if rest else False)
     if steal and isinstance(args, list) and _active:
-        for handover in list(_active):
-            handover.give(args)
+        for transfer in list(_active):
+            transfer.give(args)
     return _original(f, args, *rest, **kwargs)  # type: ignore[misc]
 
 
-class Handover:
-    """The owning tensors of memory read through non-owning aliases (a context manager): released
-    gradient buffers during one backward capture, or a relay's incoming gradients during one
-    backward pass. Each is given to the compiled backward that reads its alias, dropped once read
-    (:meth:`drop`), or dropped at exit."""
+class OwnerTransfer:
+    """Passes the ownership of buffers read through non-owning aliases to the compiled backward
+    that reads them (a context manager): released gradient buffers during one backward capture, or
+    a relay's incoming gradients during one backward pass. It holds each owner until the compiled
+    backward takes it as its argument (which frees it after its last read), it is dropped once read
+    (:meth:`drop`), or the transfer ends."""
 
     def __init__(self, counters: Any = None) -> None:
         self._owners: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -158,7 +159,7 @@ class Handover:
         them); read after the capture."""
         return {key: nbytes for key, ref, nbytes in self._refs if ref.expired()}
 
-    def __enter__(self) -> "Handover":
+    def __enter__(self) -> "OwnerTransfer":
         global _original
         module = _aot_runtime()
         if module is None:
@@ -184,7 +185,7 @@ class Handover:
         del owners  # the owners left go now (outside the lock: freeing may run other code)
 
     def close(self) -> None:
-        """End of the backward pass a relay's handover served (an autograd engine callback, or the
+        """End of the backward pass a relay's transfer served (an autograd engine callback, or the
         relaying node going after a pass that raised); once."""
         with _lock:
             if self.closed:
@@ -213,29 +214,29 @@ def _relayable(grad: Any) -> bool:
 
 def relay(grads: tuple, counters: Any = None, node: Any = None) -> tuple:
     """``grads`` with each plain tensor replaced by a tensor on a storage that does not own its
-    memory; the owners are held by a handover until a compiled backward takes them (its stolen
+    memory; the owners are held by a transfer until a compiled backward takes them (its stolen
     arguments), ``release_incoming`` drops them, or the backward pass ends (or, for a pass that
     raised, which runs no end-of-pass callback, ``node``, the relaying node, goes)."""
     if not RELAY or torch.is_grad_enabled():  # grad mode in backward: create_graph, left as is
         return grads
-    handover = None
+    transfer = None
     out = list(grads)
     for i, grad in enumerate(grads):
         if not _relayable(grad):
             continue
-        if handover is None:
-            handover = Handover(counters).__enter__()
+        if transfer is None:
+            transfer = OwnerTransfer(counters).__enter__()
         alias = loose_alias(grad)
-        handover.add(i, alias, grad)
+        transfer.add(i, alias, grad)
         with _lock:
-            _relayed[id(alias)] = handover
+            _relayed[id(alias)] = transfer
         out[i] = alias
         if counters is not None:
             counters.grads_relayed += 1
-    if handover is not None:
-        QUEUE_CALLBACK(handover.close)  # type: ignore[misc]
+    if transfer is not None:
+        QUEUE_CALLBACK(transfer.close)  # type: ignore[misc]
         if node is not None:
-            weakref.finalize(node, handover.close)
+            weakref.finalize(node, transfer.close)
     return tuple(out)
 
 
@@ -246,11 +247,11 @@ def release_incoming(grads: Any) -> int:
         return 0
     dropped = 0
     for grad in grads:
-        handover = _relayed.get(id(grad)) if grad is not None else None
-        if handover is not None and handover.drop(grad):
+        transfer = _relayed.get(id(grad)) if grad is not None else None
+        if transfer is not None and transfer.drop(grad):
             dropped += 1
-            if handover.counters is not None:
-                handover.counters.grads_relayed_freed_early += 1
+            if transfer.counters is not None:
+                transfer.counters.grads_relayed_freed_early += 1
     return dropped
 
 

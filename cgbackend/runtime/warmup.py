@@ -8,9 +8,10 @@ to the device) shows up only when it runs. Each warm-up call therefore runs unde
 goes node by node (an ``fx.Interpreter``: same ops, same kernels, same results) and the first node
 after which the detector saw a synchronization is the one to blame. A region compiled by Inductor
 runs its compiled code from its first warm-up call; if that synchronizes, the region keeps eager's
-kernels and gets one more warm-up call, node by node, to find the op. The runner then asks the
-executor to split the region there (``runtime/syncsplit.py``): that op runs eagerly, the rest is
-captured. Without a located node the whole region runs eagerly (``host_sync_in_warmup``), as before.
+kernels and gets one more warm-up call, node by node, to find the op. :func:`warmup_call` returns
+what it saw; the runner then asks the executor to split the region there (``runtime/syncsplit.py``):
+that op runs eagerly, the rest is captured. Without a located node the whole region runs eagerly
+(``host_sync_in_warmup``).
 
 Detectors: :func:`cuda_sync_detector` (``torch.cuda.set_sync_debug_mode("warn")``, the warning
 PyTorch gives for every synchronizing call) wherever CUDA graphs are captured; for simulated graphs
@@ -24,20 +25,17 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Protocol
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
 import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .inner import InnerFallback
-from .stats import EagerReason
-
-if TYPE_CHECKING:
-    from .region import RegionRunner
+from ..fx_utils import op_name, source_location
+from .inner import InnerFallback, LazyInner
 
 __all__ = ["SyncDetector", "SyncLog", "SyncHit", "CudaSyncDetector", "OpSyncDetector",
-           "cuda_sync_detector", "run_located", "warmup_call"]
+           "cuda_sync_detector", "run_located", "sync_location", "warmup_call"]
 
 log = logging.getLogger(__name__)
 
@@ -178,56 +176,40 @@ def _run_watched(fn: Callable[[], Any], detector: Optional[SyncDetector]) -> tup
     return out, (SyncHit(None, sync.messages[0]) if sync.count() else None)
 
 
-def warmup_call(runner: "RegionRunner", ins: list, shape_key: tuple) -> Any:
-    """One warm-up call of ``runner``; the first compiles its code (``runner.lazy_inner``) and runs
-    it, watched: every warm-up call then runs the code the graph will capture (its memory too: in
-    training, eager's kernels would set the step's peak)."""
-    detector = runner.shared.sync_detector
-    lazy = runner.lazy_inner
+def warmup_call(code: Any, ins: list, detector: Optional[SyncDetector], strict: bool
+                ) -> tuple[Any, Optional[SyncHit], bool]:
+    """One warm-up call of a region whose code is ``code`` (a RegionCode: ``fn`` and ``lazy``);
+    the first compiles its code (``code.lazy``) and runs it, watched: every warm-up call then runs
+    the code the graph will capture (its memory too: in training, eager's kernels would set the
+    step's peak). Returns (outputs, the synchronization seen or None, again): ``again`` when the
+    compiled code synchronized and the region fell back to eager's kernels, whose next warm-up
+    call (one more, uncounted) finds the op."""
+    lazy: Optional[LazyInner] = code.lazy
     if lazy is not None and lazy.state == "pending":
-        fn = runner.fn = lazy.compile()
+        fn = code.fn = lazy.compile()
         if fn is not lazy.module:
             out, hit = _run_watched(lambda: lazy.first_call(fn, ins), detector)
             kept, out = out
-            runner.fn = kept
-            if hit is not None and kept is not lazy.module and not runner.config.strict:
+            code.fn = kept
+            if hit is not None and kept is not lazy.module and not strict:
                 # The compiled code synchronized: keep eager's kernels for this region, and give it
                 # one more (eager) warm-up call, which finds the op so the region can be split.
-                runner.fn = lazy.fall_back(InnerFallback.HOST_SYNC, hit.detail)
-                runner.warm[shape_key] = max(runner.warm.get(shape_key, 1) - 1, 0)
-                return out
-            if hit is not None:
-                _synced(runner, hit)
-            return out
+                code.fn = lazy.fall_back(InnerFallback.HOST_SYNC, hit.detail)
+                return out, None, True
+            return out, hit, False
     if detector is None:
-        return runner.fn(*ins)
-    fn = runner.fn
+        return code.fn(*ins), None, False
+    fn = code.fn
     if isinstance(fn, torch.fx.GraphModule):
         out, hit = run_located(fn, ins, detector)
     else:
         out, hit = _run_watched(lambda: fn(*ins), detector)
-    if hit is not None:
-        _synced(runner, hit)
-    return out
+    return out, hit, False
 
 
-def _where(node: Optional[torch.fx.Node]) -> str:
+def sync_location(node: Optional[torch.fx.Node]) -> str:
+    """`` at <op> (node <name>, <source line>)`` for a log line, or "" without a node."""
     if node is None:
         return ""
-    from ..fx_utils import op_name, source_location
     source = source_location(node)[0]
     return f" at {op_name(node)} (node {node.name}{', ' + source if source else ''})"
-
-
-def _synced(runner: "RegionRunner", hit: SyncHit) -> None:
-    where = _where(hit.node)
-    if runner.config.strict:
-        raise RuntimeError(f"cgbackend: region {runner.name} synchronizes with the host{where}: {hit.detail}")
-    if hit.node is not None and runner.on_sync is not None and runner.on_sync(runner, hit):
-        log.info("cgbackend: region %s synchronized with the host during warm-up%s (%s); it is split "
-                 "there: that op runs eagerly, the rest is captured", runner.name, where, hit.detail)
-        runner.disable(EagerReason.SPLIT_AT_SYNC, f"split{where}: {hit.detail}")
-        return
-    log.warning("cgbackend: region %s synchronized with the host during warm-up%s (%s); it runs "
-                "eagerly from now on", runner.name, where, hit.detail)
-    runner.disable(EagerReason.HOST_SYNC_SEEN, hit.detail)

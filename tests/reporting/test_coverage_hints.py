@@ -1,4 +1,4 @@
-"""Launch coverage (coverage.py), hints (hints.py), per-region timing (runtime/timing.py), torch logging
+"""Launch coverage (coverage.py), hints (hints.py), per-region timing (runtime/region_timer.py), torch logging
 (logs.py) and the HTML report (html.py)."""
 
 from __future__ import annotations

@@ -312,7 +312,7 @@ def test_incoming_gradient_in_the_output_memory_on_gpu(inner):
             assert_matches(g, e, torch.float32, f"kept output step {step}")
     st = cgbackend.stats(compiled)
     (entry,) = [e for g in find_backend(compiled).compiled_graphs() for r in g.runners
-                for e in r.entries.values()]
+                for e in r.cache.entries.values()]
     # z always; y where the backward does not read tanh's result (Inductor may recompute it)
     assert 2 in entry.grad_out_shared and 0 not in entry.grad_out_shared
     if inner == "eager":
@@ -361,7 +361,7 @@ def test_an_output_without_gradient_goes_to_the_last_backward_graph():
     for step, (got, want) in enumerate(zip(kept, expected)):
         assert torch.equal(got, want), f"kept counts of step {step}"
     (entry,) = [e for g in find_backend(compiled).compiled_graphs() for r in g.runners
-                for e in r.entries.values()]
+                for e in r.cache.entries.values()]
     nbytes = entry.outputs[1].untyped_storage().nbytes()
     assert entry.nondiff_loose == {1} and entry.released_out.get(1) == nbytes, entry.released_out
     st = cgbackend.stats(compiled)
@@ -393,7 +393,7 @@ def _backward_capture_peak(keep_buffer: bool) -> tuple[int, dict]:
     ref = copy.deepcopy(model)
     compiled = cgbackend.compile(model, warmup=1)
     xs = [torch.randn(2048, 4096, device="cuda") for _ in range(3)]
-    give, capture, peaks = tangents.Handover.give, Capturer.capture, []
+    give, capture, peaks = tangents.OwnerTransfer.give, Capturer.capture, []
 
     def measured(self, *args, **kwargs):
         torch.cuda.synchronize()
@@ -406,7 +406,7 @@ def _backward_capture_peak(keep_buffer: bool) -> tuple[int, dict]:
             peaks.append(torch.cuda.max_memory_allocated() - before)
     Capturer.capture = measured
     if keep_buffer:
-        tangents.Handover.give = lambda self, args: None
+        tangents.OwnerTransfer.give = lambda self, args: None
     try:
         for step, x in enumerate(xs):
             for m, fn in ((ref, ref), (model, compiled)):
@@ -414,7 +414,7 @@ def _backward_capture_peak(keep_buffer: bool) -> tuple[int, dict]:
                 fn(x).float().pow(2).mean().backward()
             _compare_grads(ref, model, torch.float32, f"step {step}")
     finally:
-        tangents.Handover.give, Capturer.capture = give, capture
+        tangents.OwnerTransfer.give, Capturer.capture = give, capture
     assert len(peaks) == 2, peaks  # the forward's capture, then the backward's
     return peaks[1], cgbackend.stats(compiled)
 
@@ -459,7 +459,7 @@ def _steps(compiled, mine, xs, expected, what):
 
 def _compiled_calls(compiled):
     from cgbackend.runtime.inner import compiled_call
-    return [compiled_call(r.fn) for g in find_backend(compiled).compiled_graphs() for r in g.runners]
+    return [compiled_call(r.code.fn) for g in find_backend(compiled).compiled_graphs() for r in g.runners]
 
 
 def test_a_training_warmup_forward_leaves_no_blas_workspace_for_its_backward():
@@ -582,7 +582,7 @@ def _bn_mlp():
 
 
 def _runners(compiled):
-    return [r for g in find_backend(compiled).compiled_graphs() for r in g.runners if r.entries]
+    return [r for g in find_backend(compiled).compiled_graphs() for r in g.runners if r.cache.entries]
 
 
 def _compare_bn(ref, mine, what):
@@ -612,7 +612,7 @@ def test_a_region_that_cannot_recompute_gives_its_saved_activations_to_the_backw
     gc_sync()
     held = torch.cuda.memory_allocated() - start
     (runner,) = _runners(compiled)
-    assert not runner.recomputable
+    assert not runner.spec.recomputable
     st = cgbackend.stats(compiled)
     mem = st["memory"]
     assert st["saved_released"] == 1 and st["bwd_replays"] >= 3 and st["bwd_recomputes"] == 0, st

@@ -189,24 +189,24 @@ def test_only_the_last_static_region_of_a_graph_hands_out():
 
 
 def test_a_handout_capture_that_fails_is_counted_and_the_region_copies(monkeypatch):
-    from cgbackend.runtime import recorder
+    from cgbackend.runtime import caller_graphs
     from cgbackend.runtime.capture import CaptureError
 
     torch.manual_seed(0)
     model = _Net().eval()
     compiled = cgbackend.compile(model, **SIM)
-    real = recorder.Recorder._capture_handout
+    real = caller_graphs.CallerGraphs._capture
     xs = _inputs(6)
     with torch.no_grad():
         compiled(xs[0])
         compiled(xs[1])
 
         def failing(self, entry):
-            monkeypatch.setattr(self.runner.shared.capturer, "capture",
+            monkeypatch.setattr(self.shared.capturer, "capture",
                                 lambda *a, **k: (_ for _ in ()).throw(CaptureError("no memory")))
             return real(self, entry)
 
-        monkeypatch.setattr(recorder.Recorder, "_capture_handout", failing)
+        monkeypatch.setattr(caller_graphs.CallerGraphs, "_capture", failing)
         for x in xs[2:]:
             out, ref = compiled(x), model(x)
             assert all(torch.equal(o, r) for o, r in zip(out, ref))

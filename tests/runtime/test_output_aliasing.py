@@ -181,11 +181,9 @@ def _hand_made_graph():
 @pytest.mark.parametrize("memory", ["input", "graph_copy"])
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_view_that_cannot_be_replayed_is_rebuilt_or_counted(memory, strict):
-    import types
-
     from cgbackend import Config
     from cgbackend.runtime.outputs import INPUT, OutputBuilder, output_aliases
-    from cgbackend.runtime.stats import Counters
+    from cgbackend.runtime.shared import RuntimeShared
 
     gm, x = _hand_made_graph()
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
@@ -195,9 +193,8 @@ def test_a_view_that_cannot_be_replayed_is_rebuilt_or_counted(memory, strict):
     assert out in aliases.unreplayable and aliases.recipe is None
     copy_of_x = x.clone()  # what a graph reads: its own copy of the input
     raw = (x if memory == "input" else copy_of_x).view(4, -1)
-    shared = types.SimpleNamespace(counters=Counters(), config=Config(strict=strict),
-                                   persistent_storages={copy_of_x.untyped_storage().data_ptr()},
-                                   handout_storages=set())
+    shared = RuntimeShared(Config(strict=strict, simulate_graphs=True))
+    shared.persistent_storages.add(copy_of_x.untyped_storage().data_ptr())
     builder = OutputBuilder(aliases, (out,), {placeholder: 0, out: 1}, shared)
     if memory == "input":  # the region read x in place (or ran eagerly): as_strided on x
         (result,) = builder.build([x, raw])

@@ -9,9 +9,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from cgbackend.runtime import tangents
 from cgbackend.runtime.loose_outputs import loose_alias, loose_supported
-from cgbackend.runtime.tangents import Handover, handover_supported
+from cgbackend.runtime.tangents import OwnerTransfer, owner_transfer_supported
 
-pytestmark = pytest.mark.skipif(not (loose_supported() and handover_supported()),
+pytestmark = pytest.mark.skipif(not (loose_supported() and owner_transfer_supported()),
                                 reason="no non-owning storages or no AOT runtime call in this torch")
 
 
@@ -20,9 +20,9 @@ def _body(x, w):
 
 
 def _backward_through(fn, seed):
-    """The gradients of ``fn`` for an incoming gradient held only by a Handover, whether its owner
+    """The gradients of ``fn`` for an incoming gradient held only by a OwnerTransfer, whether its owner
     was gone when the input's gradient was ready (in the backward, before it returned), and the
-    Handover."""
+    OwnerTransfer."""
     torch.manual_seed(seed)
     x = torch.randn(64, 32, requires_grad=True)
     w = torch.randn(32, 48, requires_grad=True)
@@ -32,20 +32,20 @@ def _backward_through(fn, seed):
     owner = grad.clone()
     ref = StorageWeakRef(owner.untyped_storage())
     alias = loose_alias(owner)
-    handover = Handover()
-    handover.add(7, alias, owner)
+    transfer = OwnerTransfer()
+    transfer.add(7, alias, owner)
     del owner
     gone_in_backward = []
     x.register_hook(lambda g: gone_in_backward.append(ref.expired()))
-    with handover:
+    with transfer:
         got = torch.autograd.grad([out], [x, w], grad_outputs=[alias])
         assert getattr(tangents._aot_runtime(), tangents._ENTRY) is tangents._call
-    assert handover not in tangents._active
+    assert transfer not in tangents._active
     if not tangents._active:
         assert getattr(tangents._aot_runtime(), tangents._ENTRY) is not tangents._call
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
-    return gone_in_backward, handover
+    return gone_in_backward, transfer
 
 
 def test_compiled_backward_takes_the_owner_and_frees_it_at_its_last_read():
@@ -55,49 +55,49 @@ def test_compiled_backward_takes_the_owner_and_frees_it_at_its_last_read():
     compiled = torch.compile(_body, backend="inductor")
     compiled(torch.randn(64, 32, requires_grad=True), torch.randn(32, 48, requires_grad=True))  # compile
     for seed in (1, 2):
-        gone, handover = _backward_through(compiled, seed)
-        assert gone == [True] and handover.given == 1
-        assert handover.released() == {7: 64 * 48 * 4}
+        gone, transfer = _backward_through(compiled, seed)
+        assert gone == [True] and transfer.given == 1
+        assert transfer.released() == {7: 64 * 48 * 4}
 
 
 def test_an_owner_no_compiled_backward_takes_goes_at_exit():
     """Eager kernels: no AOT call takes the owner; the buffer lives through the backward and goes
-    when the handover closes."""
-    gone, handover = _backward_through(_body, 3)
-    assert gone == [False] and handover.given == 0
-    assert handover.released() == {7: 64 * 48 * 4}
+    when the transfer closes."""
+    gone, transfer = _backward_through(_body, 3)
+    assert gone == [False] and transfer.given == 0
+    assert transfer.released() == {7: 64 * 48 * 4}
 
 
 def test_an_owner_still_held_elsewhere_is_not_counted_released():
     owner = torch.randn(16)
     keep = owner.view(4, 4)  # another tensor on the same storage
-    handover = Handover()
-    handover.add(0, loose_alias(owner), owner)
+    transfer = OwnerTransfer()
+    transfer.add(0, loose_alias(owner), owner)
     del owner
-    with handover:
+    with transfer:
         pass
-    assert handover.released() == {} and keep.sum().isfinite()
+    assert transfer.released() == {} and keep.sum().isfinite()
 
 
 def test_only_a_stolen_list_receives_an_owner():
     """A call that copies its arguments (steal_args=False) keeps the alias: the owner stays with the
-    handover rather than in a list its caller may keep."""
+    transfer rather than in a list its caller may keep."""
     owner = torch.randn(8)
     alias = loose_alias(owner)
-    handover = Handover()
-    handover.add(0, alias, owner)
+    transfer = OwnerTransfer()
+    transfer.add(0, alias, owner)
     seen = []
 
     def boxed(args):
         seen.append(list(args))
         return []
     boxed._boxed_call = True
-    with handover:
+    with transfer:
         tangents._call(boxed, [alias], steal_args=False)
-        assert seen[0][0] is alias and handover.given == 0
+        assert seen[0][0] is alias and transfer.given == 0
         args = [alias]
         tangents._call(boxed, args, steal_args=True)
-        assert args[0] is owner and seen[1][0] is owner and handover.given == 1
+        assert args[0] is owner and seen[1][0] is owner and transfer.given == 1
 
 
 def _relayed_backward(fn, seed, retain=False):
@@ -171,10 +171,10 @@ def test_release_incoming_drops_only_relayed_owners():
     from cgbackend.runtime.stats import Counters
     owner = torch.randn(8)
     counters = Counters()
-    handover = Handover(counters)
+    transfer = OwnerTransfer(counters)
     alias = loose_alias(owner)
-    handover.add(0, alias, owner)
-    tangents._relayed[id(alias)] = handover
+    transfer.add(0, alias, owner)
+    tangents._relayed[id(alias)] = transfer
     ref = StorageWeakRef(owner.untyped_storage())
     del owner
     try:

@@ -25,7 +25,7 @@ def _pair(model: nn.Module):
 
 def _train_entries(compiled):
     return [e for g in find_backend(compiled).compiled_graphs() for r in g.runners
-            for e in r.entries.values() if hasattr(e, "bwd_graph")]
+            for e in r.cache.entries.values() if hasattr(e, "bwd_graph")]
 
 
 def _step(model, fn, x):
@@ -259,7 +259,7 @@ def test_the_last_regions_inference_outputs_are_released_and_every_result_stays_
     assert mem["held"] == mem["inputs"] > 0 and mem["released_outputs"] == mem["released"]
     assert "MiB of outputs released" in cgbackend.report(compiled).to_text()
     assert "saved activations" not in cgbackend.summary(compiled)
-    (entries,) = [r.entries for g in find_backend(compiled).compiled_graphs() for r in g.runners]
+    (entries,) = [r.cache.entries for g in find_backend(compiled).compiled_graphs() for r in g.runners]
     eight = next(e for e in entries.values() if e.size == 8)
     kept = []
     with torch.no_grad():
@@ -320,7 +320,7 @@ def test_inductor_code_notes_that_its_backward_ran_outside_a_capture():
     compiled = cgbackend.compile(model, simulate_graphs=True, warmup=2, inner="inductor", static_dispatch="off")
     x = torch.randn(8, 16)
     compiled(x)  # forward only: no backward seen yet
-    fns = [r.fn for g in find_backend(compiled).compiled_graphs() for r in g.runners]
+    fns = [r.code.fn for g in find_backend(compiled).compiled_graphs() for r in g.runners]
     assert fns and all(f.needs_backward_prewarm and not f.backward_seen for f in fns)
     compiled(x).pow(2).mean().backward()
     assert all(f.backward_seen for f in fns)
@@ -351,7 +351,7 @@ def test_simulated_graphs_compile_without_donated_buffers():
                 fn(x).pow(2).mean().backward()
             for a, b in zip(ref.parameters(), mine.parameters()):
                 torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6)
-    fns = [compiled_call(r.fn) for g in find_backend(compiled).compiled_graphs() for r in g.runners]
+    fns = [compiled_call(r.code.fn) for g in find_backend(compiled).compiled_graphs() for r in g.runners]
     assert fns and seen == [False] * len(fns)
     assert not any(donating(f) for f in fns) and cgbackend.stats(compiled)["bwd_replays"] >= 1
 

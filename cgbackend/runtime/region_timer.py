@@ -45,10 +45,12 @@ class RegionTimer:
     def __call__(self, graph: Any, position: int, run_step: Callable[..., Any], step: Any, ins: list,
                  call: Any) -> Any:
         region = graph.analysis.partition.regions[position]
-        runner = step.runner
-        replays = runner.replays if runner is not None else 0
-        graphs = runner.n_graphs if runner is not None else 0
-        device = _cuda_device(ins, runner)
+        counts = step.runner.counts if step.runner is not None else None
+        replays = counts.replays if counts is not None else 0
+        graphs = counts.graphs if counts is not None else 0
+        # A static region's simulated graphs run on the host: timed with perf_counter.
+        device = _cuda_device(ins, counts is not None and graph.shared.capturer.simulate,
+                              step.runner.spec.device if step.runner is not None else None)
         if device is not None:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -59,8 +61,8 @@ class RegionTimer:
             t0 = time.perf_counter()
             out = run_step(step, ins, call)
             elapsed = time.perf_counter() - t0
-        how = ("capture" if runner is not None and runner.n_graphs > graphs
-               else "replay" if runner is not None and runner.replays > replays else "eager")
+        how = ("capture" if counts is not None and counts.graphs > graphs
+               else "replay" if counts is not None and counts.replays > replays else "eager")
         key = (graph.index, position, region.name, how)
         if device is not None:
             self._pending.append((key, start, end))
@@ -100,16 +102,15 @@ class RegionTimer:
         return out
 
 
-def _cuda_device(ins: list, runner: Any) -> Optional[torch.device]:
-    if not torch.cuda.is_available():
-        return None
-    if runner is not None and runner.shared.capturer.simulate:
+def _cuda_device(ins: list, simulate: bool, region_device: Optional[torch.device]) -> Optional[torch.device]:
+    """The CUDA device a region call runs on (its first tensor input's, else the region's), or None:
+    timed with perf_counter (CPU, simulated graphs)."""
+    if not torch.cuda.is_available() or simulate:
         return None
     for value in ins:
         if isinstance(value, torch.Tensor):
             return value.device if value.is_cuda else None
-    device = getattr(runner, "device", None)
-    return device if device is not None and device.type == "cuda" else None
+    return region_device if region_device is not None and region_device.type == "cuda" else None
 
 
 def timing_text(timing: dict[str, dict[str, Any]]) -> list[str]:
