@@ -41,6 +41,7 @@ from .entries import TrainEntry, fill_grads, reserved, static_buffer_like
 from .held import HeldStorages, use_counts_supported
 from .inner import KEEP_GRAPH, donating, no_donated_buffers
 from .inputs import saved_modified_error
+from .loose_grads import loosen_dropped, watch_given, weight_grads
 from .params import ParamPolicy
 from .reach import fake_output_reach, reached_inputs, unreached
 from .replay import Replayer
@@ -144,6 +145,9 @@ class Backward:
         # before the capture (tangents.py), which may then reuse their memory; a backward that runs
         # without the graph after all reads the buffers (Backward.run).
         release_incoming(grads)
+        # Earlier backward graphs of the pool whose gradients nobody holds any more give their
+        # blocks to this capture (loose_grads.py: FSDP2 drops each layer's as soon as it has them).
+        loosen_dropped(pool, self.counters)
         device = entry.outputs[entry.diff_out[0]].device if entry.diff_out else None
         reserved_before = reserved(device, settle=not shared.capturer.simulate)
         start = time.perf_counter()
@@ -170,6 +174,12 @@ class Backward:
         entry.static_grad_ins = static_grad_ins
         entry.grad_ptrs = frozenset(g.data_ptr() for g in static_grad_ins if g is not None)
         entry.held = HeldStorages(static_grad_ins) if use_counts_supported() else None
+        entry.weight_grads = weight_grads(entry.diff_in, self.spec.kinds, static_grad_ins)
+        if entry.held is not None and entry.weight_grads:
+            # Taken before any is given out (the entry's own references only), like entry.held's.
+            entry.weights_held = HeldStorages([static_grad_ins[k] for k in entry.weight_grads])
+            entry.weights_held.mark()
+            pool.grad_owners.append(entry)
         shared.register_persistent([g for g in static_grad_ins if g is not None], in_place=False)
         shared.counters.bwd_graphs += 1
         shared.counters.grad_outputs_shared += len(entry.grad_out_shared)
@@ -288,6 +298,8 @@ class Backward:
             counters.replays += 1
             counters.bwd_replays += 1
             grads_in = give_grads(entry, ctx.leaves, self.shared.handed)
+            if entry.loose_from >= 0:
+                watch_given(entry, counters)
             self.memory.settle(entry)
         return grads_in
 

@@ -55,14 +55,17 @@ class SimulatedGraph:
         self.released = False
         """Its outputs were released (runtime/loose_outputs.py): any graph of the pool captured
         later may hold anything in them, so every other graph's replay scribbles them."""
+        self.loose: Optional[tuple[int, list]] = None
+        """Some of its outputs were loosened (runtime/loose_grads.py): (the first capture index that
+        may lie in them, those outputs); replays of graphs from that index on scribble them."""
 
     def attach(self, pool: PoolState, index: int) -> None:
         self.pool, self.index = pool, index
         pool.graphs.append(self)
 
-    def scribble(self) -> None:
+    def scribble(self, tensors: Any = None) -> None:
         with torch.no_grad():
-            for t in iter_tensors(self.outputs):
+            for t in iter_tensors(self.outputs if tensors is None else tensors):
                 if not t.numel():  # nothing to scribble (and it may be a view of a leaf input)
                     continue
                 if not non_overlapping(t):  # an expanded view: its elements share memory
@@ -96,6 +99,8 @@ class SimulatedGraph:
             for other in self.pool.graphs:
                 if other.index > self.index or (other.released and other is not self):
                     other.scribble()
+                elif other.loose is not None and self.index >= other.loose[0]:
+                    other.scribble(other.loose[1])
         result = self._fn()
         written: set[int] = set()
         with torch.no_grad():

@@ -92,7 +92,8 @@ class TrainEntry(Entry):
     __slots__ = ("bwd_graph", "bwd_index", "capture_outs", "diff_in", "diff_out", "static_grad_outs",
                  "static_grad_ins", "tensor_pos", "nondiff_out", "bwd_failed", "handed", "held", "grad_ptrs",
                  "leaves", "reach", "saved_modified", "saved_pos", "released", "saved_bytes",
-                 "grad_out_shared", "nondiff_loose", "pooled_pos", "released_in", "released_out", "saved")
+                 "grad_out_shared", "nondiff_loose", "pooled_pos", "released_in", "released_out", "saved",
+                 "loose_from", "weight_grads", "weights_held")
 
     training = True
 
@@ -100,6 +101,13 @@ class TrainEntry(Entry):
         super().__init__()
         self.saved: Any = None
         """The capture's saved-tensor hooks (saved.SavedTensors): the slots its autograd graph holds."""
+        self.weight_grads: tuple = ()
+        """Which of its backward graph's gradients (``static_grad_ins``) are its parameters'."""
+        self.weights_held: Any = None
+        """Use counts of those (held.HeldStorages), to tell when nobody holds them (loose_grads.py)."""
+        self.loose_from = -1
+        """Its backward graph's gradients no longer owned (loose_grads.py): graphs of its pool
+        with this capture index or later may lie in their memory (-1: still owned)."""
         self.pooled_pos: list[int] = []
         """Copied inputs whose static buffer was made in the graph pool, alone in its storage (no
         output lies there): those BackwardMemory.release_inputs may give to the backward graph."""

@@ -94,6 +94,18 @@ class GraphCache:
                 shape_parts.append(freeze(value))
             elif self.tensor_key(pos, value, grad_path, shape_parts, addr_parts):
                 producer_eager = True
+        # Which parameters, not only where: an engine may put another layer's parameters at the
+        # same addresses (FSDP2's gathers in a pool of their own: cgbackend.distributed), and an
+        # entry keeps the ones it was captured with (its backward checks and recomputes read them).
+        # The first one's object stands for the layer (a layer's parameter objects stay the same).
+        layer = id(ins[spec.param_pos[0]]) if spec.param_pos else None
+        if grad_path:
+            # Training warms up each layer sharing the graph on its own: all of them then capture
+            # in the same step, in call order, so the k-th forward of a step is the k-th layer in
+            # every later step (its call slot, part of the key). Counted together, the first
+            # layers warmed up while the later ones captured, and the slots shifted by those
+            # warm-up calls in the next step: every layer captured a second time.
+            shape_parts.append(layer)
         shape_key = tuple(shape_parts)
         if producer_eager:
             return None, shape_key
@@ -102,11 +114,6 @@ class GraphCache:
             params = self.params.addresses(ins)
         else:
             params = tuple(policy.key(ins[p]) for p in spec.param_pos)
-        # Which parameters, not only where: an engine may put another layer's parameters at the
-        # same addresses (FSDP2's gathers in a pool of their own: cgbackend.distributed), and an
-        # entry keeps the ones it was captured with (its backward checks and recomputes read them).
-        # The first one's object stands for the layer (a layer's parameter objects stay the same).
-        layer = id(ins[spec.param_pos[0]]) if spec.param_pos else None
         return (slot,) + shape_key + tuple(addr_parts) + params + (layer,), shape_key
 
     def tensor_key(self, pos: int, value: torch.Tensor, grad_path: bool, shape_parts: list,

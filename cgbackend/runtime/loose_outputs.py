@@ -39,7 +39,7 @@ import torch
 from ..fx_utils import iter_tensors
 from .capture import SimulatedGraph
 
-__all__ = ["StorageWeakRef", "loose_alias", "loose_supported", "releases_outputs", "release_outputs"]
+__all__ = ["StorageWeakRef", "loose_alias", "loose_aliases", "loose_supported", "releases_outputs", "release_outputs"]
 
 try:  # cudagraph trees checks its storages with it
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -65,6 +65,24 @@ def loose_alias(value: torch.Tensor) -> torch.Tensor:
     """``value`` on a storage that does not own its memory (the caller drops ``value`` next)."""
     storage = value.untyped_storage()
     return _on(_from_pointer(storage.data_ptr(), value.device, storage.nbytes()), value)
+
+
+def loose_aliases(values: Any) -> tuple:
+    """Each tensor of ``values`` (None kept) on a storage that does not own its memory, one such
+    storage per storage of theirs, so tensors that shared memory still share it (the caller drops
+    ``values`` next)."""
+    loose: dict[int, Any] = {}
+    out = []
+    for value in values:
+        if not isinstance(value, torch.Tensor) or not value.numel():
+            out.append(value)
+            continue
+        storage = value.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in loose:
+            loose[ptr] = _from_pointer(ptr, value.device, storage.nbytes())
+        out.append(_on(loose[ptr], value))
+    return tuple(out)
 
 
 def releases_outputs(entry: Any, terminal: bool, hooks: Any) -> bool:

@@ -80,7 +80,11 @@ def entry_memory(entry: Entry) -> dict[str, int]:
         released += released_inputs + sum(released_out.values())
         grad_outs = [g for i, g in zip(getattr(entry, "diff_out", ()), entry.static_grad_outs or ())
                      if i not in released_out]
-        out["grads"] = _storages(grad_outs + list(entry.static_grad_ins or ()), seen)
+        grads_in = list(entry.static_grad_ins or ())
+        if getattr(entry, "loose_from", -1) >= 0:  # its parameters' gradients went back to the pool
+            loose = set(entry.weight_grads)
+            grads_in = [g for k, g in enumerate(grads_in) if k not in loose]
+        out["grads"] = _storages(grad_outs + grads_in, seen)
     out["held"] = sum(out[k] for k in KINDS)
     out["reserved"] = entry.nbytes
     out["released"] = released

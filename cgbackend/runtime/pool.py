@@ -76,6 +76,13 @@ class PoolState:
     """Training entries waiting for ``awaiting_backward`` to reach 0 to release their saved
     activations, with the backward side that releases them."""
 
+    grad_owners: list = dataclasses.field(default_factory=list)
+    """Training entries of this pool whose backward graph owns the gradients it writes, until
+    they are loosened (runtime/loose_grads.py)."""
+    given_loose: dict = dataclasses.field(default_factory=dict)
+    """Loosened entries whose gradients are given out, by id: (the first capture index that may
+    lie in their memory, a check that says whether someone still holds them)."""
+
     routed: bool = False
     """This pool's use count holds one reference of ours (``allocating``), dropped when it goes."""
 
@@ -132,8 +139,19 @@ class PoolState:
         self.releasable.clear()
 
     def hazard(self, index: int) -> bool:
-        """Would replaying the graph with capture index ``index`` risk clobbering live data?"""
-        return any(other > index for other in self.live)
+        """Would replaying the graph with capture index ``index`` risk clobbering live data: data a
+        graph captured after it still needs, or gradients given out whose blocks it may have
+        received (runtime/loose_grads.py)?"""
+        if any(other > index for other in self.live):
+            return True
+        given = self.given_loose
+        if given:
+            for key, (start, held) in list(given.items()):
+                if start <= index:
+                    if held():
+                        return True
+                    del given[key]
+        return False
 
 
 class PoolSet:

@@ -135,6 +135,12 @@ class Counters:
     """Of those, the ones whose memory went before the backward pass ended: taken by a compiled
     backward as its own argument (freed after its last read), or dropped once copied into a backward
     graph's buffer, before that graph replays or is captured."""
+    grads_loosened: int = 0
+    """Backward graphs whose gradients the runtime stopped owning once nobody held the ones given
+    out (runtime/loose_grads.py: FSDP2 drops each layer's after its reduce-scatter copy): their
+    blocks went back to the pool, for the backward graphs captured after them."""
+    grads_loosened_bytes: int = 0
+    """Bytes of those gradients."""
     bwd_recomputes: int = 0
     """Backwards of released entries that could not replay their graph (an eager_calls reason says
     why) and ran autograd through the region's forward computed again."""
