@@ -11,9 +11,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import opaque
-from .passes.dispatch.cost import GROUPED_MODES
-from .passes.dispatch.forwards import LoopForwards
-from .passes.dispatch.layout import stack_expert_params
+from .moe.form_choice import GROUPED_MODES
+from .moe.loop_forwards import LoopForwards
+from .moe.expert_layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
 from .distributed import WholeGraphUnderDDP, fsdp_modules, is_ddp, track_fsdp
@@ -90,7 +90,7 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     ``CompileScope``), so a dropless MoE arrives as one graph
     and cgbackend decides what runs eagerly. Returns what torch.compile returns; cgbackend.stats()
     and cgbackend.report() accept it. With static dispatch, the dispatch loops it rewrites live on
-    the returned wrapper: ``model`` and its modules keep their own methods (forwards.py).
+    the returned wrapper: ``model`` and its modules keep their own methods (moe/loop_forwards.py).
     """
     instance = CGBackend(**options)
     is_module = isinstance(model, torch.nn.Module)

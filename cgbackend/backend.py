@@ -71,15 +71,15 @@ class CGBackend:
         self.opaque: Optional[InstallResult] = None
         """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
         self.loops: list = []
-        """Loops cgbackend.compile / explain rewrote in the model's source (passes/dispatch/source.py)."""
+        """Loops cgbackend.compile / explain rewrote in the model's source (moe/source_rewrite.py)."""
         self.survey_target: Optional[Callable[[], Any]] = None
         """A weak reference to the model compiled without static dispatch: its loops are surveyed
-        (what the loop rewrite would do, forwards.survey) when a report is built, for the hints."""
+        (what the loop rewrite would do, loop_forwards.survey) when a report is built, for the hints."""
         self._loop_survey: Optional[list] = None
         self.regional: list = []
         """Stacks of identical layers cgbackend.compile compiles once each (regional.py)."""
         self.relayouts: list = []
-        """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
+        """Expert parameters cgbackend.compile laid out as one block (moe/expert_layout.py)."""
         self.trace_fallback: Optional[str] = None
         """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
         self.switch_per_call = False
@@ -229,7 +229,7 @@ class CGBackend:
             model = self.survey_target() if self.survey_target is not None else None
             if model is None:
                 return []
-            from .passes.dispatch.forwards import survey
+            from .moe.loop_forwards import survey
             self._loop_survey = survey(model)
         return self._loop_survey
 

@@ -107,7 +107,7 @@ class Config:
 
     static_dispatch: str = "auto"
     """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is
-    captured (passes/dispatch/): "auto" (the default: a measured cost model picks the form per layer,
+    captured (cgbackend/moe/): "auto" (the default: a measured cost model picks the form per layer,
     and leaves a loop dynamic where no static form pays), a form ("grouped", "masked_dense", or
     "small_batch": the grouped form's routing with per-row products, for decode's few rows per
     expert; "auto" weighs it for layers that need no gradient), or "off". A rewrite is applied only
@@ -177,7 +177,7 @@ class Config:
             raise ConfigError(f"cgbackend option graph_cache={self.graph_cache!r} is not one of "
                               f"{', '.join(_GRAPH_CACHES)}{did_you_mean(self.graph_cache, _GRAPH_CACHES)}")
         object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
-        from .passes.dispatch import MODES
+        from .moe.form_choice import MODES
         if self.static_dispatch not in MODES:
             raise ConfigError(f"cgbackend option static_dispatch={self.static_dispatch!r} is not one of "
                               f"{', '.join(MODES)}{did_you_mean(self.static_dispatch, MODES)}")

@@ -9,8 +9,8 @@ from typing import Any, Optional
 import torch
 
 from . import opaque
-from .passes.dispatch.cost import GROUPED_MODES
-from .passes.dispatch.forwards import LoopForwards, survey
+from .moe.form_choice import GROUPED_MODES
+from .moe.loop_forwards import LoopForwards, survey
 from .tracing import data_dependent_failure, dynamic_ops_config
 from .backend import CGBackend
 from .reporting.breaks import break_text, frame_skipped, skipped_frame_source

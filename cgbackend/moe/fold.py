@@ -13,7 +13,7 @@ What is proven, and where:
 
 * the loop's syntax (fold_syntax.py): the body uses the expert id only to pick the expert
   (``self.experts[e]``), a row of a parameter table (``self.w[e]``) or the routing selection, and
-  leaves nothing behind after an iteration (proof.py);
+  leaves nothing behind after an iteration (loop_proof.py);
 * the experts' structure, once per compile (:func:`spec_of`): one module tree repeated E times,
   same classes, the same plain attributes, parameters of one shape each, no buffers, no instance
   forwards, and forwards that write no Python state;
@@ -22,7 +22,7 @@ What is proven, and where:
   state: a change to an expert's plain attributes or hooks after a trace is seen at the next trace,
   as torch.compile itself does not guard module hooks. Inference traces take expert 0's
   parameters only (:func:`inputs`); the runtime checks the others at every call
-  (layout.LayoutCheck);
+  (expert_layout.LayoutCheck);
 * by the graph pass: the one traced unit matches the grouped form, and each expert parameter is
   used only as a linear layer's weight or bias. Otherwise the fold is switched off for that loop and
   Dynamo restarts the trace (:func:`decline`), which then unrolls the loop as before.
@@ -129,7 +129,7 @@ def decline(key: int, why: str) -> None:
 
 def enable(key: int, spec: "Spec", owners: list) -> None:
     """Fold loop ``key``, whose expert lists (``owners``) all have structure ``spec``."""
-    from .layout import consecutive
+    from .expert_layout import consecutive
     _SPECS[key] = spec
     _OWNERS[key] = [weakref.ref(o) for o in owners]
     # Inference traces read the experts from one block only where cgbackend.compile laid them out
@@ -257,7 +257,7 @@ def inputs(key: int, experts: Any) -> Optional[tuple]:
     input: autograd accumulates each expert's gradient into its own). Without, only expert 0's:
     the graph reads all E from its block (layout.block_view), so a call fetches, guards and keys
     one parameter per name instead of E, and the runtime checks on each call that the other
-    experts' parameters still are the block's slices (layout.LayoutCheck)."""
+    experts' parameters still are the block's slices (expert_layout.LayoutCheck)."""
     if not torch.compiler.is_compiling() or not _ENABLED.get(key, False):
         return None
     if experts is None:

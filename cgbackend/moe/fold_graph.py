@@ -19,12 +19,12 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from ...fx_utils import fake_value, module_path, source_location
+from ..fx_utils import fake_value, module_path, source_location
 from . import fold
-from .cost import GROUPED_FORMS
-from .graph import _shape
+from .form_choice import GROUPED_FORMS
+from .graph_builder import _shape
 from .grouped import Layer, _Linear, _routing, build_grouped, costs, layer_form, products_text, slots
-from .layout import LayoutCheck, block_view, consecutive
+from .expert_layout import LayoutCheck, block_view, consecutive
 from .match import _match_where, _removable, read_while_written
 from .records import DispatchResult, DispatchRewrite, _Skip
 
@@ -69,7 +69,7 @@ def _block_row(gm: torch.fx.GraphModule, key: int, i: int, w0: torch.fx.Node, n:
     expert list it belongs to, found by Dynamo's real value of ``w0``, must hold its n experts'
     parameters as the consecutive slices of one block. The traced expert's uses of ``w0`` then read
     ``block_view(w0, n)[0]``, a table row like ``row(T, 0)``, and the runtime checks the layout
-    at each call (layout.LayoutCheck, appended to ``checks``)."""
+    at each call (expert_layout.LayoutCheck, appended to ``checks``)."""
     real = fold.real_input(w0) if w0.op == "placeholder" else None
     if not isinstance(real, torch.Tensor):
         raise _Skip("Dynamo kept no value of expert 0's parameter")

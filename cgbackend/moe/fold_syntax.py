@@ -31,7 +31,7 @@ import ast
 import copy
 from typing import Optional
 
-from .proof import body_reason
+from .loop_proof import body_reason
 
 __all__ = ["FOLD", "fold_loop"]
 

@@ -44,14 +44,14 @@ from typing import Optional, Sequence
 import torch
 import torch.fx
 
-from ...fx_utils import module_path, source_location
-from .cost import FORMS, GROUPED_FORMS, GROUPED_MODES, MODES, choose_form
+from ..fx_utils import module_path, source_location
+from .form_choice import FORMS, GROUPED_FORMS, GROUPED_MODES, MODES, choose_form
 from .fold_graph import fold_layers
 from .grouped import build_grouped, find_layers, layer_form, products_text
 from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
-from .graph import _Builder
+from .graph_builder import _Builder
 from .records import DispatchResult, DispatchRewrite, DispatchSkipped, _Skip
-from .restore import KeptSkip, SkipNotKept, keep_skips
+from .keep_skips import KeptSkip, SkipNotKept, keep_skips
 
 __all__ = ["DispatchResult", "DispatchRewrite", "DispatchSkipped", "rewrite_static_dispatch",
            "FORMS", "MODES", "SkipNotKept"]
@@ -140,8 +140,8 @@ _ROW_BLOCK_PATTERNS = ("where_loop", "sorted_split")
 
 def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence = ()) -> DispatchResult:
     """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc.
-    ``loops``: the loops the source rewrite changed (source.LoopRewrite); a unit of theirs left
-    dynamic keeps the loop's skip (restore.py)."""
+    ``loops``: the loops the source rewrite changed (source_rewrite.LoopRewrite); a unit of theirs left
+    dynamic keeps the loop's skip (keep_skips.py)."""
     result = DispatchResult(mode=mode)
     skipped_at: dict = {}
     if mode == "off":

@@ -39,10 +39,10 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from ...fx_utils import fake_value, plain_name, sizes_equal
-from .cost import choose_layer_form
-from .graph import _Builder, _is, _is_getitem, _shape, _strip_type
-from .layout import consecutive, stacked_view
+from ..fx_utils import fake_value, plain_name, sizes_equal
+from .form_choice import choose_layer_form
+from .graph_builder import _Builder, _is, _is_getitem, _shape, _strip_type
+from .expert_layout import consecutive, stacked_view
 from .masked_dense import _dense_weight
 from .match import _Plan, WhereUnit, _removable, read_while_written
 from .records import _Skip
@@ -301,12 +301,12 @@ def _stacked(b: _Builder, leaves: list[torch.fx.Node], n: int) -> torch.fx.Node:
             table = b.fn(operator.getitem, table, slice(0, n))
         return table
     if consecutive([fake_value(w) for w in what]):
-        return b.fn(stacked_view, *what)  # slices of one block (layout.py): a view, no copy
+        return b.fn(stacked_view, *what)  # slices of one block (expert_layout.py): a view, no copy
     return b.fn(torch.stack, list(what))
 
 
 def layer_form(layer: Layer, mode: str) -> tuple[Optional[str], str, dict, bool]:
-    """cost.choose_layer_form for ``layer`` with what its traced values say (device, element size,
+    """form_choice.choose_layer_form for ``layer`` with what its traced values say (device, element size,
     whether its output needs a gradient), and whether torch._grouped_mm applies to it: (form, why,
     figures, native)."""
     value = fake_value(layer.units[0].rows.out)

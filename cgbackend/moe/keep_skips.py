@@ -1,18 +1,18 @@
 """Keeping a rewritten loop's skip for the dispatch units the graph rewrite leaves dynamic.
 
 Reads: one Dynamo graph after the static-dispatch rewrite, and the loops the source rewrite changed
-(source.LoopRewrite: file and lines).
+(source_rewrite.LoopRewrite: file and lines).
 Writes: the graph, in place. Each selection (``where(mask)``, ``nonzero(mask, as_tuple=True)``)
 made inside a rewritten loop that is still in the graph, together with everything that depends on
 it, becomes one call that runs that code only when the selection is not empty.
 
-Why: the source rewrite (source.py) drops a loop's skip (``if counts[e] == 0: continue``, the loop
+Why: the source rewrite (source_rewrite.py) drops a loop's skip (``if counts[e] == 0: continue``, the loop
 over the experts that received tokens), so an expert without tokens runs its body on no rows. That
 is the loop as written only where the graph rewrite then replaces each expert's unit by a static
 form. A unit it leaves dynamic (not row-independent, such as a per-expert ``amax()`` scale; a form
 the cost model declines; code no pattern matches) would run on no rows and may fail there
 (``amax()`` of nothing, Dynamo's ``u >= 1`` assertion) or differ. Its selection is empty exactly
-when the loop skipped the expert (source.py proves that every selection of the body reads ``M[e]``
+when the loop skipped the expert (source_rewrite.py proves that every selection of the body reads ``M[e]``
 or compares the counted ids with ``e``), so running the unit only for a non-empty selection is the
 skip as written.
 
@@ -32,9 +32,9 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx
 
-from ...fx_utils import META_KEY, fake_value, storage_ids
-from ..effects import is_global_state_node, is_random_node, mutated_args
-from .graph import _descendants, _is
+from ..fx_utils import META_KEY, fake_value, storage_ids
+from ..passes.effects import is_global_state_node, is_random_node, mutated_args
+from .graph_builder import _descendants, _is
 
 __all__ = ["KeptSkip", "SkipNotKept", "keep_skips"]
 
@@ -52,7 +52,7 @@ class KeptSkip:
     nodes: list[torch.fx.Node]
     """The nodes moved into the call, in graph order (the sink among them)."""
     loop: Any
-    """The source.LoopRewrite the selection comes from."""
+    """The source_rewrite.LoopRewrite the selection comes from."""
 
 
 class _SkipWhenEmpty:
@@ -145,7 +145,7 @@ def _move(gm: torch.fx.GraphModule, selection: torch.fx.Node, body: list[torch.f
 
 
 def keep_skips(gm: torch.fx.GraphModule, loops: Sequence[Any]) -> list[KeptSkip]:
-    """Make every selection of a rewritten loop (``loops``: source.LoopRewrite records with a form)
+    """Make every selection of a rewritten loop (``loops``: source_rewrite.LoopRewrite records with a form)
     still in ``gm`` run its code only when not empty; see the module docstring. Returns what it
     changed, in graph order; raises SkipNotKept where it cannot."""
     loops = [l for l in loops if l.form]

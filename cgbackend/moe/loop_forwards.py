@@ -1,6 +1,6 @@
 """The rewritten forwards of one compiled model, kept apart from the user's modules.
 
-``cgbackend.compile`` (and ``explain``) rewrite dispatch loops in the model's forwards (source.py).
+``cgbackend.compile`` (and ``explain``) rewrite dispatch loops in the model's forwards (source_rewrite.py).
 The rewritten bound methods belong to a :class:`LoopForwards` object owned by the compiled
 wrapper: they are put in the modules' ``__dict__`` only while a compiled call runs (``with
 forwards:``) and what was there before is put back afterwards, also when the call raises. Outside
@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import fold as _fold
-from .cost import GROUPED_MODES
-from .source import LoopRewrite, rewrite_function
+from .form_choice import GROUPED_MODES
+from .source_rewrite import LoopRewrite, rewrite_function
 
 __all__ = ["LoopForwards", "survey", "UNROUTED_GRADS_WARNING"]
 

@@ -1,4 +1,4 @@
-"""What a dispatch loop's body may do for the loop rewrite (source.py) to be sound.
+"""What a dispatch loop's body may do for the loop rewrite (source_rewrite.py) to be sound.
 
 Reads: the function's syntax tree, one loop of it and the names the body's selections bind.
 Writes: nothing; each check returns None or the reason the loop stays as written.
@@ -19,7 +19,7 @@ loop as written exactly when such an iteration leaves nothing behind:
   from are not rebound or written between the count (or the hit test) and the loop, nor in the body.
 
 Calls into other code (an expert module) are not looked into: the FX-level rewrite proves each
-dispatch unit, and a unit it leaves dynamic keeps the skip (restore.py).
+dispatch unit, and a unit it leaves dynamic keeps the skip (keep_skips.py).
 """
 
 from __future__ import annotations

@@ -28,14 +28,14 @@ class DispatchRewrite(_UnitRecord):
     experts: int = 0
     removed_ops: int = 0
     figures: dict = dataclasses.field(default_factory=dict)
-    """The cost model's inputs and estimates for this choice (cost.py), where it ran."""
+    """The cost model's inputs and estimates for this choice (form_choice.py), where it ran."""
 
 
 @dataclasses.dataclass
 class DispatchSkipped(_UnitRecord):
     reason: str = ""
     loop: str = ""
-    """The rewritten loop (its LoopRewrite source) whose skip this unit keeps (restore.py), if any."""
+    """The rewritten loop (its LoopRewrite source) whose skip this unit keeps (keep_skips.py), if any."""
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ class DispatchResult:
     rewrites: list[DispatchRewrite] = dataclasses.field(default_factory=list)
     skipped: list[DispatchSkipped] = dataclasses.field(default_factory=list)
     layout_checks: list = dataclasses.field(default_factory=list)
-    """Checks the runtime makes at each call of the graph (layout.LayoutCheck): the expert
+    """Checks the runtime makes at each call of the graph (expert_layout.LayoutCheck): the expert
     parameters an inference graph reads from one block still are that block's slices."""
 
     def to_dict(self) -> dict[str, Any]:

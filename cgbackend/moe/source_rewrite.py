@@ -55,11 +55,11 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
 ``__cgb_compiling`` is ``torch.compiler.is_compiling``: traced by Dynamo the skip and the host read
 are gone and every expert runs; run eagerly (a frame Dynamo gives up on) the loop skips as written.
 
-Either form is rewritten only when its body passes the checks of proof.py: running it for an
+Either form is rewritten only when its body passes the checks of loop_proof.py: running it for an
 expert without tokens leaves nothing behind (no name outlives the iteration, every write outside
 the body is indexed by the selected tokens, the routing is not rebound). Experts with side effects
 of their own on empty input (a call counter) are outside what the syntax sees; the FX-level pass
-proves each dispatch unit, and keeps the skip for a unit it leaves dynamic (restore.py). Anything
+proves each dispatch unit, and keeps the skip for a unit it leaves dynamic (keep_skips.py). Anything
 else is left as written, with the reason recorded.
 """
 
@@ -75,7 +75,7 @@ import torch
 
 from . import fold as _fold
 from .fold_syntax import FOLD, fold_loop
-from .proof import body_reason, tensor_uses, unchanged_between
+from .loop_proof import body_reason, tensor_uses, unchanged_between
 
 __all__ = ["LoopRewrite", "rewrite_function"]
 

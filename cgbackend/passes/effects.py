@@ -103,7 +103,7 @@ def is_random_node(node: torch.fx.Node) -> bool:
 
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Argument nodes whose data ``node`` writes in place (empty for pure nodes). A call that runs a
-    piece of graph (passes/dispatch/restore.py) names the arguments it writes in
+    piece of graph (moe/keep_skips.py) names the arguments it writes in
     ``meta["cgbackend"]["writes"]`` (positions)."""
     if node.op not in ("call_function", "call_method"):
         return []

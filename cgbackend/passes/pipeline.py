@@ -12,7 +12,7 @@ from . import (Classification, Effects, Labels, Partition, Schedule, Shapes, ana
                partition, schedule, shapes)
 from .bucket import Buckets, buckets
 from .constants import Constants, find_constants
-from .dispatch import DispatchResult, rewrite_static_dispatch
+from ..moe.graph_rewrite import DispatchResult, rewrite_static_dispatch
 from ..reasons import Reason
 
 __all__ = ["Analysis", "analyze"]

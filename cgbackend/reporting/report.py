@@ -81,7 +81,7 @@ from .entry import entry_text
 from .hints import hints_text
 from .memory_estimate import analysis_memory, memory_text
 from ..opaque import opaque_info
-from ..passes.cost import estimate_kernels
+from ..passes.launch_estimate import estimate_kernels
 from ..runtime.memory import released_kinds
 from ..runtime.timing import timing_text
 from ..reasons import Rule
@@ -135,7 +135,7 @@ class GraphReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     runtime: Optional[dict[str, Any]] = None
     dispatch: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Static MoE dispatch (passes/dispatch/): ``{"mode", "rewrites": [...], "skipped": [...]}``."""
+    """Static MoE dispatch (moe/): ``{"mode", "rewrites": [...], "skipped": [...]}``."""
     runs_per_call: int = 1
     """How often this graph ran in the model call explain traced (a layer's code compiled once runs
     once per layer); the summary's per-call figures count these runs."""
@@ -175,7 +175,7 @@ class Report:
     "kind"}], "skipped": [{"module", "kind", "reason"}]}``; skipped modules keep their own forward
     (Dynamo breaks the graph at them and they run eagerly)."""
     loop_rewrites: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    """Dispatch loops rewritten in the model's source before tracing (passes/dispatch/source.py,
+    """Dispatch loops rewritten in the model's source before tracing (moe/source_rewrite.py,
     with static_dispatch on): ``[{"function", "source", "form", "reason"}]``; ``form`` is "hit_loop"
     or "count_skip" when rewritten, "" with the ``reason`` when left as it is."""
     hints: list[dict[str, Any]] = dataclasses.field(default_factory=list)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cgbackend.passes.dispatch import cost
+from cgbackend.moe import form_choice as cost
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 FORMS = ("masked_dense", "grouped", "small_batch", "dynamic")
@@ -82,8 +82,8 @@ def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypat
     import torch
 
     from cgbackend.models.gpt import MixtralStyleMoE
-    from cgbackend.passes import dispatch
-    from cgbackend.passes.dispatch import grouped
+    from cgbackend.moe import graph_rewrite as dispatch
+    from cgbackend.moe import grouped
     from fx_helpers import trace
 
     real, seen = cost.choose_layer_form, []

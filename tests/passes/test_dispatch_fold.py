@@ -1,4 +1,4 @@
-"""Folded expert loops (passes/dispatch/fold*.py): Dynamo traces one expert of a proven loop and the
+"""Folded expert loops (moe/fold*.py): Dynamo traces one expert of a proven loop and the
 grouped form runs all of them; every loop it cannot prove is traced unrolled, as before.
 
 Each test checks outputs (and, in training, every gradient) against the model run eagerly on
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import cgbackend
 import cgbackend.passes.pipeline as pipeline
 from cgbackend.models.layers import Expert
-from cgbackend.passes.dispatch import fold
+from cgbackend.moe import fold
 
 from fx_helpers import autograd_cache_check
 from log_helpers import records_of
@@ -319,7 +319,7 @@ def test_inference_takes_expert_0s_parameters_and_checks_the_block_each_call(mon
     compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped",
                                  regional_min_layers=regional)
     xs = _batches(6, seed=9)
-    with torch.no_grad(), records_of("cgbackend.passes.dispatch.layout") as logged:
+    with torch.no_grad(), records_of("cgbackend.moe.expert_layout") as logged:
         for x in xs[:2]:
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
         # x, and per layer: the gate, and expert 0's w1, w2, w3 (one layer's graph when regional)

@@ -383,7 +383,7 @@ def test_grouped_form_under_inductor_reads_the_expert_block_without_a_copy(monke
     outside what Inductor compiles (traced with fake tensors it would be a torch.stack, a copy of
     every expert's weights per call). Outputs and gradients still equal eager's."""
     import torch._inductor.compile_fx as cfx
-    from cgbackend.passes.dispatch.layout import stacked_view
+    from cgbackend.moe.expert_layout import stacked_view
 
     seen = []
     real = cfx.compile_fx

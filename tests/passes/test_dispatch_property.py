@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import cgbackend
 from cgbackend.models.layers import Expert
 from moe_helpers import SqrtExpert, top_k_routing
-from cgbackend.passes.dispatch.source import rewrite_function
+from cgbackend.moe.source_rewrite import rewrite_function
 
 D, E, K, T = 8, 4, 2, 10
 SEED, CASES = 36, 240

@@ -336,7 +336,7 @@ def test_compiling_leaves_the_users_modules_as_they_are():
 
 def test_rewritten_forwards_cost_microseconds_per_call():
     """Putting the rewritten forwards on the modules for a call and taking them off again."""
-    from cgbackend.passes.dispatch.forwards import LoopForwards
+    from cgbackend.moe.loop_forwards import LoopForwards
     model = nn.Sequential(*(HitLoop() for _ in range(48)))
     forwards = LoopForwards(model)
     assert bool(forwards) and all("forward" not in m.__dict__ for m in model.modules())
@@ -401,7 +401,7 @@ PROOF_CASES = {
 @pytest.mark.parametrize("name", list(PROOF_CASES))
 def test_proof_of_the_loop_body(name):
     import linecache
-    from cgbackend.passes.dispatch.source import rewrite_function
+    from cgbackend.moe.source_rewrite import rewrite_function
     before, body, after, sound = PROOF_CASES[name]
     head = _HEAD if before is not None else _HEAD.replace("    counts = ", "    if x.numel():\n        counts = ")
     text = head + (before or "") + _LOOP + f"        {body}\n" + (f"    {after}\n" if after else "") + "    return out\n"

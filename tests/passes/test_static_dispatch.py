@@ -1,4 +1,4 @@
-"""Static MoE dispatch (passes/dispatch.py) on CPU: every supported pattern is rewritten, the whole
+"""Static MoE dispatch (cgbackend/moe/) on CPU: every supported pattern is rewritten, the whole
 layer becomes one static region, and outputs and gradients equal the original dynamic loop, on
 rotating inputs, with experts that get no tokens and with every token routed to one expert.
 Simulated graphs run the rewritten model through the capture/replay runtime."""
@@ -16,7 +16,7 @@ import cgbackend
 from cgbackend.config import ConfigError
 from cgbackend.models.gpt import GPT, MixtralStyleMoE, SortedMoE
 from cgbackend.fx_utils import callee_name
-from cgbackend.passes.dispatch import rewrite_static_dispatch
+from cgbackend.moe.graph_rewrite import rewrite_static_dispatch
 from fx_helpers import trace
 
 D, FF, E = 16, 24, 4
@@ -375,7 +375,7 @@ def test_dunder_method_spelling_of_torch_2_11_is_matched():
 
 
 def test_auto_leaves_a_loop_dynamic_above_the_row_limit(monkeypatch):
-    from cgbackend.passes.dispatch import cost as dispatch
+    from cgbackend.moe import form_choice as dispatch
     monkeypatch.setattr(dispatch, "_AUTO_MAX_ROWS", 8)  # the test's 12 tokens are over it
     torch.manual_seed(0)
     gm = trace(MixtralStyleMoE(D, FF, E, 2), torch.randn(2, 6, D))
