@@ -85,7 +85,7 @@ def _option_value(key: str, raw: str, default: Any) -> Any:
 
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:
     from .config import Config
-    from .suggest import did_you_mean
+    from .config.suggest import did_you_mean
     fields = {f: Config.__dataclass_fields__[f].default for f in Config.field_names()}
     options: dict[str, Any] = {}
     for item in items:

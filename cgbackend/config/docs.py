@@ -1,5 +1,5 @@
 """Documentation of cgbackend's options, generated from one source: the docstring under each field of
-:class:`cgbackend.Config` in config.py. ``help(cgbackend.Config)`` shows it (the class docstring is
+:class:`cgbackend.Config` in config/options.py. ``help(cgbackend.Config)`` shows it (the class docstring is
 made here) and the README's options table is :func:`options_table` (a test keeps them equal)."""
 
 from __future__ import annotations

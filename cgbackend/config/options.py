@@ -177,7 +177,7 @@ class Config:
             raise ConfigError(f"cgbackend option graph_cache={self.graph_cache!r} is not one of "
                               f"{', '.join(_GRAPH_CACHES)}{did_you_mean(self.graph_cache, _GRAPH_CACHES)}")
         object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
-        from .moe.form_choice import MODES
+        from ..moe.form_choice import MODES
         if self.static_dispatch not in MODES:
             raise ConfigError(f"cgbackend option static_dispatch={self.static_dispatch!r} is not one of "
                               f"{', '.join(MODES)}{did_you_mean(self.static_dispatch, MODES)}")
@@ -186,7 +186,7 @@ class Config:
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"cgbackend option {name} takes a sequence of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
-        from .op_names import unresolved_op_names
+        from ..op_names import unresolved_op_names
         unknown = unresolved_op_names(self.dynamic_ops)
         if unknown:
             raise ConfigError(
@@ -286,7 +286,7 @@ def parse_value(key: str, raw: str, default: Any, path_ok: bool = False) -> Any:
 
 
 def _document() -> None:
-    from .config_docs import class_docstring
+    from .docs import class_docstring
     Config.__doc__ = class_docstring(Config)
 
 

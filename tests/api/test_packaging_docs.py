@@ -22,7 +22,7 @@ import pytest
 
 import cgbackend
 from cgbackend import Config
-from cgbackend.config_docs import field_docs, options_table
+from cgbackend.config.docs import field_docs, options_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ def test_license_file():
 def test_help_of_config_shows_every_option_and_its_doc():
     text = pydoc.render_doc(Config, renderer=pydoc.plaintext)
     docs = field_docs(Config)
-    assert set(docs) == set(Config.field_names())  # every option has a docstring in config.py
+    assert set(docs) == set(Config.field_names())  # every option has a docstring in config/options.py
     for name in Config.field_names():
         assert re.search(rf"\b{name}: ", text), name
         first_words = " ".join(docs[name].split()[:6])
@@ -97,7 +97,7 @@ def test_help_of_config_shows_every_option_and_its_doc():
 def test_readme_options_table_is_generated_from_the_docstrings():
     readme = (ROOT / "README.md").read_text()
     table = options_table(Config)
-    assert table in readme, ("README's options table differs from cgbackend.config_docs.options_table("
+    assert table in readme, ("README's options table differs from cgbackend.config.docs.options_table("
                              "Config); paste its output into README.md")
     for f in dataclasses.fields(Config):
         assert f"| `{f.name}` |" in readme
