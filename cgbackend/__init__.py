@@ -15,10 +15,10 @@ from .backend import CGBackend
 from .by_name import register as _register_backend
 from .config import Config, ConfigError
 from .explain import ExplainError, explain
-from .logs import register as _register_logs
+from .common.logs import register as _register_logs
 from .marks import mark_dynamic
-from .notices import CGBackendWarning, NothingCapturedWarning
-from .reasons import Reason, Rule
+from .common.notices import CGBackendWarning, NothingCapturedWarning
+from .common.reasons import Reason, Rule
 from .reporting.report import Report
 from .serve import WarmUp, warm_up
 from .stats_table import summary

@@ -22,7 +22,7 @@ import torch.fx
 
 from .passes.pipeline import Analysis, analyze
 from .reporting.breaks import break_text, source_of_stack
-from . import progress
+from .common import progress
 from .config import Config
 from .dryrun import DryRun
 from .tracing import trace_scope_missed

@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
-from .fx_utils import iter_tensors
+from .common.fx_utils import iter_tensors
 
 __all__ = ["Family", "RegionHooks", "OpaqueInfo", "InstallResult", "install", "uninstall",
            "opaque_info", "region_hooks", "register_family", "families", "is_fake_call"]

@@ -1,6 +1,6 @@
 """Does an operator name of the option ``dynamic_ops`` name an existing operator?
 
-The names are the ones :func:`cgbackend.fx_utils.op_key` gives graph nodes: ``ns::op`` for
+The names are the ones :func:`cgbackend.common.fx_utils.op_key` gives graph nodes: ``ns::op`` for
 registered ops (``aten::nonzero``, ``mylib::op``), ``Tensor.method``, ``torch.fn``,
 ``torch.nn.functional.fn`` and ``module.fn`` for other Python functions. A name that resolves to
 nothing would keep nothing eager, silently; the config rejects it instead.

@@ -186,7 +186,7 @@ class Config:
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
                 raise ConfigError(f"cgbackend option {name} takes a sequence of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))
-        from ..op_names import unresolved_op_names
+        from ..common.op_names import unresolved_op_names
         unknown = unresolved_op_names(self.dynamic_ops)
         if unknown:
             raise ConfigError(

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value, module_path, source_location
+from ..common.fx_utils import fake_value, module_path, source_location
 from . import fold
 from .form_choice import GROUPED_FORMS
 from .graph_builder import _shape

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value, plain_name
+from ..common.fx_utils import fake_value, plain_name
 from ..passes.rowdep import ROW_BLOCK
 from .records import _Skip
 

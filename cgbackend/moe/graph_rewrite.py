@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx
 
-from ..fx_utils import module_path, source_location
+from ..common.fx_utils import module_path, source_location
 from .form_choice import FORMS, GROUPED_FORMS, GROUPED_MODES, MODES, choose_form
 from .fold_graph import fold_layers
 from .grouped import build_grouped, find_layers, layer_form, products_text

@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value, plain_name, sizes_equal
+from ..common.fx_utils import fake_value, plain_name, sizes_equal
 from .form_choice import choose_layer_form
 from .graph_builder import _Builder, _is, _is_getitem, _shape, _strip_type
 from .expert_layout import consecutive, stacked_view

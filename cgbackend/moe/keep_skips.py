@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx
 
-from ..fx_utils import META_KEY, fake_value, storage_ids
+from ..common.fx_utils import META_KEY, fake_value, storage_ids
 from ..passes.effects import is_global_state_node, is_random_node, mutated_args
 from .graph_builder import _descendants, _is
 

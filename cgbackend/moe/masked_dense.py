@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from ..fx_utils import arg_of, fake_value
+from ..common.fx_utils import arg_of, fake_value
 from .graph_builder import _Builder, _is, _shape
 from .records import _Skip
 

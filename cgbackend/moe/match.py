@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import arg_of, fake_value, plain_name, sizes_equal, source_location, storage_ids
+from ..common.fx_utils import arg_of, fake_value, plain_name, sizes_equal, source_location, storage_ids
 from ..passes.effects import mutated_args
 from ..passes.rowdep import NotRowwise, propagate_rows
 from .graph_builder import _Builder, _ancestors, _descendants, _is, _is_getitem, _shape, _strip_casts, _strip_type, _CASTS

@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx
 
-from ..fx_utils import META_KEY, arg_of, callee_name, compute_nodes, fake_value, storage_ids
+from ..common.fx_utils import META_KEY, arg_of, callee_name, compute_nodes, fake_value, storage_ids
 
 __all__ = ["Effects", "analyze_effects", "mutated_args", "is_global_state_node", "is_random_node"]
 

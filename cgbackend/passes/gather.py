@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import callee_name, fake_value
+from ..common.fx_utils import callee_name, fake_value
 
 __all__ = ["rewrite_gathers"]
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch.fx
 
-from ..fx_utils import callee_name, class_name, module_stack
+from ..common.fx_utils import callee_name, class_name, module_stack
 from ..opaque import opaque_info
 from .effects import Effects
 from .partition import Partition, Region

@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.fx
 
-from ..fx_utils import callee_name, fake_value, iter_tensors
+from ..common.fx_utils import callee_name, fake_value, iter_tensors
 from ..opaque import opaque_info
 
 __all__ = ["estimate_kernels"]

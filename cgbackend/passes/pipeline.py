@@ -13,7 +13,7 @@ from . import (Classification, Effects, Labels, Partition, Schedule, Shapes, ana
 from .bucket import Buckets, buckets
 from .constants import Constants, find_constants
 from ..moe.graph_rewrite import DispatchResult, rewrite_static_dispatch
-from ..reasons import Reason
+from ..common.reasons import Reason
 
 __all__ = ["Analysis", "analyze"]
 

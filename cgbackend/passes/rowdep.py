@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx
 
-from ..fx_utils import arg_of, fake_value, op_name, plain_name, size_expr, sizes_equal
+from ..common.fx_utils import arg_of, fake_value, op_name, plain_name, size_expr, sizes_equal
 from .effects import is_random_node
 
 __all__ = ["NotRowwise", "propagate_rows", "rows_divide", "whole_blocks", "ROWS_IN_TUPLE", "ROW_BLOCK"]

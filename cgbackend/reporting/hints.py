@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch.fx
 
 from ..config import Config
-from ..fx_utils import copy_module, source_frame, source_location, user_function
+from ..common.fx_utils import copy_module, source_frame, source_location, user_function
 
 __all__ = ["MEMORY_HINT_BYTES", "build_hints", "hint_option", "hints_text", "option_cli", "option_python",
            "source_text"]

@@ -76,7 +76,7 @@ from typing import Any, Optional
 
 from ..passes.pipeline import Analysis
 from .coverage import launch_text
-from ..fx_utils import module_path, op_name
+from ..common.fx_utils import module_path, op_name
 from .entry import entry_text
 from .hints import hints_text
 from .memory_estimate import analysis_memory, memory_text
@@ -84,7 +84,7 @@ from ..opaque import opaque_info
 from ..passes.launch_estimate import estimate_kernels
 from ..runtime.memory import released_kinds
 from ..runtime.timing import timing_text
-from ..reasons import Rule
+from ..common.reasons import Rule
 
 __all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]
 

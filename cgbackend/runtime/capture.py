@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .pool import PoolState
 
 if TYPE_CHECKING:

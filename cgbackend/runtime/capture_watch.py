@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..notices import NothingCapturedWarning
+from ..common.notices import NothingCapturedWarning
 from .stats import EagerReason
 
 __all__ = ["CaptureWatch", "settle_call"]

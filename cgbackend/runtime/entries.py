@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import Config
-from ..progress import CaptureProgress
-from ..fx_utils import iter_tensors
+from ..common.progress import CaptureProgress
+from ..common.fx_utils import iter_tensors
 from .capture import Capturer, non_overlapping
 from .handout import HandoutGraph
 from .inputs import InputViews

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from . import params as param_policy
 from .capture import SimulatedGraph
 from .entries import HANDOFF, EAGER, PARAM, VALUE, Entry, Pad, TrainEntry, freeze

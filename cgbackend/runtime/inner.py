@@ -28,9 +28,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from .. import progress
+from ..common import progress
 from ..config import Config
-from ..fx_utils import copy_module, fake_value
+from ..common.fx_utils import copy_module, fake_value
 from .capture import first_line
 from .layouts import AdaptedCall, InputLayouts
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .capture import SimulatedGraph
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph, first_line, non_overlapping
 from .entries import EAGER, HANDOFF, PARAM, VALUE, Entry, Pad, TrainEntry, reserved
 from .handout import HandoutGraph, handout_supported

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
-from ..fx_utils import op_name, source_location
+from ..common.fx_utils import op_name, source_location
 from ..passes.launch_estimate import estimate_kernels
 from ..passes.partition import Region, levels, set_boundaries
 from .split import Step, build_region_module

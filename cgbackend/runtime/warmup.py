@@ -214,7 +214,7 @@ def warmup_call(runner: "RegionRunner", ins: list, shape_key: tuple) -> Any:
 def _where(node: Optional[torch.fx.Node]) -> str:
     if node is None:
         return ""
-    from ..fx_utils import op_name, source_location
+    from ..common.fx_utils import op_name, source_location
     source = source_location(node)[0]
     return f" at {op_name(node)} (node {node.name}{', ' + source if source else ''})"
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import cgbackend
 from cgbackend.passes.collectives import is_collective, rule_collective
-from cgbackend.reasons import Rule
+from cgbackend.common.reasons import Rule
 from cgbackend.runtime.capture import SimulatedGraph
 
 

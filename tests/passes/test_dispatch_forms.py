@@ -415,7 +415,7 @@ def test_rows_indexed_as_transformers_does_are_gathered_straight_into_their_own_
     import operator
 
     import torch._inductor.compile_fx as cfx
-    from cgbackend.fx_utils import fake_value
+    from cgbackend.common.fx_utils import fake_value
     from cgbackend.models.realsize import RealConfig, RealModel
 
     seen = []

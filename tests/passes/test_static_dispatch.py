@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import cgbackend
 from cgbackend.config import ConfigError
 from cgbackend.models.gpt import GPT, MixtralStyleMoE, SortedMoE
-from cgbackend.fx_utils import callee_name
+from cgbackend.common.fx_utils import callee_name
 from cgbackend.moe.graph_rewrite import rewrite_static_dispatch
 from fx_helpers import trace
 

@@ -144,7 +144,7 @@ class TwoSyncs(nn.Module):
 
 
 def test_each_rule_is_explained_where_it_first_appears():
-    from cgbackend.reasons import Rule
+    from cgbackend.common.reasons import Rule
     text = cgbackend.explain(TwoSyncs(), torch.randn(4), count_launches=False).to_text()
     lines = text.splitlines()
     for rule in ("small_region", "host_sync", "depends_on_data_dependent_shape"):
