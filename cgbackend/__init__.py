@@ -11,6 +11,7 @@
 
 from ._version import __version__
 from .api import backend, compile, find_backend, prepare, report, reset, stats
+from . import distributed  # the public path cgbackend.distributed (track_fsdp, release)
 from .backend import CGBackend
 from .by_name import register as _register_backend
 from .config import Config, ConfigError

@@ -10,13 +10,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import opaque
+from .integrations import opaque
 from .moe.form_choice import GROUPED_MODES
 from .moe.loop_forwards import LoopForwards
 from .moe.expert_layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
-from .distributed import WholeGraphUnderDDP, fsdp_modules, is_ddp, track_fsdp
+from .integrations.distributed import WholeGraphUnderDDP, fsdp_modules, is_ddp, track_fsdp
 from .regional import LayerStack, Overrides, find_layer_stacks, regional_overrides
 from .tracing import CompileScope, data_dependent_failure, dynamic_ops_config
 from .reporting.report import Report
@@ -77,7 +77,7 @@ def prepare(model: torch.nn.Module) -> opaque.InstallResult:
     """Make the modules of ``model`` that Dynamo cannot trace but cgbackend knows (Transformer
     Engine's) one opaque graph call each, for ``torch.compile(model, backend="cgbackend")``;
     ``cgbackend.compile`` does this itself. Returns what was wrapped and what was left alone (with
-    why). ``cgbackend.opaque.uninstall(model)`` undoes it; eager calls behave the same either way."""
+    why). ``cgbackend.integrations.opaque.uninstall(model)`` undoes it; eager calls behave the same either way."""
     return opaque.install(model)
 
 

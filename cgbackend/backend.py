@@ -28,7 +28,7 @@ from .dryrun import DryRun
 from .tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
-from .opaque import InstallResult
+from .integrations.opaque import InstallResult
 from .runtime.timing import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph, memory_of

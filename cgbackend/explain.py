@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from . import opaque
+from .integrations import opaque
 from .moe.form_choice import GROUPED_MODES
 from .moe.loop_forwards import LoopForwards, survey
 from .tracing import data_dependent_failure, dynamic_ops_config

@@ -144,7 +144,7 @@ def test_modules_and_classes_fit_in_mind():
 _IMPORT_EACH = """
 import importlib, sys, traceback
 import torch
-OPTIONAL = {"transformer_engine"}  # the te extra: cgbackend.te is imported only where it is installed
+OPTIONAL = {"transformer_engine"}  # the te extra: cgbackend.integrations.te is imported only where it is installed
 failed = []
 # Importing any module runs the package's __init__ first, in its fixed order: for a module that
 # __init__ loads itself, importing it alone is importing the package. Those are checked once, by

@@ -67,7 +67,7 @@ def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
 
 
-_OWN_FRAMES = ("cgbackend/opaque.py",)
+_OWN_FRAMES = ("cgbackend/integrations/opaque.py",)
 """Frames of cgbackend's own code Dynamo traces (an opaque call's wrapper): the user's line is above."""
 
 

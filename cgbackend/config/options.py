@@ -127,8 +127,8 @@ class Config:
 
     opaque_modules: bool = True
     """``cgbackend.compile`` and ``cgbackend.explain`` make each module Dynamo cannot trace but
-    cgbackend knows (Transformer Engine's, cgbackend/te.py) one opaque call in the graph, so its
-    kernels join the static regions (cgbackend/opaque.py). False leaves them to Dynamo: a graph
+    cgbackend knows (Transformer Engine's, cgbackend/integrations/te.py) one opaque call in the graph, so its
+    kernels join the static regions (cgbackend/integrations/opaque.py). False leaves them to Dynamo: a graph
     break at each, their kernels eager."""
 
     profile: bool = False

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .by_name import find_backend
+from ..by_name import find_backend
 
 __all__ = ["track_fsdp", "release", "fsdp_modules", "FSDPParamSet", "NVLS_ENV",
            "set_nvls_env"]

@@ -13,7 +13,7 @@ Traced with fake tensors the call returns outputs shaped by its family's rule (`
 for real it calls the module's own forward. So the module's kernels run wherever the region runs:
 captured into the region's CUDA graph, replayed, or eagerly with a counted reason. A family also
 supplies the runtime hooks a region holding its modules needs (``RegionHooks``: extra graph key,
-capture context, per-replay bookkeeping); ``cgbackend/te.py`` is the Transformer Engine family.
+capture context, per-replay bookkeeping); ``integrations/te.py`` is the Transformer Engine family.
 
 Nothing here imports Transformer Engine: a family is looked at only when its package is already
 imported (a model built from TE modules has imported it).
@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 
-from .common.fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 
 __all__ = ["Family", "RegionHooks", "OpaqueInfo", "InstallResult", "install", "uninstall",
            "opaque_info", "region_hooks", "register_family", "families", "is_fake_call"]
@@ -162,7 +162,7 @@ class InstallResult:
 
 _FAMILIES: list[Family] = []
 _KEEP_ALIVE: list[Callable[..., Any]] = []
-_LAZY: list[tuple[str, str]] = [("transformer_engine", "cgbackend.te")]
+_LAZY: list[tuple[str, str]] = [("transformer_engine", "cgbackend.integrations.te")]
 """(package, cgbackend module that registers its family on import)."""
 
 

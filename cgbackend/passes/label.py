@@ -28,7 +28,7 @@ from typing import Optional
 import torch.fx
 
 from ..common.fx_utils import callee_name, class_name, module_stack
-from ..opaque import opaque_info
+from ..integrations.opaque import opaque_info
 from .effects import Effects
 from .partition import Partition, Region
 

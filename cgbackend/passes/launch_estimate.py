@@ -13,7 +13,7 @@ import torch
 import torch.fx
 
 from ..common.fx_utils import callee_name, fake_value, iter_tensors
-from ..opaque import opaque_info
+from ..integrations.opaque import opaque_info
 
 __all__ = ["estimate_kernels"]
 

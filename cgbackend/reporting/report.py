@@ -80,7 +80,7 @@ from ..common.fx_utils import module_path, op_name
 from .entry import entry_text
 from .hints import hints_text
 from .memory_estimate import analysis_memory, memory_text
-from ..opaque import opaque_info
+from ..integrations.opaque import opaque_info
 from ..passes.launch_estimate import estimate_kernels
 from ..runtime.memory import released_kinds
 from ..runtime.timing import timing_text

@@ -26,7 +26,7 @@ import torch.fx
 
 from ..passes.pipeline import Analysis
 from ..common.fx_utils import fake_value
-from ..opaque import opaque_info, region_hooks
+from ..integrations.opaque import opaque_info, region_hooks
 from .backward import QUEUE_CALLBACK
 from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, RuntimeShared, is_static_address
 from .region import RegionRunner

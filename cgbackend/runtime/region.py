@@ -31,7 +31,7 @@ from .tangents import relay_outputs
 from .warmup import warmup_call
 
 if TYPE_CHECKING:
-    from ..opaque import RegionHooks
+    from ..integrations.opaque import RegionHooks
     from ..passes.bucket import BucketPlan
     from .inner import LazyInner
 
