@@ -15,14 +15,14 @@ from . import distributed  # the public path cgbackend.distributed (track_fsdp, 
 from .backend import CGBackend
 from .by_name import register as _register_backend
 from .config import Config, ConfigError
-from .explain import ExplainError, explain
+from .reporting.explain import ExplainError, explain
 from .common.logs import register as _register_logs
-from .marks import mark_dynamic
+from .frontend.marks import mark_dynamic
 from .common.notices import CGBackendWarning, NothingCapturedWarning
 from .common.reasons import Reason, Rule
 from .reporting.report import Report
-from .serve import WarmUp, warm_up
-from .stats_table import summary
+from .frontend.warm_up import WarmUp, warm_up
+from .reporting.stats_table import summary
 
 
 _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)

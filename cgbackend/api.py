@@ -17,8 +17,8 @@ from .moe.expert_layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
 from .integrations.distributed import WholeGraphUnderDDP, fsdp_modules, is_ddp, track_fsdp
-from .regional import LayerStack, Overrides, find_layer_stacks, regional_overrides
-from .tracing import CompileScope, data_dependent_failure, dynamic_ops_config
+from .frontend.regional import LayerStack, Overrides, find_layer_stacks, regional_overrides
+from .frontend.tracing import CompileScope, data_dependent_failure, dynamic_ops_config
 from .reporting.report import Report
 
 __all__ = ["backend", "compile", "prepare", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]

@@ -24,8 +24,8 @@ from .passes.pipeline import Analysis, analyze
 from .reporting.breaks import break_text, source_of_stack
 from .common import progress
 from .config import Config
-from .dryrun import DryRun
-from .tracing import trace_scope_missed
+from .reporting.dryrun import DryRun
+from .frontend.tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
 from .integrations.opaque import InstallResult

@@ -161,7 +161,7 @@ class _quiet_torch_logs:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     import torch
-    from .explain import ExplainError, explain
+    from .reporting.explain import ExplainError, explain
     if bool(args.target) == bool(args.demo):
         raise CLIError("give either MODULE:FACTORY or --demo moe|dense")
     _check_device(args.device)

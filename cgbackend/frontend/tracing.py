@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from .common.progress import compile_started
+from ..common.progress import compile_started
 
 __all__ = ["TraceDynamicOps", "CompileScope", "dynamic_ops_config", "trace_scope_missed",
            "data_dependent_failure"]

@@ -57,9 +57,9 @@ def warm_up(compiled: Any, make_inputs: Callable[[int], Any], sizes: Sequence[in
     every size of ``sizes``, largest first, until its graphs for that size are captured, under
     ``torch.no_grad()``.
     ``make_inputs(size)`` returns the call's positional arguments as a tuple, or ``(args, kwargs)``
-    as a tuple of a tuple and a dict. Logs one INFO line per size (``cgbackend.serve``); returns
+    as a tuple of a tuple and a dict. Logs one INFO line per size (``cgbackend.frontend.warm_up``); returns
     a :class:`WarmUp`."""
-    from .by_name import find_backend
+    from ..by_name import find_backend
     instance = find_backend(compiled)
     checked = []
     for size in sizes:

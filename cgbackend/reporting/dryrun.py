@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from .reporting.hints import build_hints
-from .reporting.report import Report, graph_report, summarize
+from .hints import build_hints
+from .report import Report, graph_report, summarize
 
 __all__ = ["DryRun"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("cgbackend.dryrun")  # the name the option's docs give
 
 
 class DryRun:

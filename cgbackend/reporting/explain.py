@@ -8,19 +8,19 @@ from typing import Any, Optional
 
 import torch
 
-from .integrations import opaque
-from .moe.form_choice import GROUPED_MODES
-from .moe.loop_forwards import LoopForwards, survey
-from .tracing import data_dependent_failure, dynamic_ops_config
-from .backend import CGBackend
-from .reporting.breaks import break_text, frame_skipped, skipped_frame_source
-from .config import Config
-from .reporting.coverage import measure_launches
-from .reporting.launch_profile import LaunchProfiler
-from .reporting.hints import build_hints
-from .reporting.report import Report
-from .reporting.structured import emit_report
-from .reporting.trace_errors import quiet_meta_failures, tracing_failure
+from ..integrations import opaque
+from ..moe.form_choice import GROUPED_MODES
+from ..moe.loop_forwards import LoopForwards, survey
+from ..frontend.tracing import data_dependent_failure, dynamic_ops_config
+from ..backend import CGBackend
+from .breaks import break_text, frame_skipped, skipped_frame_source
+from ..config import Config
+from .coverage import measure_launches
+from .launch_profile import LaunchProfiler
+from .hints import build_hints
+from .report import Report
+from .structured import emit_report
+from .trace_errors import quiet_meta_failures, tracing_failure
 
 __all__ = ["ExplainError", "call_inputs", "explain", "tracing_failure"]
 
@@ -110,8 +110,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     twice more, once eagerly and once through the traced graphs, each from the buffers' state
     before tracing (on CUDA tensors both under ``torch.profiler`` too, so each op weighs the
     launches it made: launch_profile.py); False runs it only once and leaves ``launch_coverage`` out.
-    Returns a :class:`cgbackend.Report` (``help(cgbackend.Report)``). This function hides the module
-    of the same name; ``import cgbackend.explain`` (or ``sys.modules``) reaches it.
+    Returns a :class:`cgbackend.Report` (``help(cgbackend.Report)``). The module is
+    ``cgbackend.reporting.explain``.
     Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing (which also
     zeroes the counters of every cgbackend instance). The model's buffers (batch-norm statistics)
     and the RNG state are restored afterwards; loops rewritten for static dispatch are restored too.

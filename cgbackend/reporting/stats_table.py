@@ -52,10 +52,10 @@ def summary(obj: Any = None) -> str:
     """A short text table of the model compiled with cgbackend behind ``obj`` (as cgbackend.stats
     takes it; None: every model compiled by name): regions in execution order with their graphs,
     replays, eager calls by reason and pool memory, then the totals."""
-    from .api import stats
-    from .by_name import by_name_backends, find_backend
-    from .runtime.memory import KINDS, released_kinds
-    from .runtime.stats import EagerReason
+    from ..api import stats
+    from ..by_name import by_name_backends, find_backend
+    from ..runtime.memory import KINDS, released_kinds
+    from ..runtime.stats import EagerReason
     backends = by_name_backends() if obj is None else [find_backend(obj)]
     counters = stats(obj)
     rows = [row for b in backends for row in _rows(b)]

@@ -14,7 +14,7 @@ import cgbackend
 from cgbackend import Config, Rule
 from cgbackend.passes.pipeline import analyze
 from cgbackend.common.fx_utils import compute_nodes, module_path, op_name
-from cgbackend.marks import marked_module_reason, marked_op_reason, unmark_op
+from cgbackend.frontend.marks import marked_module_reason, marked_op_reason, unmark_op
 from fx_helpers import trace
 
 

@@ -112,7 +112,7 @@ def test_help_of_report_shows_the_schema_pointer():
     module = importlib.import_module("cgbackend.reporting.report")
     assert "report.schema.json" in module.__doc__
     assert module.SCHEMA == "cgbackend.report/1"
-    assert "training" in cgbackend.explain.__doc__ and "import cgbackend.explain" in cgbackend.explain.__doc__
+    assert "training" in cgbackend.explain.__doc__ and "cgbackend.reporting.explain" in cgbackend.explain.__doc__
 
 
 # ----------------------------------------------------------------------------- README and results tables

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import cgbackend
 from cgbackend.models.realsize import RealConfig, RealModel
-from cgbackend.regional import find_layer_stacks
+from cgbackend.frontend.regional import find_layer_stacks
 
 SIM = dict(simulate_graphs=True, inner="eager")
 
