@@ -11,7 +11,6 @@ from typing import Any, Callable, Optional
 import torch
 
 from .integrations import opaque
-from .moe.form_choice import GROUPED_MODES
 from .moe.loop_forwards import LoopForwards
 from .moe.expert_layout import stack_expert_params
 from .backend import CGBackend
@@ -98,11 +97,12 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     if instance.config.opaque_modules and is_module:
         instance.opaque = opaque.install(model)
     loops: Any = _NO_LOOPS
-    if instance.config.static_dispatch != "off" and is_module:
-        if instance.config.static_dispatch in GROUPED_MODES:
+    dispatch = instance.config.static_dispatch
+    if dispatch.enabled and is_module:
+        if dispatch.builds_grouped:
             # first: a folded loop's inference traces read its experts from the blocks (fold.enable)
             instance.relayouts = stack_expert_params(model)
-        loops = LoopForwards(model, fold=instance.config.static_dispatch in GROUPED_MODES)
+        loops = LoopForwards(model, dispatch)
         instance.loops = loops.records
     elif isinstance(model, torch.nn.Module):
         instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import inspect
 import re
 import textwrap
@@ -42,6 +43,8 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def default_text(value: Any) -> str:
+    if isinstance(value, enum.Enum):  # an option parsed into a typed value: shown as its text
+        value = value.value
     if isinstance(value, tuple) and len(value) > 8:
         return f"{', '.join(map(str, value[:4]))}, ..., {value[-1]} ({len(value)} sizes)"
     if isinstance(value, str):

@@ -8,12 +8,14 @@ options passed to :func:`cgbackend.backend` / :func:`cgbackend.compile`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from typing import Any, Mapping
 
+from .dispatch_mode import DispatchMode
 from .suggest import did_you_mean
 
-__all__ = ["BOOL_OR_PATH", "Config", "ConfigError", "ENV_PREFIX", "parse_value"]
+__all__ = ["BOOL_OR_PATH", "Config", "ConfigError", "DispatchMode", "ENV_PREFIX", "parse_value"]
 
 ENV_PREFIX = "CGBACKEND_"
 
@@ -105,7 +107,7 @@ class Config:
     dynamic_modules: tuple[str, ...] = ()
     """fnmatch patterns of module paths ("layers.*.moe.experts*") always kept out of graphs."""
 
-    static_dispatch: str = "auto"
+    static_dispatch: DispatchMode = DispatchMode.AUTO
     """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is
     captured (cgbackend/moe/): "auto" (the default: a measured cost model picks the form per layer,
     and leaves a loop dynamic where no static form pays), a form ("grouped", "masked_dense", or
@@ -115,7 +117,7 @@ class Config:
     rewrites skip-loops in the model's source (over nonzero() results or .tolist() counts) where the
     loop body is proven to leave nothing behind for a skipped expert, and lays out per-module expert
     weights as one block. The report lists every rewrite and every
-    loop left alone, with why."""
+    loop left alone, with why. Given as its text; read as a ``DispatchMode`` (config/dispatch_mode.py)."""
 
     regional_min_layers: int = 6
     """cgbackend.compile compiles a stack of at least this many identical layers (an nn.ModuleList or
@@ -177,10 +179,7 @@ class Config:
             raise ConfigError(f"cgbackend option graph_cache={self.graph_cache!r} is not one of "
                               f"{', '.join(_GRAPH_CACHES)}{did_you_mean(self.graph_cache, _GRAPH_CACHES)}")
         object.__setattr__(self, "capture_sizes", _capture_sizes(self.capture_sizes))
-        from ..moe.form_choice import MODES
-        if self.static_dispatch not in MODES:
-            raise ConfigError(f"cgbackend option static_dispatch={self.static_dispatch!r} is not one of "
-                              f"{', '.join(MODES)}{did_you_mean(self.static_dispatch, MODES)}")
+        object.__setattr__(self, "static_dispatch", _dispatch_mode(self.static_dispatch))
         for name in ("dynamic_ops", "dynamic_modules"):
             value = getattr(self, name)
             if isinstance(value, str) or not all(isinstance(v, str) for v in value):
@@ -231,7 +230,20 @@ class Config:
         return Config.from_options({**dataclasses.asdict(self), **changes}, environ={})
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+        """The options as JSON takes them: tuples as lists, a parsed option as its text."""
+        return {k: (list(v) if isinstance(v, tuple) else v.value if isinstance(v, enum.Enum) else v)
+                for k, v in dataclasses.asdict(self).items()}
+
+
+def _dispatch_mode(value: Any) -> DispatchMode:
+    """The static_dispatch option as its typed value: the one place its text is read."""
+    if isinstance(value, DispatchMode):
+        return value
+    names = [m.value for m in DispatchMode]
+    if not isinstance(value, str) or value not in names:
+        raise ConfigError(f"cgbackend option static_dispatch={value!r} is not one of "
+                          f"{', '.join(names)}{did_you_mean(value, names)}")
+    return DispatchMode(value)
 
 
 def _capture_sizes(value: Any) -> tuple[int, ...]:

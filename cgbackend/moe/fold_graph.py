@@ -21,6 +21,7 @@ import torch.fx
 
 from ..common.fx_utils import fake_value, module_path, source_location
 from . import fold
+from ..config.dispatch_mode import DispatchMode
 from .form_choice import GROUPED_FORMS
 from .graph_builder import _shape
 from .grouped import Layer, _Linear, _routing, build_grouped, costs, layer_form, products_text, slots
@@ -181,7 +182,7 @@ def _layer(gm: torch.fx.GraphModule, begin: torch.fx.Node, end: torch.fx.Node, o
                  {g: src for g, (src, _) in unit.sources.items()}, unit.index, n_experts=n)
 
 
-def fold_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> bool:
+def fold_layers(gm: torch.fx.GraphModule, mode: DispatchMode, result: DispatchResult) -> bool:
     """Rewrite every folded loop of ``gm`` into the grouped form (in place); True when any was.
     Raises fold.FoldDeclined (Dynamo traces again, unrolled) where one cannot be."""
     if not any(_is_marker(n, fold.begin) or _is_marker(n, fold.end) for n in gm.graph.nodes):

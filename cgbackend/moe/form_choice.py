@@ -33,15 +33,13 @@ import math
 import os
 from typing import Any, Optional
 
-__all__ = ["FORMS", "GROUPED_FORMS", "GROUPED_MODES", "MODES", "choose_form", "choose_layer_form", "constants", "estimate"]
+from ..config.dispatch_mode import GROUPED_FORMS, DispatchMode
 
-FORMS = ("masked_dense", "grouped", "small_batch")
-MODES = ("off", "auto") + FORMS
-GROUPED_FORMS = ("grouped", "small_batch")
-"""The forms built from the grouped routing (grouped.py): where-loop layers, folded loops."""
-GROUPED_MODES = ("auto",) + GROUPED_FORMS
-"""Modes that may build the grouped forms: under them expert weights are laid out as one block,
-loops may be folded, and where-loop layers are offered to the grouped rewrite."""
+__all__ = ["FORMS", "GROUPED_FORMS", "choose_form", "choose_layer_form", "constants", "estimate"]
+
+FORMS = ("masked_dense",) + GROUPED_FORMS
+"""The static forms (GROUPED_FORMS: those built from the grouped routing, grouped.py: where-loop
+layers, folded loops)."""
 
 # Off CUDA, "auto" rewrites into masked dense while each expert computes on at most this many rows.
 _AUTO_MAX_ROWS = 1 << 16
@@ -137,7 +135,7 @@ def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes
     return forms
 
 
-def choose_layer_form(layer: Any, mode: str, device_type: str, itemsize: int,
+def choose_layer_form(layer: Any, mode: DispatchMode, device_type: str, itemsize: int,
                       native: bool = True, needs_grad: bool = True) -> tuple[Optional[str], str, dict]:
     """Form for a layer of where-loop units that can take the grouped form (grouped.Layer).
     ``native``: torch._grouped_mm applies (else "auto" does not pick grouped: its stand-in gathers a
@@ -150,10 +148,11 @@ def choose_layer_form(layer: Any, mode: str, device_type: str, itemsize: int,
                                "stack_bytes_per_call": layer.stack_bytes}
     copy = (f"; stacks the {n} experts' weights on every call ({layer.stack_bytes / 2**20:.1f} MiB copied)"
             if layer.stack_bytes else "")
-    if mode in GROUPED_FORMS:
-        return mode, f"{mode} requested (static_dispatch={mode!r}){copy}", figures
-    if mode == "masked_dense":
-        return "masked_dense", "masked_dense requested (static_dispatch='masked_dense')", figures
+    requested = mode.requested_form
+    if requested in GROUPED_FORMS:
+        return requested, f"{requested} requested (static_dispatch={requested!r}){copy}", figures
+    if mode is DispatchMode.MASKED_DENSE:
+        return requested, f"{requested} requested (static_dispatch={requested!r})", figures
     if device_type != "cuda" or tokens is None:
         return None, "", figures  # the per-unit rule decides (choose_form)
     est = estimate(tokens, n, k, layer.flops_per_row, weight_bytes, layer.stack_bytes,
@@ -169,16 +168,17 @@ def choose_layer_form(layer: Any, mode: str, device_type: str, itemsize: int,
     return best, f"{best.replace('_', ' ')} by the cost model ({tokens} tokens, {n} experts top-{k}: {text}){copy}", figures
 
 
-def choose_form(plan: Any, mode: str) -> tuple[Optional[str], str]:
+def choose_form(plan: Any, mode: DispatchMode) -> tuple[Optional[str], str]:
     """Form of a unit outside a grouped layer (sorted_split, grouped_mm_fallback, a where loop the
     grouped form cannot take): masked dense or left dynamic. Off CUDA, "auto" takes masked dense
     while it stays under the row limit, a rule of thumb rather than a measured crossover."""
     tokens = plan.tokens
-    if mode == "masked_dense":
-        return mode, f"{mode} requested (static_dispatch={mode!r})"
-    if mode in GROUPED_FORMS:
-        return "masked_dense", (f"masked dense: the {mode.replace('_', '-')} form takes layers of where-loop "
-                                f"units only (this unit is {plan.pattern})")
+    requested = mode.requested_form
+    if mode is DispatchMode.MASKED_DENSE:
+        return requested, f"{requested} requested (static_dispatch={requested!r})"
+    if requested in GROUPED_FORMS:
+        return "masked_dense", (f"masked dense: the {requested.replace('_', '-')} form takes layers of "
+                                f"where-loop units only (this unit is {plan.pattern})")
     if not isinstance(tokens, int):
         return "masked_dense", "masked dense: token count symbolic, rewritten (no host sync, fixed shapes)"
     if tokens > _AUTO_MAX_ROWS:

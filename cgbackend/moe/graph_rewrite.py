@@ -1,7 +1,7 @@
 """Static MoE dispatch: rewrite data-dependent expert loops into sync-free code of fixed shapes.
 
-Reads and writes: one Dynamo graph (in place), before the other passes, when the
-``static_dispatch`` option is not "off". Returns a :class:`DispatchResult` naming
+Reads and writes: one Dynamo graph (in place), before the other passes, when static dispatch is
+on (``DispatchMode.enabled``). Returns a :class:`DispatchResult` naming
 every rewrite (pattern, source line, module path, form and why) and every
 candidate left alone (with the reason).
 
@@ -45,7 +45,8 @@ import torch
 import torch.fx
 
 from ..common.fx_utils import module_path, source_location
-from .form_choice import FORMS, GROUPED_FORMS, GROUPED_MODES, MODES, choose_form
+from ..config.dispatch_mode import DispatchMode
+from .form_choice import FORMS, GROUPED_FORMS, choose_form
 from .fold_graph import fold_layers
 from .grouped import build_grouped, find_layers, layer_form, products_text
 from .match import _MATCHERS, _PATTERN_OF, _match_where, _removable
@@ -54,7 +55,7 @@ from .records import DispatchResult, DispatchRewrite, DispatchSkipped, _Skip
 from .keep_skips import KeptSkip, SkipNotKept, keep_skips
 
 __all__ = ["DispatchResult", "DispatchRewrite", "DispatchSkipped", "rewrite_static_dispatch",
-           "FORMS", "MODES", "SkipNotKept"]
+           "FORMS", "SkipNotKept"]
 
 
 def _erase(gm: torch.fx.GraphModule, dead: set[torch.fx.Node]) -> None:
@@ -64,9 +65,9 @@ def _erase(gm: torch.fx.GraphModule, dead: set[torch.fx.Node]) -> None:
 
 
 
-def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult) -> tuple[bool, dict]:
-    """Rewrite the layers the grouped form takes (mode "grouped", or "auto" where the cost model
-    picks it; mode "small_batch": its per-row variant). Returns whether the graph changed and the
+def _grouped_layers(gm: torch.fx.GraphModule, mode: DispatchMode, result: DispatchResult) -> tuple[bool, dict]:
+    """Rewrite the layers the grouped form takes (mode GROUPED, or AUTO where the cost model picks
+    it; mode SMALL_BATCH: its per-row variant). Returns whether the graph changed and the
     decisions for the units of the layers it did not rewrite ({sink: (form or None, why, figures)})."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     plans = []
@@ -80,8 +81,9 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
                 plans.append(plan)
     layers, rejected = find_layers(plans, order)
     decided: dict = {}
+    forced_grouped = mode.requested_form in GROUPED_FORMS
     for ps, why in rejected:
-        if mode in GROUPED_FORMS:
+        if forced_grouped:
             for p in ps:
                 decided[p.sink] = ("masked_dense", f"masked dense: the grouped form does not apply ({why})", {})
     changed = False
@@ -99,7 +101,7 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: str, result: DispatchResult)
             new = build_grouped(gm, layer, per_row=form == "small_batch")
         except _Skip as exc:
             for p in layer.plans:
-                decided[p.sink] = ("masked_dense" if mode in GROUPED_FORMS else None,
+                decided[p.sink] = ("masked_dense" if forced_grouped else None,
                                    f"the grouped form does not apply ({exc})", figures)
             continue
         except Exception as exc:  # a shape the fake run rejects: leave the layer to the other forms
@@ -138,18 +140,16 @@ _ROW_BLOCK_PATTERNS = ("where_loop", "sorted_split")
 ``grouped_mm_fallback``: its groups come from the model's own offsets, counted over every row."""
 
 
-def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: str, loops: Sequence = ()) -> DispatchResult:
+def rewrite_static_dispatch(gm: torch.fx.GraphModule, mode: DispatchMode, loops: Sequence = ()) -> DispatchResult:
     """Rewrite every recognized dispatch unit of ``gm`` (in place) per ``mode``; see module doc.
     ``loops``: the loops the source rewrite changed (source_rewrite.LoopRewrite); a unit of theirs left
     dynamic keeps the loop's skip (keep_skips.py)."""
     result = DispatchResult(mode=mode)
     skipped_at: dict = {}
-    if mode == "off":
+    if not mode.enabled:
         return result
-    if mode not in MODES:
-        raise ValueError(f"static_dispatch must be one of {', '.join(MODES)}, got {mode!r}")
     folded = fold_layers(gm, mode, result)
-    changed, decided = _grouped_layers(gm, mode, result) if mode in GROUPED_MODES else (False, {})
+    changed, decided = _grouped_layers(gm, mode, result) if mode.builds_grouped else (False, {})
     changed = changed or folded
     cache: dict = {}  # combine weights shared by sibling units (built once, before the first)
     shared_block: Optional[str] = None  # the row block (rowdep.ROW_BLOCK) of the units sharing it

@@ -40,6 +40,7 @@ import torch
 import torch.fx
 
 from ..common.fx_utils import fake_value, plain_name, sizes_equal
+from ..config.dispatch_mode import DispatchMode
 from .form_choice import choose_layer_form
 from .graph_builder import _Builder, _is, _is_getitem, _shape, _strip_type
 from .expert_layout import consecutive, stacked_view
@@ -305,7 +306,7 @@ def _stacked(b: _Builder, leaves: list[torch.fx.Node], n: int) -> torch.fx.Node:
     return b.fn(torch.stack, list(what))
 
 
-def layer_form(layer: Layer, mode: str) -> tuple[Optional[str], str, dict, bool]:
+def layer_form(layer: Layer, mode: DispatchMode) -> tuple[Optional[str], str, dict, bool]:
     """form_choice.choose_layer_form for ``layer`` with what its traced values say (device, element size,
     whether its output needs a gradient), and whether torch._grouped_mm applies to it: (form, why,
     figures, native)."""

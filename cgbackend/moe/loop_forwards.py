@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import fold as _fold
-from .form_choice import GROUPED_MODES
+from ..config.dispatch_mode import DispatchMode
 from .source_rewrite import LoopRewrite, rewrite_function
 
 __all__ = ["LoopForwards", "survey", "UNROUTED_GRADS_WARNING"]
@@ -97,7 +97,7 @@ def _enable_fold(record: LoopRewrite, modules: list[torch.nn.Module], fold: bool
     """Switch the fold of ``record``'s loop on when every module that runs it holds experts of
     one structure (fold.spec_of), at least fold.MIN_EXPERTS of them, and tensors where it reads
     rows; else record why (fold.REASONS, which the record's report shows)."""
-    why = "" if fold else f"static_dispatch is none of {', '.join(GROUPED_MODES)}"
+    why = "" if fold else f"static_dispatch is none of {', '.join(map(str, DispatchMode.grouped_modes()))}"
     spec, owners = None, []
     experts, *tables = record.fold_reads
     for module in modules:
@@ -135,7 +135,9 @@ class LoopForwards:
     module whose instance already has its own ``forward`` (set by the user or another wrapper) is
     left alone, at compile time and at every call."""
 
-    def __init__(self, model: torch.nn.Module, fold: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, mode: DispatchMode) -> None:
+        """``mode``: the static_dispatch option; loops are folded only where it builds the grouped
+        forms (``DispatchMode.builds_grouped``)."""
         self.records: list[LoopRewrite] = []
         self._dicts: list[dict] = []
         """The ``__dict__`` of each module that gets a rewritten forward, and that bound method."""
@@ -160,7 +162,7 @@ class LoopForwards:
                     folds.setdefault(key, []).append(module)
         for r in self.records:
             if r.fold_key:
-                _enable_fold(r, folds.get(r.fold_key, []), fold)
+                _enable_fold(r, folds.get(r.fold_key, []), mode.builds_grouped)
         for r in self.records:
             if r.form:
                 log.info("cgbackend: %s loop at %s rewritten to a fixed-length loop", r.form, r.source)

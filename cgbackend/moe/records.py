@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..config.dispatch_mode import DispatchMode
+
 __all__ = ["DispatchRewrite", "DispatchSkipped", "DispatchResult", "_Skip"]
 
 
@@ -40,7 +42,7 @@ class DispatchSkipped(_UnitRecord):
 
 @dataclasses.dataclass
 class DispatchResult:
-    mode: str = "off"
+    mode: DispatchMode = DispatchMode.OFF
     rewrites: list[DispatchRewrite] = dataclasses.field(default_factory=list)
     skipped: list[DispatchSkipped] = dataclasses.field(default_factory=list)
     layout_checks: list = dataclasses.field(default_factory=list)
@@ -48,7 +50,7 @@ class DispatchResult:
     parameters an inference graph reads from one block still are that block's slices."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode, "rewrites": [r.to_dict() for r in self.rewrites],
+        return {"mode": self.mode.value, "rewrites": [r.to_dict() for r in self.rewrites],
                 "skipped": [s.to_dict() for s in self.skipped]}
 
 

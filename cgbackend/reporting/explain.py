@@ -9,7 +9,6 @@ from typing import Any, Optional
 import torch
 
 from ..integrations import opaque
-from ..moe.form_choice import GROUPED_MODES
 from ..moe.loop_forwards import LoopForwards, survey
 from ..frontend.tracing import data_dependent_failure, dynamic_ops_config
 from ..backend import CGBackend
@@ -158,8 +157,8 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
     if config.opaque_modules and isinstance(model, torch.nn.Module) and not by_name:
         instance.opaque = opaque.install(model)
     forwards: Optional[LoopForwards] = None
-    if config.static_dispatch != "off" and isinstance(model, torch.nn.Module) and not by_name:
-        forwards = LoopForwards(model, fold=config.static_dispatch in GROUPED_MODES)  # on the modules only while traced
+    if config.static_dispatch.enabled and isinstance(model, torch.nn.Module) and not by_name:
+        forwards = LoopForwards(model, config.static_dispatch)  # on the modules only while traced
         instance.loops = forwards.records
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
@@ -260,7 +259,7 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
     report.traced_as = _mode_reason(training, {a.classification.training for a, _ in analyses})
     if launches is not None:
         report.summary.update(launches.to_summary())
-    loops = (survey(model) if (config.static_dispatch == "off" or by_name)
+    loops = (survey(model) if (not config.static_dispatch.enabled or by_name)
              and isinstance(model, torch.nn.Module) else instance.loops)
     report.hints = build_hints(report, [a for a, _ in analyses], config, loops)
     return report

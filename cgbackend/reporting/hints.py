@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch.fx
 
-from ..config import Config
+from ..config import Config, DispatchMode
 from ..common.fx_utils import copy_module, source_frame, source_location, user_function
 
 __all__ = ["MEMORY_HINT_BYTES", "build_hints", "hint_option", "hints_text", "option_cli", "option_python",
@@ -114,10 +114,10 @@ def _static_fraction(analysis: Any) -> float:
 
 
 def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Optional[dict[str, Any]]:
-    if config.static_dispatch != "off" or not analyses:
+    if config.static_dispatch.enabled or not analyses:
         return None
     from ..passes.pipeline import analyze
-    auto = config.replace(static_dispatch="auto")
+    auto = config.replace(static_dispatch=DispatchMode.AUTO)
     rewrites = regions_before = regions_after = 0
     fractions = []
     where = ""

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from cgbackend.config import DispatchMode
 from cgbackend.moe import form_choice as cost
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -38,7 +39,7 @@ def test_the_committed_costs_and_crossover_come_from_one_run():
 @pytest.mark.parametrize("row", _crossover(), ids=lambda r: f"E{r['experts']}k{r['k']}T{r['tokens']}")
 def test_auto_picks_a_form_within_15_percent_of_the_fastest_measured(row):
     layer = _layer(row["tokens"], row["experts"], row["k"], row["hidden"], row["ffn"])
-    form, why, figures = cost.choose_layer_form(layer, "auto", "cuda", 2, native=True, needs_grad=False)
+    form, why, figures = cost.choose_layer_form(layer, DispatchMode.AUTO, "cuda", 2, native=True, needs_grad=False)
     measured = {f: row[f"{f}_ms"] for f in FORMS}
     assert form in measured, why
     assert measured[form] <= 1.15 * min(measured.values()), (form, measured, figures["estimate_us"])
@@ -50,13 +51,13 @@ def test_the_small_batch_form_wins_somewhere_and_loses_somewhere():
     assert all(r["fastest"] != "small_batch" for r in rows if r["tokens"] * r["k"] > 4 * r["experts"])
 
 
-@pytest.mark.parametrize("mode", ["auto", "small_batch"])
+@pytest.mark.parametrize("mode", [DispatchMode.AUTO, DispatchMode.SMALL_BATCH], ids=str)
 def test_a_layer_that_needs_gradients_takes_the_small_batch_form_only_when_asked(mode):
     layer = _layer(1, 128, 2, 2048, 768)  # one decode token: the small-batch form's best case
     inference, _, _ = cost.choose_layer_form(layer, mode, "cuda", 2, native=True, needs_grad=False)
     training, why, figures = cost.choose_layer_form(layer, mode, "cuda", 2, native=True, needs_grad=True)
     assert inference == "small_batch"
-    if mode == "auto":
+    if mode is DispatchMode.AUTO:
         assert training == "grouped" and "small_batch" not in figures["estimate_us"], why
     else:
         assert training == "small_batch"
@@ -99,7 +100,7 @@ def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypat
     x = torch.randn(1, 1, 16)
     with torch.set_grad_enabled(grad):
         gm = trace(layer, x)
-        result = dispatch.rewrite_static_dispatch(gm, "auto")
+        result = dispatch.rewrite_static_dispatch(gm, DispatchMode.AUTO)
     assert seen and all(needs == grad for needs, _ in seen), seen
     forms = {r.form for r in result.rewrites}
     assert ("small_batch" in forms) is (not grad), (forms, seen)

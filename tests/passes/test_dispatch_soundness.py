@@ -336,9 +336,10 @@ def test_compiling_leaves_the_users_modules_as_they_are():
 
 def test_rewritten_forwards_cost_microseconds_per_call():
     """Putting the rewritten forwards on the modules for a call and taking them off again."""
+    from cgbackend.config import DispatchMode
     from cgbackend.moe.loop_forwards import LoopForwards
     model = nn.Sequential(*(HitLoop() for _ in range(48)))
-    forwards = LoopForwards(model)
+    forwards = LoopForwards(model, DispatchMode.MASKED_DENSE)
     assert bool(forwards) and all("forward" not in m.__dict__ for m in model.modules())
     best = float("inf")
     for _ in range(5):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cgbackend
-from cgbackend.config import ConfigError
+from cgbackend.config import ConfigError, DispatchMode
 from cgbackend.models.gpt import GPT, MixtralStyleMoE, SortedMoE
 from cgbackend.common.fx_utils import callee_name
 from cgbackend.moe.graph_rewrite import rewrite_static_dispatch
@@ -169,7 +169,7 @@ def test_graph_of_the_rewrite_has_no_data_dependent_op():
     torch.manual_seed(0)
     layer = MixtralStyleMoE(D, FF, E, 2)
     gm = trace(layer, torch.randn(2, 6, D))
-    result = rewrite_static_dispatch(gm, "masked_dense")
+    result = rewrite_static_dispatch(gm, DispatchMode.MASKED_DENSE)
     assert len(result.rewrites) == E
     names = {str(n.target) for n in gm.graph.nodes}
     for op in ("nonzero", "index_add_", "_assert_scalar"):
@@ -211,7 +211,9 @@ def test_routing_used_elsewhere_stays_dynamic():
 @pytest.mark.parametrize("options, rewritten", [({}, True), ({"static_dispatch": "off"}, False)],
                          ids=["default", "off"])
 def test_on_by_default_off_on_request_and_bad_mode_rejected(options, rewritten):
-    assert cgbackend.Config().static_dispatch == "auto"
+    assert cgbackend.Config().static_dispatch is DispatchMode.AUTO  # parsed once, into its typed value
+    assert cgbackend.Config().to_dict()["static_dispatch"] == "auto"
+    assert cgbackend.Config(static_dispatch="off").replace(warmup=1).static_dispatch is DispatchMode.OFF
     with pytest.raises(ConfigError, match="static_dispatch"):
         cgbackend.backend(static_dispatch="sometimes")
     torch.manual_seed(0)
@@ -370,7 +372,7 @@ def test_dunder_method_spelling_of_torch_2_11_is_matched():
         if n.op == "call_function" and n.target in (operator.eq, torch.eq):
             n.op, n.target = "call_method", "__eq__"
     gm.recompile()
-    result = rewrite_static_dispatch(gm, "masked_dense")
+    result = rewrite_static_dispatch(gm, DispatchMode.MASKED_DENSE)
     assert len(result.rewrites) == E and result.skipped == []
 
 
@@ -379,10 +381,10 @@ def test_auto_leaves_a_loop_dynamic_above_the_row_limit(monkeypatch):
     monkeypatch.setattr(dispatch, "_AUTO_MAX_ROWS", 8)  # the test's 12 tokens are over it
     torch.manual_seed(0)
     gm = trace(MixtralStyleMoE(D, FF, E, 2), torch.randn(2, 6, D))
-    result = rewrite_static_dispatch(gm, "auto")
+    result = rewrite_static_dispatch(gm, DispatchMode.AUTO)
     assert result.rewrites == [] and len(result.skipped) == E
     assert all("exceed the masked-dense limit of 8" in s.reason for s in result.skipped)
-    assert rewrite_static_dispatch(gm, "masked_dense").rewrites  # an explicit form overrides it
+    assert rewrite_static_dispatch(gm, DispatchMode.MASKED_DENSE).rewrites  # an explicit form overrides it
 
 
 def test_explain_cli_reports_the_rewrites(capsys):
