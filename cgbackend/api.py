@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
-from .integrations import opaque
-from .moe.loop_forwards import LoopForwards
-from .moe.expert_layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
-from .integrations.distributed import WholeGraphUnderDDP, fsdp_modules, is_ddp, track_fsdp
-from .frontend.regional import LayerStack, Overrides, find_layer_stacks, regional_overrides
+from .config import Config
+from .frontend.prepare import prepare_for_compile
+from .frontend.regional import Overrides, regional_overrides
 from .frontend.tracing import CompileScope, data_dependent_failure, dynamic_ops_config
+from .integrations import opaque
+from .integrations.distributed import WholeGraphUnderDDP, is_ddp
 from .reporting.report import Report
 
 __all__ = ["backend", "compile", "prepare", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]
-
-log = logging.getLogger(__name__)
 
 
 def backend(**options: Any) -> CGBackend:
@@ -91,24 +87,11 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     and cgbackend.report() accept it. With static dispatch, the dispatch loops it rewrites live on
     the returned wrapper: ``model`` and its modules keep their own methods (moe/loop_forwards.py).
     """
-    instance = CGBackend(**options)
-    is_module = isinstance(model, torch.nn.Module)
-    stacks = _layer_stacks(model, instance, fullgraph) if is_module else []
-    if instance.config.opaque_modules and is_module:
-        instance.opaque = opaque.install(model)
-    loops: Any = _NO_LOOPS
-    dispatch = instance.config.static_dispatch
-    if dispatch.enabled and is_module:
-        if dispatch.builds_grouped:
-            # first: a folded loop's inference traces read its experts from the blocks (fold.enable)
-            instance.relayouts = stack_expert_params(model)
-        loops = LoopForwards(model, dispatch)
-        instance.loops = loops.records
-    elif isinstance(model, torch.nn.Module):
-        instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
-    if is_module:
-        track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)
-    overrides = Overrides(regional_overrides(stacks, instance, dynamic=dynamic,
+    config = Config.from_options(options)
+    prepared = prepare_for_compile(model, config, fullgraph=fullgraph)  # frontend/prepare.py
+    instance = CGBackend(config, prepared=prepared)
+    loops: Any = prepared.forwards if prepared.forwards is not None else _NO_LOOPS
+    overrides = Overrides(regional_overrides(prepared.stacks, instance, dynamic=dynamic,
                                              forward_of=lambda layer: loops.function_of(layer) or type(layer).forward))
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
@@ -143,20 +126,6 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
 
     wrapper._cgbackend = instance
     return wrapper
-
-
-def _layer_stacks(model: torch.nn.Module, instance: CGBackend, fullgraph: bool) -> list[LayerStack]:
-    """The model's stacks of identical layers to compile once each (regional.py); none under
-    fullgraph=True (each layer is a graph break), DDP or FSDP2 (their hooks wrap the whole model)."""
-    if fullgraph or is_ddp(model) or fsdp_modules(model):
-        return []
-    stacks = find_layer_stacks(model, instance.config.regional_min_layers)
-    if stacks:
-        instance.regional = stacks
-        instance.shared.layer_copies = max(len(s.layers) for s in stacks)
-        for stack in stacks:
-            log.info("cgbackend: %s", stack.describe())
-    return stacks
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The Dynamo backend: (GraphModule, example_inputs) -> callable.
 
-``CGBackend(**options)`` is one backend instance: it owns the memory pools, the
-counters and the compiled graphs it made. ``torch.compile(model,
+``CGBackend(**options)`` (or ``CGBackend(config)``) is one backend instance: it owns the memory
+pools, the counters and the compiled graphs it made; everything it is told (options, what
+``cgbackend.compile`` / ``explain`` did to the model) comes through its constructor. ``torch.compile(model,
 backend="cgbackend", options={...})`` (the ``torch_dynamo_backends`` entry point)
 makes one instance per ``torch.compile`` call, configured by ``options``;
 ``cgbackend.backend(...)`` and ``cgbackend.compile(...)`` make separate instances
@@ -28,7 +29,8 @@ from .reporting.dryrun import DryRun
 from .frontend.tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
-from .integrations.opaque import InstallResult
+from .frontend.prepare import Prepared
+from .moe.report_notes import annotate_report
 from .runtime.timing import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph, memory_of
@@ -56,30 +58,32 @@ def graph_break_info(gm: torch.fx.GraphModule) -> Optional[dict[str, str]]:
 class CGBackend:
     """A cgbackend instance; pass it as ``torch.compile(model, backend=instance)``."""
 
-    def __init__(self, config: Optional[Config] = None, **options: Any) -> None:
+    def __init__(self, config: Optional[Config] = None, *, prepared: Optional[Prepared] = None,
+                 keep_analyses: bool = False, warn_nothing_captured: bool = True, **options: Any) -> None:
+        """``config`` or keyword ``options`` (not both). ``prepared``: what ``cgbackend.compile`` or
+        ``explain`` did to the model before Dynamo traced it (frontend/prepare.py). ``keep_analyses``:
+        keep every graph's analysis for :meth:`build_report` (explain). ``warn_nothing_captured``:
+        False leaves out the warning that the model ran with nothing captured (explain captures
+        nothing by design)."""
         if config is not None and options:
             raise TypeError("CGBackend takes either a Config or keyword options, not both")
         self.config = config if config is not None else Config.from_options(options)
+        self.prepared = prepared if prepared is not None else Prepared()
+        """What was done to the model before tracing: opaque modules, rewritten loops, expert
+        layout, layer stacks (frontend/prepare.py); read by the report."""
         self.shared = RuntimeShared(self.config)
         self.shared.mirror = CounterMirror(self.shared.counters)
         """Brings this instance's counters into torch._dynamo.utils.counters["cgbackend"] (read there)."""
+        if self.prepared.stacks:  # each layer of a stack holds its own graphs of the shared code
+            self.shared.layer_copies = max(len(s.layers) for s in self.prepared.stacks)
+        if self.prepared.volatile_params is not None:
+            self.set_volatile_params(self.prepared.volatile_params)
         self._graphs: list[weakref.ReferenceType[CompiledGraph]] = []
         self._analyses: list[tuple[Analysis, Optional[dict[str, str]]]] = []
-        self._keep_analyses = False
+        self._keep_analyses = keep_analyses
         self._lock = threading.Lock()
         self._no_cuda_logged = False
-        self.opaque: Optional[InstallResult] = None
-        """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
-        self.loops: list = []
-        """Loops cgbackend.compile / explain rewrote in the model's source (moe/source_rewrite.py)."""
-        self.survey_target: Optional[Callable[[], Any]] = None
-        """A weak reference to the model compiled without static dispatch: its loops are surveyed
-        (what the loop rewrite would do, loop_forwards.survey) when a report is built, for the hints."""
         self._loop_survey: Optional[list] = None
-        self.regional: list = []
-        """Stacks of identical layers cgbackend.compile compiles once each (regional.py)."""
-        self.relayouts: list = []
-        """Expert parameters cgbackend.compile laid out as one block (moe/expert_layout.py)."""
         self.trace_fallback: Optional[str] = None
         """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
         self.switch_per_call = False
@@ -90,12 +94,31 @@ class CGBackend:
         self.shared.watch = self.timer
         self.shared.capture_watch = CaptureWatch(self.shared.counters)
         """Warns once when the model runs with nothing captured (runtime/capture_watch.py)."""
+        self.shared.capture_watch.enabled = warn_nothing_captured
         self.dry_run = DryRun(self.config.dryrun)
         """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"
         # Graphs go before the process group at exit: a CUDA graph holding NCCL resources would
         # make the communicator's destruction wait (cgbackend.distributed).
         self._release_at_exit = finalizer(self, self._graphs, self.config.simulate_graphs)
+
+    @property
+    def loops(self) -> list:
+        """Every dispatch loop the source rewrite looked at (moe/source_rewrite.py)."""
+        return self.prepared.loops
+
+    def set_volatile_params(self, predicate: Callable[[torch.Tensor], bool]) -> None:
+        """Parameters for which ``predicate`` holds are copied into static buffers before each
+        replay instead of being read at their address (FSDP2's, which move; runtime/params.py)."""
+        self.shared.params.volatile = predicate
+
+    def kept_analyses(self) -> list[tuple[Analysis, Optional[dict[str, str]]]]:
+        """The analyses kept so far (``keep_analyses=True``), with each graph's break, in order."""
+        return list(self._analyses)
+
+    def forget_analyses(self, keep: int = 0) -> None:
+        """Drop the kept analyses after the first ``keep``."""
+        del self._analyses[keep:]
 
     def note_trace_fallback(self, cause: BaseException) -> None:
         first = str(cause).strip().splitlines()
@@ -226,7 +249,8 @@ class CGBackend:
 
     def _surveyed_loops(self) -> list:
         if self._loop_survey is None:
-            model = self.survey_target() if self.survey_target is not None else None
+            target = self.prepared.survey_target
+            model = target() if target is not None else None
             if model is None:
                 return []
             from .moe.loop_forwards import survey
@@ -234,24 +258,10 @@ class CGBackend:
         return self._loop_survey
 
     def _annotate(self, report: Report) -> None:
-        """What happened before Dynamo's graphs: source-level loop rewrites and a trace fallback."""
-        kept: dict[str, int] = {}
-        for g in report.graphs:
-            for s in g.dispatch.get("skipped", ()):
-                if s.get("loop"):
-                    kept[s["loop"]] = kept.get(s["loop"], 0) + 1
-        report.loop_rewrites = [dict(r.to_dict(), kept_skips=kept.get(r.source, 0)) if r.form else r.to_dict()
-                                for r in self.loops]
-        if any(r.form for r in self.loops) and report.summary.get("dispatch_rewrites"):
-            report.summary["unrouted_expert_grads"] = "zero"
-            report.notes.append("experts that receive no token get a zero gradient where eager leaves .grad None: "
-                                "static dispatch runs the experts of a rewritten dispatch loop also on no rows "
-                                "(as grouped-GEMM MoE layers do); warned once at the first backward")
-        report.regional = [stack.to_dict() for stack in self.regional]
-        for r in self.relayouts:
-            report.notes.append(f"{r.module or 'model'}: the {r.experts} experts' {', '.join(r.params)} laid out "
-                                f"as one block each ({r.bytes / 2 ** 20:.1f} MiB), read by the grouped form "
-                                "without a copy")
+        """What happened before Dynamo's graphs: the model's preparation (static dispatch's loop
+        rewrites and expert layout, layer stacks) and a trace fallback."""
+        annotate_report(report, self.prepared.loops, self.prepared.relayouts)
+        report.regional = [stack.to_dict() for stack in self.prepared.stacks]
         if self.trace_fallback is not None:
             report.notes.append(self.trace_fallback)
         missed = self.shared.counters.trace_scope_missed
@@ -262,7 +272,7 @@ class CGBackend:
                                 "the settings are switched around every call since")
 
     def _opaque_dict(self) -> dict[str, Any]:
-        return self.opaque.to_dict() if self.opaque is not None else {}
+        return self.prepared.opaque.to_dict() if self.prepared.opaque is not None else {}
 
     def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str],
                      analyses: Optional[list] = None, calls: Optional[dict[int, int]] = None) -> Report:

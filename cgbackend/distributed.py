@@ -4,10 +4,34 @@
 ``torch.compile`` was given directly (``cgbackend.compile`` does it itself); ``release(model)``
 drops a model's graphs before ``torch.distributed.destroy_process_group()``; ``NVLS_ENV`` /
 ``set_nvls_env`` turn NVLink multicast off for spawned ranks. How cgbackend lives with DDP, FSDP2
-and expert parallelism is in ``cgbackend/integrations/distributed.py``; this module is the public
-path to those names and holds nothing else.
+and expert parallelism is in ``cgbackend/integrations/distributed.py``.
 """
 
-from .integrations.distributed import NVLS_ENV, FSDPParamSet, fsdp_modules, release, set_nvls_env, track_fsdp
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .by_name import find_backend
+from .integrations.distributed import NVLS_ENV, FSDPParamSet, fsdp_modules, set_nvls_env, volatile_fsdp_params
 
 __all__ = ["FSDPParamSet", "NVLS_ENV", "fsdp_modules", "release", "set_nvls_env", "track_fsdp"]
+
+
+def track_fsdp(backend_or_model: Any, model: Optional[torch.nn.Module] = None) -> int:
+    """Make a backend treat FSDP2's unsharded parameters of ``model`` as volatile (copied into
+    static buffers before each replay). ``cgbackend.compile`` does this itself; call it after
+    ``torch.compile(model, backend=instance)`` as ``track_fsdp(instance, model)``. Returns how many
+    fully_shard'ed modules were found (0: nothing changes)."""
+    backend = find_backend(backend_or_model)
+    volatile = volatile_fsdp_params(model if model is not None else backend_or_model)
+    if volatile is None:
+        return 0
+    backend.set_volatile_params(volatile)
+    return volatile.module_count
+
+
+def release(obj: Any = None) -> int:
+    """Release the graphs of the backend behind ``obj`` now (before destroy_process_group)."""
+    return find_backend(obj).release()

@@ -4,7 +4,8 @@
   outside the graphs, and Dynamo's DDP optimizer splits the graph at bucket boundaries.
 * FSDP2 frees each unsharded parameter's storage after use (``storage.resize_(0)``) and
   all-gathers it again before the next forward or backward, wherever the caching allocator puts
-  it. :func:`track_fsdp` marks those parameters *volatile* for a backend (runtime/params.py):
+  it. :func:`volatile_fsdp_params` makes the predicate that marks those parameters *volatile* for a
+  backend (runtime/params.py; ``cgbackend.distributed.track_fsdp`` hands it to one):
   graphs read static copies refreshed before every replay, so graph counts do not depend on
   addresses. Without it, graphs are keyed on parameter addresses and a backward whose parameter
   moved runs eagerly (``param_moved``): correct, never a replay on freed storage, but slower.
@@ -13,9 +14,12 @@
 * Exit: a CUDA graph that captured NCCL work keeps its communicator alive, and
   ``destroy_process_group`` (or the process group's destructor at interpreter exit) then waits for
   the graph to be destroyed. cgbackend captures no collectives, and every backend releases its
-  graphs when the process exits (a ``weakref.finalize``, run at exit) or when :func:`release` is
-  called. Call ``release(model)`` and then ``torch.distributed.destroy_process_group()`` at the
-  end of a distributed script.
+  graphs when the process exits (a ``weakref.finalize``, run at exit) or when
+  ``cgbackend.distributed.release`` is called. Call ``release(model)`` and then
+  ``torch.distributed.destroy_process_group()`` at the end of a distributed script.
+
+The functions a script calls with a model or a backend (``track_fsdp``, ``release``) are in
+``cgbackend/distributed.py``; this module holds the mechanisms and knows no backend.
 """
 
 from __future__ import annotations
@@ -27,10 +31,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from ..by_name import find_backend
-
-__all__ = ["track_fsdp", "release", "fsdp_modules", "FSDPParamSet", "NVLS_ENV",
-           "set_nvls_env"]
+__all__ = ["fsdp_modules", "FSDPParamSet", "NVLS_ENV", "set_nvls_env", "volatile_fsdp_params", "is_ddp",
+           "WholeGraphUnderDDP"]
 
 log = logging.getLogger(__name__)
 
@@ -117,26 +119,21 @@ class FSDPParamSet:
     def __len__(self) -> int:
         return len(self._ids)
 
+    @property
+    def module_count(self) -> int:
+        """How many fully_shard'ed modules are tracked."""
+        return len(self._modules)
 
-def track_fsdp(backend_or_model: Any, model: Optional[torch.nn.Module] = None) -> int:
-    """Make a backend treat FSDP2's unsharded parameters of ``model`` as volatile (copied into
-    static buffers before each replay). ``cgbackend.compile`` does this itself; call it after
-    ``torch.compile(model, backend=instance)`` as ``track_fsdp(instance, model)``. Returns how many
-    fully_shard'ed modules were found (0: nothing changes)."""
-    backend = find_backend(backend_or_model)
-    target = model if model is not None else backend_or_model
-    target = getattr(target, "_orig_mod", target)
-    modules = fsdp_modules(target)
+
+def volatile_fsdp_params(model: Any) -> Optional[FSDPParamSet]:
+    """The predicate that marks FSDP2's unsharded parameters of ``model`` (or of the module a
+    compiled wrapper holds) volatile: copied into static buffers before each replay. None where no
+    module of it was fully_shard'ed (nothing changes)."""
+    modules = fsdp_modules(getattr(model, "_orig_mod", model))
     if not modules:
-        return 0
-    backend.shared.params.volatile = FSDPParamSet(modules)
+        return None
     log.info("cgbackend: %d fully_shard modules: their parameters are copied into the graphs", len(modules))
-    return len(modules)
-
-
-def release(obj: Any = None) -> int:
-    """Release the graphs of the backend behind ``obj`` now (before destroy_process_group)."""
-    return find_backend(obj).release()
+    return FSDPParamSet(modules)
 
 
 def is_ddp(model: Any) -> bool:

@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..integrations import opaque
-from ..moe.loop_forwards import LoopForwards, survey
+from ..frontend.prepare import prepare_for_explain
+from ..moe.loop_forwards import survey
 from ..frontend.tracing import data_dependent_failure, dynamic_ops_config
 from ..backend import CGBackend
 from .breaks import break_text, frame_skipped, skipped_frame_source
@@ -151,15 +151,11 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
     """One trace of ``explain``; ``by_name`` leaves out what only cgbackend.compile does to the model
     (opaque modules, the dispatch loops' source rewrite)."""
     config = Config.from_options(options or {})
-    instance = CGBackend(config=config.replace(capture=False, dryrun=False))  # explain is the report
-    instance._keep_analyses = True
-    instance.shared.capture_watch.enabled = False  # capturing nothing is explain's point, not a warning
-    if config.opaque_modules and isinstance(model, torch.nn.Module) and not by_name:
-        instance.opaque = opaque.install(model)
-    forwards: Optional[LoopForwards] = None
-    if config.static_dispatch.enabled and isinstance(model, torch.nn.Module) and not by_name:
-        forwards = LoopForwards(model, config.static_dispatch)  # on the modules only while traced
-        instance.loops = forwards.records
+    prepared = prepare_for_explain(model, config, by_name=by_name)  # frontend/prepare.py
+    forwards = prepared.forwards  # on the modules only while traced
+    # explain is the report: nothing captured, and capturing nothing is its point, not a warning
+    instance = CGBackend(config.replace(capture=False, dryrun=False), prepared=prepared, keep_analyses=True,
+                         warn_nothing_captured=False)
     counters = torch._dynamo.utils.counters
     torch._dynamo.reset()
     before = dict(counters["graph_break"])
@@ -201,12 +197,12 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
                     raise
                 # as cgbackend.compile does: trace as plain torch.compile, with a graph break there
                 instance.note_trace_fallback(cause)
-                instance._analyses.clear()
+                instance.forget_analyses()
                 torch._dynamo.reset()
                 scope = contextlib.nullcontext()
                 compiled = traced(torch.compile(model, backend=instance))
                 compiled(*args, **kwargs)
-            analyses = list(instance._analyses)
+            analyses = instance.kept_analyses()
             calls = {i: g.calls for i, g in enumerate(instance.compiled_graphs())}
             after = dict(counters["graph_break"])
             after_unsupported = dict(counters["unimplemented"])
@@ -288,14 +284,14 @@ def _measure(eager: Any, compiled: Any, args: tuple, kwargs: dict, instance: CGB
              buffers: list, profiler: Optional[LaunchProfiler] = None) -> tuple[Any, Optional[str]]:
     """Launch coverage (coverage.py): one eager call and one more call of the traced model, each
     from the buffers' state before tracing; under ``profiler`` too where it is given."""
-    graphs = len(instance._analyses)
+    graphs = len(instance.kept_analyses())
     try:
         launches, skipped = measure_launches(eager,
                                              lambda: compiled(*args, **kwargs), instance.shared,
                                              reset=lambda: _restore(buffers), profiler=profiler)
     except Exception as exc:  # the report stands without it; say why it is missing
         return None, f"launch coverage not measured: {type(exc).__name__}: {_first_line(exc)}"
-    if len(instance._analyses) != graphs:
-        del instance._analyses[graphs:]
+    if len(instance.kept_analyses()) != graphs:
+        instance.forget_analyses(keep=graphs)
         return None, "launch coverage not measured: the second call compiled new graphs (recompiled)"
     return launches, skipped
