@@ -38,7 +38,7 @@ from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
 from .runtime.entries import RuntimeShared
-from .runtime.stats import EagerReason
+from .common.reasons import EagerReason
 from .reporting import structured
 
 __all__ = ["CGBackend"]
@@ -187,7 +187,7 @@ class CGBackend:
                 f"{'' if torch.cuda.is_available() else ' and this machine has no CUDA device'}: nothing "
                 "can be captured and strict forbids running it eagerly; run on CUDA tensors, or set "
                 "strict=False (or simulate_graphs=True to test the runtime on CPU)")
-        if compiled.blocked == "no_cuda" and not self._no_cuda_logged:
+        if compiled.blocked == EagerReason.NO_CUDA and not self._no_cuda_logged:
             self._no_cuda_logged = True
             log.info("cgbackend: nothing is captured: the model computes on %s and CUDA graphs need "
                      "CUDA tensors; the split graph runs eagerly", analysis.classification.compute_device)

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .launch_profile import OP_RANGE, REGION_RANGE, Attribution, LaunchProfiler, op_range
-from ..runtime.stats import EagerReason
+from ..common.reasons import EagerReason
 
 __all__ = ["LaunchCounter", "Launches", "Tally", "counting_supported", "launches_op", "measure_launches",
            "runtime_launches", "launch_text"]

@@ -84,7 +84,7 @@ from ..integrations.opaque import opaque_info
 from ..passes.launch_estimate import estimate_kernels
 from ..runtime.memory import released_kinds
 from ..runtime.timing import timing_text
-from ..common.reasons import Rule
+from ..common.reasons import EagerReason, Rule
 
 __all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]
 
@@ -406,7 +406,6 @@ def _buckets_text(buckets: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _runtime_text(runtime: dict[str, Any]) -> list[str]:
-    from ..runtime.stats import EagerReason  # the runtime is optional for an ahead-of-time report
     lines = ["  runtime:"]
     seen: set[str] = set()
     for name, r in runtime.get("regions", {}).items():

@@ -55,7 +55,7 @@ def summary(obj: Any = None) -> str:
     from ..api import stats
     from ..by_name import by_name_backends, find_backend
     from ..runtime.memory import KINDS, released_kinds
-    from ..runtime.stats import EagerReason
+    from ..common.reasons import EagerReason
     backends = by_name_backends() if obj is None else [find_backend(obj)]
     counters = stats(obj)
     rows = [row for b in backends for row in _rows(b)]

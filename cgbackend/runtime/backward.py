@@ -41,7 +41,7 @@ from .loose_outputs import StorageWeakRef, loose_alias, loose_supported
 from .params import ParamPolicy
 from .reach import unreached
 from .saved import Loosening, loosening_supported, pool_ranges
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 from .tangents import QUEUE_CALLBACK, Handover, handover_supported, release_incoming
 
 if TYPE_CHECKING:

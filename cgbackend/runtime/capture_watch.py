@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ..common.notices import NothingCapturedWarning
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 
 __all__ = ["CaptureWatch", "settle_call"]
 

@@ -39,7 +39,7 @@ from ..passes.constants import make_constant
 from .split import Step, build_region_module
 from .syncsplit import apply_splits
 from .memory import add_up, entry_memory
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 from .capture_watch import settle_call
 
 __all__ = ["CompiledGraph", "CallState", "SlotTable", "run_step"]

@@ -23,7 +23,7 @@ from .layouts import compact_view, copy_into, describe_inputs, input_buffer
 from .loose_outputs import release_outputs, releases_outputs
 from .params import ParamPolicy
 from .saved import SavedTensors
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 
 if TYPE_CHECKING:
     from .region import RegionRunner

@@ -26,7 +26,7 @@ from .inputs import fill_padding, overlap, overlap_candidates
 from .layouts import AdaptedCall, InputLayouts, compact_view, copy_into
 from .reach import fake_output_reach, reached_inputs
 from .recorder import Recorder
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 from .tangents import relay_outputs
 from .warmup import warmup_call
 

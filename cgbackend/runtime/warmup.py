@@ -31,7 +31,7 @@ import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .inner import InnerFallback
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 
 if TYPE_CHECKING:
     from .region import RegionRunner
