@@ -169,8 +169,8 @@ def _add_dict(into: dict, part: dict) -> None:
 def report(obj: Any = None) -> Report:
     """Partition report of everything the backend behind ``obj`` compiled, with runtime counters
     (a :class:`cgbackend.Report`; its fields: ``help(cgbackend.Report)``, the JSON Schema
-    ``cgbackend/reporting/report.schema.json``; the data classes and the text renderer are in
-    ``cgbackend.reporting.report``)."""
+    ``cgbackend/reporting/report.schema.json``; the data classes are in
+    ``cgbackend.reporting.report``, the text renderer in ``cgbackend.reporting.text``)."""
     return find_backend(obj).report()
 
 
