@@ -9,7 +9,7 @@ user's code. The same bound-method objects are used on every call, so Dynamo's g
 hold from one call to the next.
 
 Cost: two dictionary writes per module with a rewritten loop, per call: about 12 us a call for 48
-such modules on a 2-core CI machine (tests/passes/test_dispatch_soundness.py times it).
+such modules on a 2-core CI machine (tests/moe/test_dispatch_soundness.py times it).
 Calls that overlap (a compiled call inside another, or from several threads) install once, for the
 outermost, and restore when the last one leaves; an uncompiled call of the same modules made from
 another thread meanwhile runs the rewritten code (the same results, as the rewrite is proven).

@@ -1,4 +1,4 @@
-"""Regional compilation (cgbackend/regional.py): a stack of identical layers is traced, analysed and
+"""Regional compilation (cgbackend/frontend/regional.py): a stack of identical layers is traced, analysed and
 compiled once and every layer captures its own graphs; results and gradients equal eager's; the
 user's modules keep their own forward; compile time stays flat in depth."""
 

@@ -18,7 +18,7 @@ Two checks. The source rewrite, run eagerly, for every case: called as it is (ea
 skip) and with the traced meaning (``is_compiling`` true: the skip is gone), it equals the user's
 loop, and it rewrites exactly the loops the grammar makes sound. The whole pipeline
 (``cgbackend.compile`` with static dispatch, simulated graphs): a stratified subset by default, every
-case with ``-m slow`` (``python -m pytest tests/passes/test_dispatch_property.py -m slow``).
+case with ``-m slow`` (``python -m pytest tests/moe/test_dispatch_property.py -m slow``).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def test_the_docs_quote_the_committed_crossover():
 def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypatch, grad):
     """Through the dispatch pass: a one-token MoE layer traced under no_grad takes the small-batch
     form under "auto", traced with gradients it does not (the device check is made to say CUDA,
-    where "auto" weighs forms; test_dispatch_forms checks the form's results against the loop)."""
+    where "auto" weighs forms; test_forms.py checks the form's results against the loop)."""
     import torch
 
     from cgbackend.models.gpt import MixtralStyleMoE

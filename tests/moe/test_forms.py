@@ -161,7 +161,7 @@ def test_user_loop_forms_become_one_static_region(name, form):
     result = _assert_same(model, _batches(5, seed=1), static_dispatch=form)
     _one_static_region(result, form)
     loops = result["report"].loop_rewrites
-    assert [r["form"] for r in loops] == [LOOP_FORM[name]] and loops[0]["source"].startswith("test_dispatch_forms.py:")
+    assert [r["form"] for r in loops] == [LOOP_FORM[name]] and loops[0]["source"].startswith("test_forms.py:")
 
 
 @pytest.mark.parametrize("form", ["masked_dense", "grouped"])

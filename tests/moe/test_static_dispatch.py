@@ -313,7 +313,7 @@ def test_reference_models_on_gpu_are_one_graph(ffn, dtype):
             _close(out, r, tol, f"inference call {i}")
             continue
         # bf16: Inductor's code rounds otherwise than eager's, and where a token's top-k choice is
-        # near a tie that can flip it (tests/passes/test_moe_routing_flips.py): each call is judged
+        # near a tie that can flip it (tests/moe/test_routing_flips.py): each call is judged
         # against float64 (at most 2x eager-bf16's own error), and a call off by a flip is counted.
         err, eager_err = ((t.double() - r64).abs().max().item() for t in (out, r))
         if err > 2 * eager_err:
