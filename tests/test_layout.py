@@ -259,3 +259,10 @@ def test_importing_the_package_loads_neither_the_harness_nor_the_demo_models():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_every_folder_of_the_package_is_a_regular_package():
+    """An __init__.py in every folder: setuptools' package discovery (pyproject.toml) skips a folder
+    without one, and the wheel would lack its modules."""
+    folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    assert sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()) == []

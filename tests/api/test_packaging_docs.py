@@ -61,6 +61,8 @@ def test_wheel_metadata_has_license_urls_classifiers(wheel_metadata):
     assert wheel_metadata["Requires-Python"] == ">=3.10"
     # The schema ships with the package; the entry points are there.
     assert "cgbackend/reporting/report.schema.json" in wheel_metadata.files
+    assert "cgbackend/moe/costs.json" in wheel_metadata.files  # the static-dispatch cost model's rates
+    assert "cgbackend/integrations/opaque.py" in wheel_metadata.files
     assert "cgbackend = cgbackend.by_name:dynamo_entry" in wheel_metadata.entry_points
     assert "cgbackend = cgbackend.cli:main" in wheel_metadata.entry_points
     # The long description's relative links point into the repository.
