@@ -4,8 +4,8 @@ counts, expert counts and top-k.
 
     python benchmarks/dispatch_costs.py --out DIR [--quick]
 
-Writes DIR/costs.json (the constants cgbackend/passes/dispatch/cost.py reads, to be committed as
-cgbackend/passes/dispatch/costs.json) and DIR/dispatch_crossover.json (measured milliseconds per
+Writes DIR/costs.json (the constants cgbackend/moe/form_choice.py reads, to be committed as
+cgbackend/moe/costs.json) and DIR/dispatch_crossover.json (measured milliseconds per
 form, shape and token count, next to the cost model's estimate), and prints a table.
 Static forms are timed as CUDA-graph replays (as cgbackend runs them), the loop eagerly (as it runs
 when left dynamic), bf16, inputs rotated, medians of CUDA-event timings. The grouped and small-batch
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from cgbackend.passes.dispatch import cost  # noqa: E402
+from cgbackend.moe import form_choice as cost  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16
 

@@ -13,18 +13,18 @@ from ._version import __version__
 from .api import backend, compile, find_backend, prepare, report, reset, stats
 from .backend import CGBackend
 from .by_name import register as _register_backend
+from .common.logs import register as _register_logs
+from .common.notices import CGBackendWarning, NothingCapturedWarning
+from .common.reasons import Reason, Rule
 from .config import Config, ConfigError
-from .explain import ExplainError, explain
-from .logs import register as _register_logs
-from .marks import mark_dynamic
-from .notices import CGBackendWarning, NothingCapturedWarning
-from .reasons import Reason, Rule
+from .frontend.marks import mark_dynamic
+from .frontend.warm_up import WarmUp, warm_up
+from .reporting.explain import ExplainError, explain
 from .reporting.report import Report
-from .serve import WarmUp, warm_up
-from .stats_table import summary
+from .reporting.stats_table import summary
+from . import distributed  # the documented public path cgbackend.distributed (track_fsdp, release)
 
-
-_register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (logs.py)
+_register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (common/logs.py)
 _register_backend()  # torch.compile(backend="cgbackend") without installed metadata (by_name.py)
 
 __all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning",

@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import opaque
-from .passes.dispatch.cost import GROUPED_MODES
-from .passes.dispatch.forwards import LoopForwards
-from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
-from .distributed import WholeGraphUnderDDP, fsdp_modules, is_ddp, track_fsdp
-from .regional import LayerStack, Overrides, find_layer_stacks, regional_overrides
-from .tracing import CompileScope, data_dependent_failure, dynamic_ops_config
+from .config import Config
+from .frontend.prepare import prepare_for_compile
+from .frontend.regional import Overrides, regional_overrides
+from .frontend.tracing import CompileScope, data_dependent_failure, dynamic_ops_config
+from .integrations import opaque
+from .integrations.distributed import WholeGraphUnderDDP, is_ddp
 from .reporting.report import Report
 
 __all__ = ["backend", "compile", "prepare", "stats", "report", "find_backend", "dynamic_ops_config", "reset"]
-
-log = logging.getLogger(__name__)
 
 
 def backend(**options: Any) -> CGBackend:
@@ -77,7 +72,7 @@ def prepare(model: torch.nn.Module) -> opaque.InstallResult:
     """Make the modules of ``model`` that Dynamo cannot trace but cgbackend knows (Transformer
     Engine's) one opaque graph call each, for ``torch.compile(model, backend="cgbackend")``;
     ``cgbackend.compile`` does this itself. Returns what was wrapped and what was left alone (with
-    why). ``cgbackend.opaque.uninstall(model)`` undoes it; eager calls behave the same either way."""
+    why). ``cgbackend.integrations.opaque.uninstall(model)`` undoes it; eager calls behave the same either way."""
     return opaque.install(model)
 
 
@@ -90,25 +85,13 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     ``CompileScope``), so a dropless MoE arrives as one graph
     and cgbackend decides what runs eagerly. Returns what torch.compile returns; cgbackend.stats()
     and cgbackend.report() accept it. With static dispatch, the dispatch loops it rewrites live on
-    the returned wrapper: ``model`` and its modules keep their own methods (forwards.py).
+    the returned wrapper: ``model`` and its modules keep their own methods (moe/loop_forwards.py).
     """
-    instance = CGBackend(**options)
-    is_module = isinstance(model, torch.nn.Module)
-    stacks = _layer_stacks(model, instance, fullgraph) if is_module else []
-    if instance.config.opaque_modules and is_module:
-        instance.opaque = opaque.install(model)
-    loops: Any = _NO_LOOPS
-    if instance.config.static_dispatch != "off" and is_module:
-        if instance.config.static_dispatch in GROUPED_MODES:
-            # first: a folded loop's inference traces read its experts from the blocks (fold.enable)
-            instance.relayouts = stack_expert_params(model)
-        loops = LoopForwards(model, fold=instance.config.static_dispatch in GROUPED_MODES)
-        instance.loops = loops.records
-    elif isinstance(model, torch.nn.Module):
-        instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
-    if is_module:
-        track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)
-    overrides = Overrides(regional_overrides(stacks, instance, dynamic=dynamic,
+    config = Config.from_options(options)
+    prepared = prepare_for_compile(model, config, fullgraph=fullgraph)  # frontend/prepare.py
+    instance = CGBackend(config, prepared=prepared)
+    loops: Any = prepared.forwards if prepared.forwards is not None else _NO_LOOPS
+    overrides = Overrides(regional_overrides(prepared.stacks, instance, dynamic=dynamic,
                                              forward_of=lambda layer: loops.function_of(layer) or type(layer).forward))
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
@@ -143,20 +126,6 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
 
     wrapper._cgbackend = instance
     return wrapper
-
-
-def _layer_stacks(model: torch.nn.Module, instance: CGBackend, fullgraph: bool) -> list[LayerStack]:
-    """The model's stacks of identical layers to compile once each (regional.py); none under
-    fullgraph=True (each layer is a graph break), DDP or FSDP2 (their hooks wrap the whole model)."""
-    if fullgraph or is_ddp(model) or fsdp_modules(model):
-        return []
-    stacks = find_layer_stacks(model, instance.config.regional_min_layers)
-    if stacks:
-        instance.regional = stacks
-        instance.shared.layer_copies = max(len(s.layers) for s in stacks)
-        for stack in stacks:
-            log.info("cgbackend: %s", stack.describe())
-    return stacks
 
 
 def stats(obj: Any = None) -> dict[str, Any]:
@@ -200,8 +169,8 @@ def _add_dict(into: dict, part: dict) -> None:
 def report(obj: Any = None) -> Report:
     """Partition report of everything the backend behind ``obj`` compiled, with runtime counters
     (a :class:`cgbackend.Report`; its fields: ``help(cgbackend.Report)``, the JSON Schema
-    ``cgbackend/reporting/report.schema.json``; the data classes and the text renderer are in
-    ``cgbackend.reporting.report``)."""
+    ``cgbackend/reporting/report.schema.json``; the data classes are in
+    ``cgbackend.reporting.report``, the text renderer in ``cgbackend.reporting.text``)."""
     return find_backend(obj).report()
 
 

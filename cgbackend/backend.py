@@ -1,7 +1,8 @@
 """The Dynamo backend: (GraphModule, example_inputs) -> callable.
 
-``CGBackend(**options)`` is one backend instance: it owns the memory pools, the
-counters and the compiled graphs it made. ``torch.compile(model,
+``CGBackend(**options)`` (or ``CGBackend(config)``) is one backend instance: it owns the memory
+pools, the counters and the compiled graphs it made; everything it is told (options, what
+``cgbackend.compile`` / ``explain`` did to the model) comes through its constructor. ``torch.compile(model,
 backend="cgbackend", options={...})`` (the ``torch_dynamo_backends`` entry point)
 makes one instance per ``torch.compile`` call, configured by ``options``;
 ``cgbackend.backend(...)`` and ``cgbackend.compile(...)`` make separate instances
@@ -22,13 +23,14 @@ import torch.fx
 
 from .passes.pipeline import Analysis, analyze
 from .reporting.breaks import break_text, source_of_stack
-from . import progress
+from .common import progress
 from .config import Config
-from .dryrun import DryRun
-from .tracing import trace_scope_missed
+from .reporting.dryrun import DryRun
+from .frontend.tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
-from .opaque import InstallResult
+from .frontend.prepare import Prepared
+from .moe.report_notes import annotate_report
 from .runtime.region_timer import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
 from .runtime.executor import CompiledGraph
@@ -37,7 +39,8 @@ from .runtime.capture_watch import CaptureWatch
 from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
 from .runtime.shared import RuntimeShared
-from .runtime.stats import Counters, EagerReason
+from .runtime.stats import Counters
+from .common.reasons import EagerReason
 from .reporting import structured
 
 __all__ = ["CGBackend"]
@@ -57,36 +60,38 @@ def graph_break_info(gm: torch.fx.GraphModule) -> Optional[dict[str, str]]:
 class CGBackend:
     """A cgbackend instance; pass it as ``torch.compile(model, backend=instance)``."""
 
-    def __init__(self, config: Optional[Config] = None, **options: Any) -> None:
+    def __init__(self, config: Optional[Config] = None, *, prepared: Optional[Prepared] = None,
+                 keep_analyses: bool = False, warn_nothing_captured: bool = True, **options: Any) -> None:
+        """``config`` or keyword ``options`` (not both). ``prepared``: what ``cgbackend.compile`` or
+        ``explain`` did to the model before Dynamo traced it (frontend/prepare.py). ``keep_analyses``:
+        keep every graph's analysis for :meth:`build_report` (explain). ``warn_nothing_captured``:
+        False leaves out the warning that the model ran with nothing captured (explain captures
+        nothing by design)."""
         if config is not None and options:
             raise TypeError("CGBackend takes either a Config or keyword options, not both")
         self.config = config if config is not None else Config.from_options(options)
+        self.prepared = prepared if prepared is not None else Prepared()
+        """What was done to the model before tracing: opaque modules, rewritten loops, expert
+        layout, layer stacks (frontend/prepare.py); read by the report."""
         counters = Counters()
         self.timer: Optional[RegionTimer] = RegionTimer() if self.config.profile else None
         """Per-region timing (option profile)."""
+        capture_watch = CaptureWatch(counters)
+        """Warns once when the model runs with nothing captured (runtime/capture_watch.py)."""
+        capture_watch.enabled = warn_nothing_captured
         # The mirror brings this instance's counters into torch._dynamo.utils.counters["cgbackend"]
-        # (read there); the capture watch warns once when the model runs with nothing captured.
+        # (read there). Each layer of a stack holds its own graphs of the shared code.
         self.shared = RuntimeShared(self.config, counters=counters, mirror=CounterMirror(counters),
-                                    watch=self.timer, capture_watch=CaptureWatch(counters))
+                                    watch=self.timer, capture_watch=capture_watch,
+                                    layer_copies=max((len(s.layers) for s in self.prepared.stacks), default=1))
+        if self.prepared.volatile_params is not None:
+            self.set_volatile_params(self.prepared.volatile_params)
         self._graphs: list[weakref.ReferenceType[CompiledGraph]] = []
         self._analyses: list[tuple[Analysis, Optional[dict[str, str]]]] = []
-        self._keep_analyses = False
+        self._keep_analyses = keep_analyses
         self._lock = threading.Lock()
         self._no_cuda_logged = False
-        self.opaque: Optional[InstallResult] = None
-        """What cgbackend.compile / explain made opaque in the model (opaque.py), for the report."""
-        self.loops: list = []
-        """Loops cgbackend.compile / explain rewrote in the model's source (passes/dispatch/source.py)."""
-        self.survey_target: Optional[Callable[[], Any]] = None
-        """A weak reference to the model compiled without static dispatch: its loops are surveyed
-        (what the loop rewrite would do, forwards.survey) when a report is built, for the hints."""
         self._loop_survey: Optional[list] = None
-        self.regional: list = []
-        """Stacks of identical layers cgbackend.compile compiles once each (regional.py)."""
-        self.fsdp_gathers: Optional[Any] = None
-        """FSDP2's gathered parameters pinned in a pool of their own (distributed.PinnedGathers)."""
-        self.relayouts: list = []
-        """Expert parameters cgbackend.compile laid out as one block (passes/dispatch/layout.py)."""
         self.trace_fallback: Optional[str] = None
         """Why cgbackend.compile stopped tracing data-dependent ops into the graph, if it did."""
         self.switch_per_call = False
@@ -98,6 +103,31 @@ class CGBackend:
         # Graphs go before the process group at exit: a CUDA graph holding NCCL resources would
         # make the communicator's destruction wait (cgbackend.distributed).
         self._release_at_exit = finalizer(self, self._graphs, self.config.simulate_graphs)
+
+    @property
+    def loops(self) -> list:
+        """Every dispatch loop the source rewrite looked at (moe/source_rewrite.py)."""
+        return self.prepared.loops
+
+    def use_fsdp_policy(self, policy: Any) -> None:
+        """Read FSDP2's parameters as ``policy`` says (integrations/fsdp_gathers.FSDPPolicy): kept
+        with this instance, whose graphs read the pinned gathers' memory."""
+        self.prepared.fsdp = policy
+        if policy.volatile is not None:
+            self.set_volatile_params(policy.volatile)
+
+    def set_volatile_params(self, predicate: Callable[[torch.Tensor], bool]) -> None:
+        """Parameters for which ``predicate`` holds are copied into static buffers before each
+        replay instead of being read at their address (FSDP2's, which move; runtime/params.py)."""
+        self.shared.params.volatile = predicate
+
+    def kept_analyses(self) -> list[tuple[Analysis, Optional[dict[str, str]]]]:
+        """The analyses kept so far (``keep_analyses=True``), with each graph's break, in order."""
+        return list(self._analyses)
+
+    def forget_analyses(self, keep: int = 0) -> None:
+        """Drop the kept analyses after the first ``keep``."""
+        del self._analyses[keep:]
 
     def note_trace_fallback(self, cause: BaseException) -> None:
         first = str(cause).strip().splitlines()
@@ -166,7 +196,7 @@ class CGBackend:
                 f"{'' if torch.cuda.is_available() else ' and this machine has no CUDA device'}: nothing "
                 "can be captured and strict forbids running it eagerly; run on CUDA tensors, or set "
                 "strict=False (or simulate_graphs=True to test the runtime on CPU)")
-        if compiled.blocked == "no_cuda" and not self._no_cuda_logged:
+        if compiled.blocked == EagerReason.NO_CUDA and not self._no_cuda_logged:
             self._no_cuda_logged = True
             log.info("cgbackend: nothing is captured: the model computes on %s and CUDA graphs need "
                      "CUDA tensors; the split graph runs eagerly", analysis.classification.compute_device)
@@ -229,30 +259,19 @@ class CGBackend:
 
     def _surveyed_loops(self) -> list:
         if self._loop_survey is None:
-            model = self.survey_target() if self.survey_target is not None else None
+            target = self.prepared.survey_target
+            model = target() if target is not None else None
             if model is None:
                 return []
-            from .passes.dispatch.forwards import survey
+            from .moe.loop_forwards import survey
             self._loop_survey = survey(model)
         return self._loop_survey
 
     def _annotate(self, report: Report) -> None:
-        """What happened before Dynamo's graphs: source-level loop rewrites and a trace fallback."""
-        kept: dict[str, int] = {}
-        for g in report.graphs:
-            for s in g.dispatch.get("skipped", ()):
-                if s.get("loop"):
-                    kept[s["loop"]] = kept.get(s["loop"], 0) + 1
-        report.loop_rewrites = [dict(r.to_dict(), kept_skips=kept.get(r.source, 0)) if r.form else r.to_dict()
-                                for r in self.loops]
-        if any(r.form for r in self.loops) and report.summary.get("dispatch_rewrites"):
-            report.summary["unrouted_expert_grads"] = "zero"
-            report.notes.append("experts that receive no token get a zero gradient where eager leaves .grad None: "
-                                "static dispatch runs the experts of a rewritten dispatch loop also on no rows "
-                                "(as grouped-GEMM MoE layers do); warned once at the first backward")
-        report.regional = [stack.to_dict() for stack in self.regional]
-        for r in self.relayouts:
-            report.notes.append(r.describe())
+        """What happened before Dynamo's graphs: the model's preparation (static dispatch's loop
+        rewrites and expert layout, layer stacks) and a trace fallback."""
+        annotate_report(report, self.prepared.loops, self.prepared.relayouts)
+        report.regional = [stack.to_dict() for stack in self.prepared.stacks]
         if self.trace_fallback is not None:
             report.notes.append(self.trace_fallback)
         missed = self.shared.counters.trace_scope_missed
@@ -263,7 +282,7 @@ class CGBackend:
                                 "the settings are switched around every call since")
 
     def _opaque_dict(self) -> dict[str, Any]:
-        return self.opaque.to_dict() if self.opaque is not None else {}
+        return self.prepared.opaque.to_dict() if self.prepared.opaque is not None else {}
 
     def build_report(self, extra_breaks: list[dict[str, str]], notes: list[str],
                      analyses: Optional[list] = None, calls: Optional[dict[int, int]] = None) -> Report:

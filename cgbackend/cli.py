@@ -85,7 +85,7 @@ def _option_value(key: str, raw: str, default: Any) -> Any:
 
 def _parse_options(items: Sequence[str]) -> dict[str, Any]:
     from .config import Config
-    from .suggest import did_you_mean
+    from .config.suggest import did_you_mean
     fields = {f: Config.__dataclass_fields__[f].default for f in Config.field_names()}
     options: dict[str, Any] = {}
     for item in items:
@@ -161,7 +161,7 @@ class _quiet_torch_logs:
 
 def _cmd_explain(args: argparse.Namespace) -> int:
     import torch
-    from .explain import ExplainError, explain
+    from .reporting.explain import ExplainError, explain
     if bool(args.target) == bool(args.demo):
         raise CLIError("give either MODULE:FACTORY or --demo moe|dense")
     _check_device(args.device)

@@ -15,9 +15,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cgbackend"
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 350
-SPLIT_UNDER_WAY = {"cgbackend/reporting/report.py": 625}
-"""Modules over the limit whose split into smaller ones is under way in the package-layout work:
-each may not grow past the lines it has. Remove an entry once its module fits."""
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -138,7 +135,7 @@ def test_modules_and_classes_fit_in_mind():
     for name, path in MODULES.items():
         text = path.read_text()
         lines = len(text.splitlines())
-        if lines > SPLIT_UNDER_WAY.get(str(path.relative_to(ROOT)), MAX_MODULE_LINES):
+        if lines > MAX_MODULE_LINES:
             big.append(f"{path.relative_to(ROOT)}: {lines} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
@@ -228,7 +225,7 @@ def test_the_back_pointer_finder_sees_self_passed_on():
 _IMPORT_EACH = """
 import importlib, sys, traceback
 import torch
-OPTIONAL = {"transformer_engine"}  # the te extra: cgbackend.te is imported only where it is installed
+OPTIONAL = {"transformer_engine"}  # the te extra: cgbackend.integrations.te is imported only where it is installed
 failed = []
 # Importing any module runs the package's __init__ first, in its fixed order: for a module that
 # __init__ loads itself, importing it alone is importing the package. Those are checked once, by
@@ -270,3 +267,83 @@ def test_every_module_imports_on_its_own():
                           timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
+
+
+# ----------------------------------------------------------------------------- the package by job
+
+MAX_TOP_MODULES = 10
+DISPATCH_PARSER = "cgbackend.config.options"
+"""The one module that reads the static_dispatch option's text (into a config.DispatchMode)."""
+DISPATCH_MODE_NAMES = {"off", "auto", "masked_dense", "grouped", "small_batch"}
+
+
+def test_at_most_ten_modules_at_the_top_of_the_package():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def _string_values(node: ast.AST) -> set[str]:
+    """The string constants ``node`` is, or holds (a tuple, list or set of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {v for e in node.elts for v in _string_values(e)}
+    return set()
+
+
+def _dispatch_text_compares(tree: ast.AST, in_moe: bool) -> list[str]:
+    """Comparisons of the static_dispatch option's text: ``x.static_dispatch == ...`` (or ``in``, ``!=``)
+    with anything, and a mode name compared with an expression that names the dispatch mode (any
+    module) or a ``mode`` (in moe/, where ``mode`` is the option's value)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        texts = [ast.unparse(o) for o in operands]
+        names = set().union(*(_string_values(o) for o in operands))
+        if any("static_dispatch" in t for t in texts):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif names & DISPATCH_MODE_NAMES and any(
+                "dispatch" in t.lower() or (in_moe and (t == "mode" or t.endswith(".mode"))) for t in texts):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_the_config_reads_the_static_dispatch_text():
+    """The option is parsed once (config/options.py) into a DispatchMode; every other module reads
+    that typed value, so none compares it with a string."""
+    wrong = []
+    for name, path in MODULES.items():
+        if name == DISPATCH_PARSER:
+            continue
+        for hit in _dispatch_text_compares(ast.parse(path.read_text()), name.startswith("cgbackend.moe")):
+            wrong.append(f"{path.relative_to(ROOT)}:{hit}")
+    assert wrong == []
+
+
+def test_the_dispatch_text_check_sees_a_string_comparison():
+    seen = _dispatch_text_compares(ast.parse(
+        'if config.static_dispatch != "off": pass\n'
+        'if dispatch_mode in ("grouped", "small_batch"): pass\n'
+        'if form == "grouped": pass\n'          # a form, not the option
+        'if config.inner == "auto": pass\n'), in_moe=False)
+    assert [s.split(":")[0] for s in seen] == ["1", "2"]
+    assert _dispatch_text_compares(ast.parse('if mode == "auto": pass\n'), in_moe=True)
+
+
+def test_importing_the_package_loads_neither_the_harness_nor_the_demo_models():
+    """``cgbackend.bench`` and ``cgbackend.models`` are imported by the command line, the tests and
+    the benchmarks, never by ``import cgbackend``."""
+    code = ("import cgbackend, sys; print(sorted(m for m in sys.modules if m.startswith("
+            "('cgbackend.bench', 'cgbackend.models'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
+
+
+def test_every_folder_of_the_package_is_a_regular_package():
+    """An __init__.py in every folder: setuptools' package discovery (pyproject.toml) skips a folder
+    without one, and the wheel would lack its modules."""
+    folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    assert sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()) == []

@@ -152,7 +152,7 @@ for _c in (
     Contender("cgbackend-static-dispatch", _cgbackend(static_dispatch="auto"), stock=False,
               backend_stats=_cgbackend_stats,
               description='cgbackend.compile(model, static_dispatch="auto") (MoE dispatch rewritten '
-                          'into a static form, passes/dispatch/)'),
+                          'into a static form, cgbackend/moe/)'),
     Contender("cgbackend-static-dispatch-eager-kernels", _cgbackend(static_dispatch="auto", inner="eager"),
               stock=False, backend_stats=_cgbackend_stats,
               description='cgbackend.compile(model, static_dispatch="auto", inner="eager")'),

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .. import progress
+from ..common import progress
 from .cases import Case, prepare_case
 from .contenders import CONTENDERS
 from .measure import cleanup, log, sanitize

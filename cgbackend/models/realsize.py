@@ -308,7 +308,7 @@ def grouped_view(loop: RealModel) -> RealModel:
     Parameter objects and values), the grouped layers' stacked weights views of those blocks, and
     every other parameter and buffer the loop model's own object. Contenders that only run
     inference can then share one copy of a model too large for three."""
-    from ..passes.dispatch.layout import consecutive, stack_expert_params
+    from ..moe.expert_layout import consecutive, stack_expert_params
     stack_expert_params(loop)
     with torch.device("meta"):
         model = RealModel(loop.cfg, moe_impl="grouped", return_routing=loop.return_routing)

@@ -35,7 +35,7 @@ import torch
 import torch.fx
 
 from ..config import Config
-from ..fx_utils import fake_value, plain_name, size_expr, source_location, storage_ids
+from ..common.fx_utils import fake_value, plain_name, size_expr, source_location, storage_ids
 from .effects import Effects
 from .padvalues import unsafe_padding_use
 from .partition import Partition, Region

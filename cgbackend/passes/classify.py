@@ -26,10 +26,10 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..config import Config
-from ..fx_utils import (arg_of, callee_name, class_name, compute_nodes, fake_value, iter_tensors,
+from ..common.fx_utils import (arg_of, callee_name, class_name, compute_nodes, fake_value, iter_tensors,
                         module_stack, op_key, op_name, storage_ids)
-from ..marks import marked_module_reason, marked_op_reason
-from ..reasons import Reason, Rule, reason_for
+from ..frontend.marks import marked_module_reason, marked_op_reason
+from ..common.reasons import Reason, Rule, reason_for
 from .effects import mutated_args
 from .op_tags import tagged_dynamic_output_shape
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 import torch.fx
 
-from ..reasons import Reason, Rule, reason_for
+from ..common.reasons import Reason, Rule, reason_for
 
 __all__ = ["rule_collective", "is_collective"]
 

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value, storage_ids
+from ..common.fx_utils import fake_value, storage_ids
 from .effects import Effects
 
 __all__ = ["CONVERSIONS", "Constants", "FACTORIES", "FOLDED_FUNCTIONS", "FOLDED_METHODS", "MAX_ELEMENTS",
@@ -120,7 +120,7 @@ class Constants:
         self._set = set(self.nodes)
 
     def to_dict(self) -> list[dict[str, Any]]:
-        from ..fx_utils import op_name, source_location
+        from ..common.fx_utils import op_name, source_location
         out = []
         for node in self.nodes:
             value = fake_value(node)

@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx
 
-from ..fx_utils import META_KEY, arg_of, callee_name, compute_nodes, fake_value, storage_ids
+from ..common.fx_utils import META_KEY, arg_of, callee_name, compute_nodes, fake_value, storage_ids
 
 __all__ = ["Effects", "analyze_effects", "mutated_args", "is_global_state_node", "is_random_node"]
 
@@ -103,7 +103,7 @@ def is_random_node(node: torch.fx.Node) -> bool:
 
 def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """Argument nodes whose data ``node`` writes in place (empty for pure nodes). A call that runs a
-    piece of graph (passes/dispatch/restore.py) names the arguments it writes in
+    piece of graph (moe/keep_skips.py) names the arguments it writes in
     ``meta["cgbackend"]["writes"]`` (positions)."""
     if node.op not in ("call_function", "call_method"):
         return []

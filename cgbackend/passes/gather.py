@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import callee_name, fake_value
+from ..common.fx_utils import callee_name, fake_value
 from .partition import Partition
 
 __all__ = ["GatherPlan", "plan_gathers", "rewrite_gathers"]

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch.fx
 
-from ..fx_utils import callee_name, class_name, module_stack
-from ..opaque import opaque_info
+from ..common.fx_utils import callee_name, class_name, module_stack
+from ..integrations.opaque import opaque_info
 from .effects import Effects
 from .partition import Partition, Region
 

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import arg_of, callee_name
+from ..common.fx_utils import arg_of, callee_name
 
 __all__ = ["LATE_TAGGED", "STATIC_WHEN", "tagged_dynamic_output_shape"]
 

@@ -23,7 +23,7 @@ from typing import Iterable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value, plain_name
+from ..common.fx_utils import fake_value, plain_name
 
 __all__ = ["unsafe_padding_use"]
 

@@ -34,10 +34,10 @@ import torch
 import torch.fx
 
 from ..config import Config
-from ..fx_utils import callee_name, compute_nodes, fake_value
-from ..reasons import Reason, Rule, reason_for
+from ..common.fx_utils import callee_name, compute_nodes, fake_value
+from ..common.reasons import Reason, Rule, reason_for
 from .classify import Classification
-from .cost import estimate_kernels
+from .launch_estimate import estimate_kernels
 from .effects import Effects
 
 __all__ = ["Region", "Partition", "levels", "partition", "set_boundaries"]

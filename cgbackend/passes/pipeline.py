@@ -13,10 +13,10 @@ from . import (Classification, Effects, Labels, Partition, Schedule, Shapes, ana
                partition, schedule, shapes)
 from .bucket import Buckets, buckets
 from .constants import Constants, find_constants
-from .dispatch import DispatchResult, rewrite_static_dispatch
+from ..moe.graph_rewrite import DispatchResult, rewrite_static_dispatch
 from .gather import GatherPlan, plan_gathers
 from .region_facts import GraphFacts, graph_facts
-from ..reasons import Reason
+from ..common.reasons import Reason
 
 __all__ = ["Analysis", "analyze"]
 

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 import torch.fx
 
-from ..opaque import opaque_info
+from ..integrations.opaque import opaque_info
 from .bucket import written_positions
 from .effects import Effects
 from .partition import Partition, Region

@@ -8,7 +8,7 @@ or raises :class:`NotRowwise` naming the first op that mixes rows.
 "Row-independent along dimension d" means: row i of every output depends only on
 row i of the row inputs (and on tensors that do not depend on the rows at all,
 such as parameters). It is what makes two rewrites safe: computing a per-row
-function on *all* rows and masking (the static MoE dispatch, passes/dispatch/),
+function on *all* rows and masking (the static MoE dispatch, moe/),
 and padding rows up to a bucket and slicing the result.
 
 The rules are a whitelist. An op not listed, or listed but applied across the row
@@ -26,7 +26,7 @@ import sympy
 import torch
 import torch.fx
 
-from ..fx_utils import arg_of, fake_value, op_name, plain_name, size_expr, sizes_equal
+from ..common.fx_utils import arg_of, fake_value, op_name, plain_name, size_expr, sizes_equal
 from .effects import is_random_node
 
 __all__ = ["NotRowwise", "propagate_rows", "rows_divide", "whole_blocks", "ROWS_IN_TUPLE", "ROW_BLOCK"]
@@ -34,13 +34,13 @@ __all__ = ["NotRowwise", "propagate_rows", "rows_divide", "whole_blocks", "ROWS_
 ROWS_IN_TUPLE = "tuple"
 
 ROW_BLOCK = "cgbackend_row_block"
-"""``node.meta`` key of the nodes the static MoE dispatch inserts (passes/dispatch/):
+"""``node.meta`` key of the nodes the static MoE dispatch inserts (moe/):
 ``(key, is_result)``. The grouped and small-batch forms sort a layer's (token, slot) pairs by
 expert; the masked-dense form has each expert compute, for a token it does not receive, on the
 first row it does receive (an argmax over rows), and masks that product out. No op-by-op rule can
 show either to keep rows apart, but both are built so that row t of each result is a function of
 row t of their inputs alone (the accumulator, the gathered rows, the routing ids and weights; the
-expert body is proven row-wise before a form is built, dispatch/match.py), for any number of rows.
+expert body is proven row-wise before a form is built, moe/match.py), for any number of rows.
 :func:`propagate_rows` takes such a block whole: each result keeps the rows of the inputs it is
 computed from, which must all hold them along their one dimension of the result's row count, and
 no node outside the block may read a node inside it but its results (else the block is not taken

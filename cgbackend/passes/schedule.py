@@ -28,8 +28,8 @@ import heapq
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value, iter_tensors
-from ..reasons import Rule
+from ..common.fx_utils import fake_value, iter_tensors
+from ..common.reasons import Rule
 from .classify import Classification
 from .effects import Effects
 from .partition import Partition

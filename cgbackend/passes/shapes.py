@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_symbols, free_unbacked_symbols
 
-from ..fx_utils import fake_value, value_spec
+from ..common.fx_utils import fake_value, value_spec
 from .partition import Partition
 
 __all__ = ["RegionShapes", "Shapes", "shapes"]

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch.fx
 
-from .cost import estimate_kernels
+from .launch_estimate import estimate_kernels
 from .effects import Effects
 from .partition import Region, levels, set_boundaries
 from .region_facts import RegionFacts, facts_of

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
-from ..fx_utils import user_function
+from ..common.fx_utils import user_function
 
 __all__ = ["break_text", "frame_skipped", "skipped_frame_source", "source_of_stack"]
 

@@ -15,7 +15,7 @@ outside any graph). Launch coverage counts what runs:
   fails (a note says why), one launch per op ("one per op").
 * **runtime** (``cgbackend.report(compiled)``): from the counters, each region's calls (graph
   replays of static regions versus eager calls of any region) weighted by its estimated kernels
-  per call (passes/cost.py), over the calls after warm-up: the eager warm-up calls before capture
+  per call (passes/launch_estimate.py), over the calls after warm-up: the eager warm-up calls before capture
   are left out (the capture call counts with the replays: its graph is replayed right after
   capture). Code outside the compiled graphs is not seen at runtime; when Dynamo broke a graph the
   figure is marked an upper bound.
@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .launch_profile import OP_RANGE, REGION_RANGE, Attribution, LaunchProfiler, op_range
-from ..runtime.stats import EagerReason
+from ..common.reasons import EagerReason
 
 __all__ = ["LaunchCounter", "Launches", "Tally", "counting_supported", "launches_op", "measure_launches",
            "runtime_launches", "launch_text"]

@@ -13,7 +13,7 @@ static_dispatch="auto")``), both ready to paste (:func:`option_cli`, :func:`opti
   the report measured them) by the rewritten graph's static kernel fraction.
 * ``data_dependent_loop``: a graph break at a ``for`` loop over a tensor whose length is data
   dependent (``for e in mask.nonzero():``): Dynamo cannot unroll it and runs the rest of the frame
-  uncompiled. Where static dispatch's loop rewrite (passes/dispatch/source.py) proves the loop
+  uncompiled. Where static dispatch's loop rewrite (moe/source_rewrite.py) proves the loop
   equal to its fixed-length form, the hint names ``static_dispatch="auto"``; else a loop over
   ``range(E)`` has a fixed length (and the hint says why the rewrite declined).
 * ``inner_compiler``: static regions run eager's kernels (``inner="eager"`` in effect);
@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 import torch.fx
 
-from ..config import Config
-from ..fx_utils import copy_module, source_frame, source_location, user_function
+from ..config import Config, DispatchMode
+from ..common.fx_utils import copy_module, source_frame, source_location, user_function
 
 __all__ = ["MEMORY_HINT_BYTES", "build_hints", "hint_option", "hints_text", "option_cli", "option_python",
            "source_text"]
@@ -103,7 +103,7 @@ def _frame_of(analyses: list, where: str) -> Optional[dict[str, Any]]:
 
 
 def _static_fraction(analysis: Any) -> float:
-    from ..passes.cost import estimate_kernels
+    from ..passes.launch_estimate import estimate_kernels
     static = total = 0
     for region in analysis.partition.regions:
         k = sum(estimate_kernels(n) for n in region.nodes)
@@ -114,10 +114,10 @@ def _static_fraction(analysis: Any) -> float:
 
 
 def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Optional[dict[str, Any]]:
-    if config.static_dispatch != "off" or not analyses:
+    if config.static_dispatch.enabled or not analyses:
         return None
     from ..passes.pipeline import analyze
-    auto = config.replace(static_dispatch="auto")
+    auto = config.replace(static_dispatch=DispatchMode.AUTO)
     rewrites = regions_before = regions_after = 0
     fractions = []
     where = ""
@@ -178,7 +178,7 @@ def _break_site(gm: torch.fx.GraphModule) -> Optional[tuple[str, str, str, dict[
 
 
 def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]]:
-    """``loops``: forwards.survey's records (what static dispatch's loop rewrite would do)."""
+    """``loops``: loop_forwards.survey's records (what static dispatch's loop rewrite would do)."""
     by_source = {r.source: r for r in loops}
     hints, seen = [], set()
     launches = report.summary.get("launches") or {}
@@ -262,7 +262,7 @@ def _memory_hint(report: Any, config: Config) -> Optional[dict[str, Any]]:
 
 def build_hints(report: Any, analyses: list, config: Config, loops: Optional[list] = None) -> list[dict[str, Any]]:
     """Hints for a report built from ``analyses`` (in graph order) under ``config``; ``loops``:
-    what static dispatch's loop rewrite would do to the model's loops (forwards.survey)."""
+    what static dispatch's loop rewrite would do to the model's loops (loop_forwards.survey)."""
     hints = []
     dispatch = _static_dispatch_hint(report, analyses, config)
     if dispatch is not None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..fx_utils import fake_value, iter_tensors
+from ..common.fx_utils import fake_value, iter_tensors
 
 __all__ = ["GraphMemory", "analysis_memory", "memory_text", "region_memory"]
 

@@ -19,7 +19,7 @@ import re
 import sysconfig
 from typing import Any, Iterator, Optional
 
-from ..fx_utils import user_function
+from ..common.fx_utils import user_function
 from .breaks import break_text
 
 __all__ = ["quiet_meta_failures", "tracing_failure", "user_frame"]

@@ -48,7 +48,7 @@ from .replay import Replayer
 from .shared import RuntimeShared
 from .spec import RegionCode, RegionCounts, RegionSpec
 from .static_grads import give_grads, reclaim_grads
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 from .tangents import release_incoming
 
 __all__ = ["Backward", "RegionFunction"]

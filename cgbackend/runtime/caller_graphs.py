@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph
 from .entries import Entry, reserved
 from .held import HeldStorages, use_counts_supported

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .pool import PoolState
 
 if TYPE_CHECKING:
-    from ..opaque import RegionHooks
+    from ..integrations.opaque import RegionHooks
 
 __all__ = ["CaptureError", "Capturer", "SimulatedGraph", "first_line", "non_overlapping",
            "clear_blas_workspaces"]

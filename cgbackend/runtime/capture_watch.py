@@ -19,8 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..notices import NothingCapturedWarning
-from .stats import EagerReason
+from ..common.notices import NothingCapturedWarning
+from ..common.reasons import EagerReason
 
 __all__ = ["CaptureWatch", "settle_call"]
 

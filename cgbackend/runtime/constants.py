@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value
+from ..common.fx_utils import fake_value
 
 __all__ = ["make_constant", "make_constants"]
 

@@ -36,7 +36,7 @@ from .runners import RunnerBuilder
 from .shared import RuntimeShared
 from .split import Step, build_region_module
 from .static_grads import reclaim_all
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 from .syncsplit import count_split, split_step
 from .warmup import SyncHit
 

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .capture import SimulatedGraph
 from .entries import Entry, Pad, TrainEntry, freeze
 from .params import ParamAddresses

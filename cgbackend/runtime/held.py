@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 
 __all__ = ["HeldStorages", "use_counts_supported"]
 

@@ -28,9 +28,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from .. import progress
+from ..common import progress
 from ..config import Config
-from ..fx_utils import copy_module, fake_value
+from ..common.fx_utils import copy_module, fake_value
 from .capture import first_line
 from .layouts import AdaptedCall, InputLayouts
 
@@ -112,7 +112,7 @@ def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModu
     becomes a new input, computed (a view, no kernel) by the caller. Returns the module to compile
     (a copy when anything was hoisted) and, per new input, (function, its arguments: an input's
     index, or a constant as ``(value,)``)."""
-    from ..passes.dispatch.layout import block_view, stacked_view
+    from ..moe.expert_layout import block_view, stacked_view
 
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}

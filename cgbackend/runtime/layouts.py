@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx
 
-from ..fx_utils import copy_module, fake_value
+from ..common.fx_utils import copy_module, fake_value
 
 __all__ = ["Layout", "InputLayouts", "AdaptedCall", "input_buffer", "compact_view", "copy_into",
            "describe_inputs"]

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .capture import SimulatedGraph
 
 __all__ = ["StorageWeakRef", "loose_alias", "loose_aliases", "loose_supported", "releases_outputs", "release_outputs"]

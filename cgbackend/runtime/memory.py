@@ -29,7 +29,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .entries import Entry
 
 __all__ = ["KINDS", "entry_memory", "add_up", "memory_of", "released_kinds"]

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value
+from ..common.fx_utils import fake_value
 from ..passes.effects import mutated_args
 from .capture import non_overlapping
 from .tangents import relay_copies

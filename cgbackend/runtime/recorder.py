@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..fx_utils import iter_tensors
+from ..common.fx_utils import iter_tensors
 from .capture import CaptureError, SimulatedGraph, first_line, non_overlapping
 from .entries import Entry, Pad, TrainEntry, reserved
 from .graph_cache import padded_source
@@ -27,7 +27,7 @@ from .params import ParamPolicy
 from .saved import SavedTensors
 from .shared import RuntimeShared
 from .spec import EAGER, FROM_GRAPH, PARAM, VALUE, RegionCode, RegionCounts, RegionSpec, RegionState
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 
 __all__ = ["NoEntry", "Recorder"]
 

@@ -33,7 +33,7 @@ from .replay import Replayer
 from .shared import RuntimeShared
 from .sharing import LayerSharing
 from .spec import VALUE, RegionCode, RegionCounts, RegionSpec, RegionState
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 from .tangents import relay_outputs
 from .warmup import SyncHit, sync_location, warmup_call
 

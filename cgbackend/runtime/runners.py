@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..fx_utils import fake_value
-from ..opaque import opaque_info, region_hooks
+from ..common.fx_utils import fake_value
+from ..integrations.opaque import opaque_info, region_hooks
 from ..passes.partition import Region
 from ..passes.region_facts import RegionFacts
 from .inner import InnerFallback, LazyInner
@@ -25,7 +25,7 @@ from .region import RegionRunner
 from .shared import RuntimeShared
 from .sharing import LayerSharing
 from .spec import COPY, EAGER, FROM_GRAPH, PARAM, VALUE, RegionCode, RegionSpec, Source
-from .stats import EagerReason
+from ..common.reasons import EagerReason
 from .warmup import SyncHit
 
 __all__ = ["RunnerBuilder"]

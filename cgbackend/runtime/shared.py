@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import Config
-from ..fx_utils import iter_tensors
-from ..progress import CaptureProgress
+from ..common.fx_utils import iter_tensors
+from ..common.progress import CaptureProgress
 from .capture import Capturer
 from .capture_watch import CaptureWatch
 from .mirror import CounterMirror

@@ -38,9 +38,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..opaque import RegionHooks
+from ..integrations.opaque import RegionHooks
 from ..passes.bucket import BucketPlan
-from ..progress import CaptureProgress
+from ..common.progress import CaptureProgress
 from .inner import LazyInner
 from .inputs import overlap_candidates
 from .layouts import AdaptedCall, InputLayouts

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch.fx
 
-from ..fx_utils import op_name, source_location
+from ..common.fx_utils import op_name, source_location
 from ..passes.partition import Region
 from ..passes.pipeline import Analysis
 from ..passes.sync_split import SplitPart, split_at_sync

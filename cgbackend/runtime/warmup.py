@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..fx_utils import op_name, source_location
+from ..common.fx_utils import op_name, source_location
 from .inner import InnerFallback, LazyInner
 
 __all__ = ["SyncDetector", "SyncLog", "SyncHit", "CudaSyncDetector", "OpSyncDetector",

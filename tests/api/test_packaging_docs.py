@@ -22,7 +22,7 @@ import pytest
 
 import cgbackend
 from cgbackend import Config
-from cgbackend.config_docs import field_docs, options_table
+from cgbackend.config.docs import field_docs, options_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,6 +61,8 @@ def test_wheel_metadata_has_license_urls_classifiers(wheel_metadata):
     assert wheel_metadata["Requires-Python"] == ">=3.10"
     # The schema ships with the package; the entry points are there.
     assert "cgbackend/reporting/report.schema.json" in wheel_metadata.files
+    assert "cgbackend/moe/costs.json" in wheel_metadata.files  # the static-dispatch cost model's rates
+    assert "cgbackend/integrations/opaque.py" in wheel_metadata.files
     assert "cgbackend = cgbackend.by_name:dynamo_entry" in wheel_metadata.entry_points
     assert "cgbackend = cgbackend.cli:main" in wheel_metadata.entry_points
     # The long description's relative links point into the repository.
@@ -87,7 +89,7 @@ def test_license_file():
 def test_help_of_config_shows_every_option_and_its_doc():
     text = pydoc.render_doc(Config, renderer=pydoc.plaintext)
     docs = field_docs(Config)
-    assert set(docs) == set(Config.field_names())  # every option has a docstring in config.py
+    assert set(docs) == set(Config.field_names())  # every option has a docstring in config/options.py
     for name in Config.field_names():
         assert re.search(rf"\b{name}: ", text), name
         first_words = " ".join(docs[name].split()[:6])
@@ -97,7 +99,7 @@ def test_help_of_config_shows_every_option_and_its_doc():
 def test_readme_options_table_is_generated_from_the_docstrings():
     readme = (ROOT / "README.md").read_text()
     table = options_table(Config)
-    assert table in readme, ("README's options table differs from cgbackend.config_docs.options_table("
+    assert table in readme, ("README's options table differs from cgbackend.config.docs.options_table("
                              "Config); paste its output into README.md")
     for f in dataclasses.fields(Config):
         assert f"| `{f.name}` |" in readme
@@ -112,7 +114,7 @@ def test_help_of_report_shows_the_schema_pointer():
     module = importlib.import_module("cgbackend.reporting.report")
     assert "report.schema.json" in module.__doc__
     assert module.SCHEMA == "cgbackend.report/1"
-    assert "training" in cgbackend.explain.__doc__ and "import cgbackend.explain" in cgbackend.explain.__doc__
+    assert "training" in cgbackend.explain.__doc__ and "cgbackend.reporting.explain" in cgbackend.explain.__doc__
 
 
 # ----------------------------------------------------------------------------- README and results tables

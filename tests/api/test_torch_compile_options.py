@@ -222,7 +222,7 @@ def test_compile_without_callbacks_is_counted_and_switches_per_call(monkeypatch)
     cgbackend call that started without them is traced as plain torch.compile traces (a graph break
     at the nonzero), counted, warned about, and that instance switches the settings around each
     call from then on (the next compile, for a new shape, traces the nonzero into the graph)."""
-    from cgbackend.tracing import CompileScope as _CompileScope
+    from cgbackend.frontend.tracing import CompileScope as _CompileScope
     torch._dynamo.reset()  # clears Dynamo's callbacks; cgbackend registers them again
     monkeypatch.setattr(_CompileScope, "_started", classmethod(lambda cls, args: None))
     monkeypatch.setattr(_CompileScope, "_hooks", None, raising=False)
@@ -257,7 +257,7 @@ def test_compile_without_callbacks_is_counted_and_switches_per_call(monkeypatch)
 
 
 def test_settings_switched_per_call_where_torch_has_no_compile_callbacks(monkeypatch):
-    from cgbackend.tracing import CompileScope as _CompileScope
+    from cgbackend.frontend.tracing import CompileScope as _CompileScope
     monkeypatch.setattr(_CompileScope, "_hooks", (), raising=False)
     seen: list = []
     f = _nonzero_then_eager(seen)

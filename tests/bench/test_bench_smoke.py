@@ -459,7 +459,7 @@ def test_contenders_timed_in_alternating_blocks(tmp_path, monkeypatch, timing, d
         assert row["timed_iters"] == 12 * (groups if name == "eager" else 1)
         if not (cuda and name == "cgbackend"):
             # On the GPU, Inductor's bf16 rounding flips a token's top-k in some batch of this 32-token
-            # model, which moves an expert's gradient far past the rule (test_moe_routing_flips.py).
+            # model, which moves an expert's gradient far past the rule (tests/moe/test_routing_flips.py).
             assert row["accuracy_ok"] is True
     assert rows["eager"]["dynamo_graphs"] == 0 and rows["eager"]["recompiles"] == 0
     assert rows["cgbackend"]["dynamo_graphs"] == 1 and rows["cgbackend"]["recompiles"] == 0

@@ -22,7 +22,7 @@ te = pytest.importorskip("transformer_engine.pytorch")
 from transformer_engine.common import recipe as te_recipe  # noqa: E402
 
 import cgbackend  # noqa: E402
-from cgbackend import opaque  # noqa: E402
+from cgbackend.integrations import opaque  # noqa: E402
 
 FP8_OK = te.is_fp8_available() if hasattr(te, "is_fp8_available") else True
 _autocast = getattr(te, "autocast", None) or te.fp8_autocast

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import cgbackend
 from cgbackend.passes.collectives import is_collective, rule_collective
-from cgbackend.reasons import Rule
+from cgbackend.common.reasons import Rule
 from cgbackend.runtime.capture import SimulatedGraph
 
 
@@ -96,7 +96,7 @@ def test_volatile_parameters_keep_one_graph_pair_while_their_storage_moves():
     ref = copy.deepcopy(model)
     compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1)
     params = list(model.parameters())
-    cgbackend.find_backend(compiled).shared.params.volatile = lambda t: any(t is p for p in params)
+    cgbackend.find_backend(compiled).set_volatile_params(lambda t: any(t is p for p in params))
     keep: list = []
     gen = torch.Generator().manual_seed(4)
     graphs = []

@@ -1,9 +1,9 @@
-"""Opaque module calls (cgbackend/opaque.py) on CPU, with a stand-in for Transformer Engine.
+"""Opaque module calls (cgbackend/integrations/opaque.py) on CPU, with a stand-in for Transformer Engine.
 
 ``ToyTE`` behaves like a TE module as Dynamo sees it: its forward is ``torch.compiler.disable``d
 (a graph break under plain torch.compile), it runs its own autograd.Function, and it updates hidden
 state in place (a running amax, like TE's FP8 amax history) that is no input of any graph. The
-``ToyFamily`` registers it the way cgbackend/te.py registers TE's modules, with hooks that record
+``ToyFamily`` registers it the way cgbackend/integrations/te.py registers TE's modules, with hooks that record
 what the runner asks of them. The real thing is in test_cuda_te.py."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import cgbackend
-from cgbackend import opaque
+from cgbackend.integrations import opaque
 
 SIM = dict(simulate_graphs=True, warmup=1)
 MODE = {"scale": 1.0}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from cgbackend import Config, ConfigError, Rule
 from cgbackend.passes.pipeline import analyze
-from cgbackend.fx_utils import compute_nodes, module_path, op_name
+from cgbackend.common.fx_utils import compute_nodes, module_path, op_name
 from cgbackend.passes import classify
 from fx_helpers import trace
 

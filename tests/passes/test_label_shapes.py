@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from cgbackend import Config
 from cgbackend.passes.pipeline import analyze
-from cgbackend.fx_utils import callee_name, compute_nodes, module_path, op_name
+from cgbackend.common.fx_utils import callee_name, compute_nodes, module_path, op_name
 from cgbackend.models import build_model, make_inputs
 from fx_helpers import trace
 

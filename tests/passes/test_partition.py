@@ -10,7 +10,7 @@ import torch
 import cgbackend
 from cgbackend import Config, Rule
 from cgbackend.passes.pipeline import analyze
-from cgbackend.fx_utils import compute_nodes, op_name
+from cgbackend.common.fx_utils import compute_nodes, op_name
 from cgbackend.models import build_model, make_inputs
 from fx_helpers import trace
 

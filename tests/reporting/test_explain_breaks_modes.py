@@ -59,7 +59,7 @@ def test_counts_agree_with_torch_dynamo_explain(trace_dynamic_ops):
     x = torch.randn(5)
     ours = cgbackend.explain(TwoItems(), x, trace_dynamic_ops=trace_dynamic_ops)
     # The same Dynamo settings for both (a branch on a host value breaks the graph either way).
-    from cgbackend.tracing import dynamic_ops_config
+    from cgbackend.frontend.tracing import dynamic_ops_config
     import contextlib
     with dynamic_ops_config() if trace_dynamic_ops else contextlib.nullcontext():
         theirs = torch._dynamo.explain(TwoItems())(x)

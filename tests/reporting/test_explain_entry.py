@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import cgbackend
-from cgbackend.explain import ExplainError
+from cgbackend.reporting.explain import ExplainError
 from cgbackend.models import demo_model
 from cgbackend.reporting.schema import validate_report
 
@@ -42,7 +42,7 @@ def test_by_name_report_of_the_moe_demo_shows_its_graph_breaks():
 def test_cli_by_name_and_compare_reach_explain(monkeypatch, capsys):
     import sys
     from cgbackend.cli import main
-    explain_module = sys.modules["cgbackend.explain"]  # the package's explain is the function
+    explain_module = sys.modules["cgbackend.reporting.explain"]  # the package's explain is the function
     seen = []
     real = explain_module.explain
 
@@ -144,7 +144,7 @@ class TwoSyncs(nn.Module):
 
 
 def test_each_rule_is_explained_where_it_first_appears():
-    from cgbackend.reasons import Rule
+    from cgbackend.common.reasons import Rule
     text = cgbackend.explain(TwoSyncs(), torch.randn(4), count_launches=False).to_text()
     lines = text.splitlines()
     for rule in ("small_region", "host_sync", "depends_on_data_dependent_shape"):

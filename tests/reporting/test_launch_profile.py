@@ -20,7 +20,7 @@ from cgbackend.reporting.schema import validate_report
 
 needs_counting = pytest.mark.skipif(not counting_supported(),
                                     reason="torch without TorchDispatchMode.ignore_compile_internals")
-_explain_module = sys.modules["cgbackend.explain"]
+_explain_module = sys.modules["cgbackend.reporting.explain"]
 
 
 # ----------------------------------------------------------------------------- attribution, fake events

@@ -18,7 +18,7 @@ from cgbackend.runtime.capture import CaptureError, Capturer
 SIM = dict(simulate_graphs=True, warmup=1, static_dispatch="off")
 """Simulated graphs, and the reference models' dispatch as written: these tests follow the runtime
 through static regions with dynamic ones between them, bitwise against eager (static dispatch's own
-runtime tests: tests/passes/test_static_dispatch.py)."""
+runtime tests: tests/moe/test_static_dispatch.py)."""
 
 
 def _loss(name, out, x):
