@@ -81,6 +81,7 @@ from .entry import entry_text
 from .hints import hints_text
 from .memory_estimate import analysis_memory, memory_text
 from ..opaque import opaque_info
+from ..passes.collectives import collectives_by_op
 from ..passes.cost import estimate_kernels
 from ..runtime.memory import released_kinds
 from ..runtime.timing import timing_text
@@ -114,6 +115,9 @@ class RegionReport:
     """Static regions with backed symbols: per symbol ``{"bucketable", "padded", "why", "op",
     "source", "code"}`` (passes/bucket.py). A padded symbol's graphs are keyed on its capture size,
     the others on their exact values."""
+    collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Static regions: the collectives its graphs issue (passes/collectives.py), ``{"op", "count",
+    "source"}`` per op (source: its first call's line)."""
     opaque: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Opaque module calls in this region (opaque.py: Transformer Engine modules): ``{"module",
     "kind", "node", "graphed", "why"}``; ``why`` says why a call in a dynamic region runs eagerly."""
@@ -275,6 +279,7 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
             nodes=nodes,
             hoisted_syncs=analysis.schedule.moved.get(region.index, 0),
             buckets=_buckets_of(analysis, region.index),
+            collectives=collectives_by_op(region.nodes) if region.is_static else [],
             opaque=opaque,
             memory=_memory_of(analysis, region) if region.is_static else [],
         ))
@@ -593,6 +598,10 @@ def render_text(report: Report) -> str:
             if r.buckets:
                 lines.extend(_buckets_text(r.buckets))
             lines.extend(memory_text(r.memory, g.training))
+            if r.collectives:
+                ops = ", ".join(f"{c['op']}" + (f" x{c['count']}" if c["count"] > 1 else "") for c in r.collectives)
+                lines.append(f"{'':<10}collectives captured in this region's graphs (sizes fixed by shapes; "
+                             f"every rank issues them at the same point): {ops}")
             for call in r.opaque:
                 how = "inside this region's CUDA graphs" if call["graphed"] else f"eager: {call['why']}"
                 lines.append(f"{'':<10}opaque call {call['module']} ({call['kind']}): {how}")

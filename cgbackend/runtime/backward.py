@@ -128,7 +128,7 @@ class Backward:
             with handover if handover is not None else contextlib.nullcontext():
                 graph, static_grad_ins = shared.capturer.capture(
                     run, entry.pool, hooks=runner.hooks,
-                    reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
+                    reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)], once=runner.collectives)
         except CaptureError as exc:
             if consume:  # the attempt may have used the autograd graph up
                 self.release_saved(entry, loosening)

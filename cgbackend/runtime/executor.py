@@ -31,6 +31,7 @@ from .backward import QUEUE_CALLBACK
 from .entries import COPY, EAGER, HANDOFF, PARAM, VALUE, RuntimeShared, is_static_address
 from .region import RegionRunner
 from ..passes.bucket import mutated_input_positions, written_positions
+from ..passes.collectives import is_collective
 from ..passes.effects import Effects
 from ..passes.gather import rewrite_gathers
 from .outputs import INPUT, OutputBuilder, output_aliases
@@ -140,7 +141,10 @@ def _runs_twice_alike(effects: Effects, nodes: list, inputs: list) -> bool:
     """Running ``nodes`` (a graph, or a region of it, reading ``inputs``) a second time on the same
     inputs gives the same outputs and leaves the same state: they write none of their inputs, draw
     no random number, touch no global state and call no opaque module (whose own state they cannot
-    see)."""
+    see), and issue no collective (each run issues it again: once more on this rank than on the
+    others, which then wait for a partner that never comes)."""
+    if any(n.op == "call_function" and is_collective(n.target) for n in nodes):
+        return False
     members = set(nodes)
     if any(n in members for n in effects.random_nodes) or any(n in members for n in effects.barriers):
         return False
@@ -313,6 +317,7 @@ class CompiledGraph:
                               bucket=bucket, device=_region_device(region), hooks=hooks, sharing=self.sharing)
         runner.lazy_inner = lazy
         runner.recomputable = recomputable
+        runner.collectives = any(n.op == "call_function" and is_collective(n.target) for n in region.nodes)
         runner.caller_only = frozenset(i for i, node in enumerate(region.outputs)
                                        if node.users and all(u.op == "output" for u in node.users))
         runner.on_sync = self._request_split

@@ -177,7 +177,8 @@ class Recorder:
         start = time.perf_counter()
         try:
             graph, outputs = shared.capturer.capture(
-                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=runner.hooks)
+                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=runner.hooks,
+                once=runner.collectives)
         except CaptureError as exc:
             error = self._with_inputs(str(exc), static_ins)
         if error is not None:
@@ -369,7 +370,8 @@ class Recorder:
         start = time.perf_counter()
         try:
             graph, outputs = shared.capturer.capture(
-                lambda: fn(*static_ins), pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)])
+                lambda: fn(*static_ins), pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)],
+                once=runner.collectives)
         except CaptureError as exc:
             self.handout_failed = str(exc)
             shared.counters.handout_failures.append({"region": runner.name, "error": str(exc)})

@@ -103,6 +103,10 @@ class RegionRunner:
         """Running the region's code again on the same inputs gives the same outputs and changes
         nothing else (set by the executor): its training entries may free their saved activations
         and recompute them in a backward that cannot replay (backward.py)."""
+        self.collectives = False
+        """The region holds collectives (passes/collectives.py; set by the executor): every call
+        must issue them exactly once, on every path, so its simulated captures stand for their
+        first replay as CUDA captures do (capture.py)."""
 
     # ------------------------------------------------------------------ what others read
 
