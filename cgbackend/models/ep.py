@@ -115,9 +115,15 @@ class EPMoE(nn.Module):
         return out
 
     @torch._dynamo.disable
-    def _overflowed(self, rows: int, capacity: int, worst: int) -> None:
-        """Counted on the host, outside Dynamo's tracing: no guard on the counts, no recompile."""
-        self.overflows(rows, capacity, worst)
+    def _overflowed(self, overflow: torch.Tensor, group: Any, capacity: int, worst: int) -> bool:
+        """Did some rank's routing overflow the capacity? The largest overflow over the ranks, read
+        on the host (the same answer on every rank); counted, and raised under ``overflow="raise"``.
+        Run outside Dynamo's graphs: a graph break before and after (the rest of the layer is
+        compiled once per answer), nothing guarded on the counts."""
+        rows = int(overflow_on_any_rank(overflow, group).item())
+        if rows:
+            self.overflows(rows, capacity, worst)
+        return rows > 0
 
     def _capacity_exchange(self, h: torch.Tensor, weights: torch.Tensor, selected: torch.Tensor,
                            group: Any) -> torch.Tensor:
@@ -128,11 +134,8 @@ class EPMoE(nn.Module):
         worst = tokens * top_k
         capacity = capacity_for(tokens, top_k, ws, self.capacity_factor)
         plan = plan_send(selected, self.n_experts, ws, capacity)
-        if capacity < worst:
-            over = int(overflow_on_any_rank(plan.overflow, group).item())  # the same on every rank
-            if over:
-                self._overflowed(over, capacity, worst)  # raises under overflow="raise"
-                plan = plan_send(selected, self.n_experts, ws, worst)
+        if capacity < worst and self._overflowed(plan.overflow, group, capacity, worst):
+            plan = plan_send(selected, self.n_experts, ws, worst)  # this call at the worst case
         recv_counts = exchange(plan.counts, group, differentiable=False)
         received = exchange(dispatch_rows(h, plan, top_k), group)
         ids = local_expert_ids(recv_counts, ws, n_local, plan.capacity)
