@@ -249,26 +249,26 @@ def rank_checks(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def spawn_checks(world: int = 2, timeout_s: float = 300.0) -> tuple[list, list, float]:
     """Run :func:`rank_checks` on ``world`` spawned gloo ranks: (per rank ``{"results", "finished"}``
-    or None, exit codes (None: killed at the timeout), seconds from the last rank's
-    destroy_process_group to the processes' exit)."""
+    or None, exit codes, seconds from the last rank's destroy_process_group to the processes'
+    exit). A rank that fails raises here with its traceback; ranks still running after
+    ``timeout_s`` (a hang) are killed and raise TimeoutError."""
     import torch.multiprocessing as mp
     from cgbackend.bench.dist_check import free_port
     with tempfile.TemporaryDirectory(prefix="cgbackend-ep-") as out_dir:
         ctx = mp.start_processes(rank_checks, args=(world, free_port(), out_dir), nprocs=world, join=False,
                                  start_method="spawn")
         deadline = time.time() + timeout_s
-        while time.time() < deadline and any(p.is_alive() for p in ctx.processes):
-            time.sleep(0.2)
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.time() > deadline:
+                    raise TimeoutError(f"the ranks still ran after {timeout_s} s: a collective out of step?")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         exited = time.time()
-        codes = []
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
-            codes.append(p.exitcode if exited < deadline else None)
-        ranks = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.json")
-            ranks.append(json.load(open(path)) if os.path.exists(path) else None)
+        paths = [os.path.join(out_dir, f"rank{r}.json") for r in range(world)]
+        ranks = [json.load(open(path)) if os.path.exists(path) else None for path in paths]
     finished = [r["finished"] for r in ranks if r is not None]
-    return ranks, codes, (exited - max(finished)) if finished else float("inf")
+    return ranks, [p.exitcode for p in ctx.processes], (exited - max(finished)) if finished else float("inf")
