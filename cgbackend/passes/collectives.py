@@ -54,7 +54,7 @@ from ..fx_utils import fake_value, iter_tensors, op_key, op_name, source_locatio
 from ..marks import marked_op_reason
 from ..reasons import Reason, Rule, reason_for
 
-__all__ = ["CAPTURED", "WAIT", "rule_collective", "is_collective", "static_collective", "why_eager", "collectives_by_op"]
+__all__ = ["CAPTURED", "WAIT", "rule_collective", "is_collective", "why_eager", "collectives_by_op"]
 
 _NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"})
 
@@ -63,8 +63,9 @@ CAPTURED = frozenset({
     "_c10d_functional_autograd::all_to_all_single",  # torch < 2.12: all_to_all_single_autograd
     "_c10d_functional::all_reduce",
 })
-"""Functional collectives a graph may hold when their sizes are fixed. Each was run captured on
-two GPUs under NCCL; another op joins the list with such a test."""
+"""Functional collectives a graph may hold when their sizes are fixed: the ones the tests run
+captured (gloo with simulated graphs on a CPU; the ``multigpu`` expert-parallel scenario under NCCL).
+Another op joins the list with a two-GPU test of its own."""
 
 WAIT = "_c10d_functional::wait_tensor"
 
@@ -181,12 +182,6 @@ def why_eager(node: torch.fx.Node, ctx: Any = None) -> Optional[str]:
     if not node.users:
         return "nothing waits for it"
     return None
-
-
-def static_collective(node: torch.fx.Node, ctx: Any = None) -> bool:
-    """A collective (or its wait) that a static region may hold."""
-    return (node.op == "call_function" and is_collective(node.target)
-            and why_eager(node, ctx) is None)
 
 
 def rule_collective(node: torch.fx.Node, ctx: Any) -> Optional[Reason]:
