@@ -1,9 +1,9 @@
 """Expert-parallel checks of the fixed-capacity exchange (cgbackend/models/ep_capacity.py).
 
 ``simulated_ranks`` runs the exchange of ``W`` ranks in one process (an equal-split all-to-all is
-a block transpose), for the math tests. ``spawn_checks`` runs :data:`CHECKS` on two gloo ranks
-(one spawn for all of them): each returns plain data the test asserts on, or the traceback it
-raised, so one failing check hides no other.
+a block transpose), for the math tests. ``spawn_checks`` runs :data:`CHECKS` on two gloo ranks (one
+spawn for all of them), or :data:`GPU_CHECKS` on two GPUs with NCCL: each check returns plain data
+the test asserts on, or the traceback it raised, so one failing check hides no other.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def check_equal_to_loop(rank: int, world: int) -> dict:
+def check_equal_to_loop(rank: int, world: int, device: torch.device) -> dict:
     """Eager: the capacity exchange (worst case, and a capacity of the balanced load that falls back
     on overflow) against the dropless loop, output and every gradient, per routing."""
     out = {}
@@ -131,7 +131,7 @@ def check_equal_to_loop(rank: int, world: int) -> dict:
     return out
 
 
-def check_overflow_raises(rank: int, world: int) -> dict:
+def check_overflow_raises(rank: int, world: int, device: torch.device) -> dict:
     """A capacity below this routing's load with overflow="raise": every rank raises (none waits in
     an exchange the others left), and the next call with a routing that fits runs."""
     from cgbackend.models.ep_capacity import CapacityOverflow
@@ -146,27 +146,48 @@ def check_overflow_raises(rank: int, world: int) -> dict:
     return {"raised": raised, "after": bool(torch.isfinite(y).all()), "overflows": layer.overflows.as_dict()}
 
 
-def check_scenario(rank: int, world: int) -> dict:
+def check_scenario(rank: int, world: int, device: torch.device) -> dict:
     """The bench's EP scenario with the capacity exchange, under cgbackend with default options."""
     from cgbackend.bench.dist_check import Scenario, run_scenario
     sc = Scenario("ep", "moe-ep", steps=8, layers=1, local_dispatch="capacity")
-    return run_scenario(sc, rank, world, torch.device("cpu"), dtype=torch.float64, simulate=True)
+    return run_scenario(sc, rank, world, device, dtype=_dtype(device), simulate=device.type == "cpu")
 
 
-def check_rank_local_fallbacks(rank: int, world: int) -> dict:
-    """Ranks that capture at different calls (warm-up 1 on rank 0, 3 on rank 1) and a rank that drops
-    its graphs mid-run (rank 0 after step 4: eager warm-up calls again while rank 1 replays): the
-    collectives inside the graphs stay matched, and training equals eager."""
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.float64 if device.type == "cpu" else torch.float32
+
+
+def _compiled_pair(rank: int, world: int, device: torch.device, **options: Any) -> tuple:
+    """The EP model with the capacity exchange on ``device``, compiled (simulated graphs on a CPU),
+    and an eager twin with the same weights."""
     import cgbackend
     from cgbackend.models.ep import build_ep_model
-    model = build_ep_model(rank, world, n_layers=1, dtype=torch.float64, local_dispatch="capacity")
+    factor = options.pop("capacity_factor", None)
+    model = build_ep_model(rank, world, n_layers=1, dtype=_dtype(device), device=device, local_dispatch="capacity",
+                           capacity_factor=factor)
     twin = copy.deepcopy(model)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1 if rank == 0 else 3)
+    compiled = cgbackend.compile(model, simulate_graphs=device.type == "cpu", **options)
+    return model, compiled, twin
+
+
+def _grads_diff(a: torch.nn.Module, b: torch.nn.Module) -> tuple[float, float]:
+    """The largest gradient difference and the largest gradient of ``b``."""
+    pairs = [(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()) if q.grad is not None]
+    return max(_max_diff(g, h) for g, h in pairs), max(float(h.abs().max()) for _, h in pairs)
+
+
+def check_rank_local_fallbacks(rank: int, world: int, device: torch.device) -> dict:
+    """Ranks that capture at different calls (warm-up 1 on rank 0, 3 on rank 1: rank 0 replays while
+    rank 1 still runs eagerly) and a rank that drops its graphs mid-run (rank 0 before step 5: it
+    captures again while rank 1 replays): the collectives inside the graphs stay matched, and
+    training equals eager."""
+    import cgbackend
+    model, compiled, twin = _compiled_pair(rank, world, device, warmup=1 if rank == 0 else 3)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin)]
     gen = torch.Generator().manual_seed(7 + rank)
-    diffs, eager_calls = [], []
+    diffs, scales, eager_calls = [], [], []
     for step in range(8):
-        x = torch.randint(0, 128, (2, 16), generator=gen)
+        x = torch.randint(0, 128, (2, 16), generator=gen).to(device)
         if step == 5 and rank == 0:
             cgbackend.distributed.release(compiled)
         losses = []
@@ -175,47 +196,43 @@ def check_rank_local_fallbacks(rank: int, world: int) -> dict:
             loss = fn(x).pow(2).mean()
             loss.backward()
             losses.append(loss.detach())
-        diffs.append(max([_max_diff(losses[0], losses[1])] + [
-            _max_diff(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters())]))
+        grad_diff, grad_scale = _grads_diff(model, twin)
+        diffs.append(max(_max_diff(losses[0], losses[1]) / float(losses[1].abs()), grad_diff / grad_scale))
         for opt in opts:
             opt.step()
         eager_calls.append(sum(cgbackend.stats(compiled)["eager_calls"].values()))
     stats = cgbackend.stats(compiled)
-    return {"diffs": diffs, "eager_calls": eager_calls, "graphs": stats["graphs_captured"],
-            "replays": stats["replays"], "bwd_recomputes": stats["bwd_recomputes"]}
+    return {"rel_diffs": diffs, "eager_calls": eager_calls, "graphs": stats["graphs_captured"],
+            "replays": stats["replays"], "bwd_recomputes": stats["bwd_recomputes"],
+            "capture_failures": stats["capture_failures"]}
 
 
-def check_small_capacity_compiled(rank: int, world: int) -> dict:
+def check_small_capacity_compiled(rank: int, world: int, device: torch.device) -> dict:
     """A capacity below the worst case under cgbackend: the overflow check is a host read between
     two graphs; calls that overflow run at the worst case; training equals eager."""
     import cgbackend
-    from cgbackend.models.ep import build_ep_model
-    model = build_ep_model(rank, world, n_layers=1, dtype=torch.float64, local_dispatch="capacity",
-                           capacity_factor=1.0)
-    twin = copy.deepcopy(model)
-    compiled = cgbackend.compile(model, simulate_graphs=True)
+    model, compiled, twin = _compiled_pair(rank, world, device, capacity_factor=1.0)
     gen = torch.Generator().manual_seed(11 + rank)
     diffs = []
     for step in range(6):
         # a narrow vocabulary routes most tokens alike: some calls overflow, others do not
-        x = torch.randint(0, 128 if step % 2 else 3, (2, 16), generator=gen)
+        x = torch.randint(0, 128 if step % 2 else 3, (2, 16), generator=gen).to(device)
         outs = []
         for m in (compiled, twin):
             y = m(x)
             y.pow(2).mean().backward()
             outs.append(y.detach())
-        diffs.append(max([_max_diff(outs[0], outs[1])] + [
-            _max_diff(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters())]))
+        grad_diff, grad_scale = _grads_diff(model, twin)
+        diffs.append(max(_max_diff(outs[0], outs[1]) / float(outs[1].abs().max()), grad_diff / grad_scale))
         for m in (model, twin):
             m.zero_grad(set_to_none=True)
-    layer = model.layers[0].ffn
     stats = cgbackend.stats(compiled)
-    return {"diffs": diffs, "overflows": layer.overflows.as_dict(),
+    return {"rel_diffs": diffs, "overflows": model.layers[0].ffn.overflows.as_dict(),
             "twin_overflows": twin.layers[0].ffn.overflows.as_dict(),
             "replays": stats["replays"], "capture_failures": stats["capture_failures"]}
 
 
-CHECKS: dict[str, Callable[[int, int], dict]] = {
+CHECKS: dict[str, Callable[[int, int, torch.device], dict]] = {
     "equal_to_loop": check_equal_to_loop,
     "overflow_raises": check_overflow_raises,
     "scenario": check_scenario,
@@ -224,20 +241,27 @@ CHECKS: dict[str, Callable[[int, int], dict]] = {
 }
 
 
-def rank_checks(rank: int, world: int, port: int, out_dir: str) -> None:
-    """One spawned rank: every check in turn (a failure is recorded and the next still runs, unless
-    the process group may be left out of step), then the graphs go before the process group."""
+GPU_CHECKS = ("rank_local_fallbacks", "small_capacity_compiled")
+"""The checks that also run on two GPUs (NCCL, real CUDA graphs); the others are eager or covered
+by tests/integrations/test_distributed.py's scenarios."""
+
+
+def rank_checks(rank: int, world: int, port: int, out_dir: str, backend: str, names: tuple) -> None:
+    """One spawned rank: the checks ``names`` in turn (a failure is recorded and the next still
+    runs), then the graphs go before the process group."""
     from cgbackend.bench.dist_check import init_process
-    init_process(rank, world, "gloo", port)
+    device = init_process(rank, world, backend, port)
     results: dict[str, Any] = {}
     try:
-        for name, check in CHECKS.items():
+        for name in names:
             torch._dynamo.reset()
             start = time.perf_counter()
             try:
-                results[name] = check(rank, world)
+                results[name] = CHECKS[name](rank, world, device)
             except Exception:
                 results[name] = {"error": traceback.format_exc()}
+                if backend == "nccl":
+                    break  # a failed NCCL job may leave the communicator unusable
             results[name]["seconds"] = time.perf_counter() - start
     finally:
         torch._dynamo.reset()
@@ -247,16 +271,18 @@ def rank_checks(rank: int, world: int, port: int, out_dir: str) -> None:
             json.dump({"results": results, "finished": time.time()}, f)
 
 
-def spawn_checks(world: int = 2, timeout_s: float = 300.0) -> tuple[list, list, float]:
-    """Run :func:`rank_checks` on ``world`` spawned gloo ranks: (per rank ``{"results", "finished"}``
+def spawn_checks(world: int = 2, backend: str = "gloo", names: tuple = tuple(CHECKS),
+                 timeout_s: float = 300.0) -> tuple[list, list, float]:
+    """Run :func:`rank_checks` on ``world`` spawned ranks: (per rank ``{"results", "finished"}``
     or None, exit codes, seconds from the last rank's destroy_process_group to the processes'
     exit). A rank that fails raises here with its traceback; ranks still running after
     ``timeout_s`` (a hang) are killed and raise TimeoutError."""
     import torch.multiprocessing as mp
-    from cgbackend.bench.dist_check import free_port
+    from cgbackend.bench.dist_check import free_port, spawn_env
+    spawn_env(backend)  # inherited by the children
     with tempfile.TemporaryDirectory(prefix="cgbackend-ep-") as out_dir:
-        ctx = mp.start_processes(rank_checks, args=(world, free_port(), out_dir), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(rank_checks, args=(world, free_port(), out_dir, backend, names), nprocs=world,
+                                 join=False, start_method="spawn")
         deadline = time.time() + timeout_s
         try:
             while not ctx.join(timeout=1.0):
