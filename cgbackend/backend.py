@@ -214,8 +214,14 @@ class CGBackend:
 
     def reset(self) -> None:
         """Forget the graphs compiled so far and zero the counters; ``torch._dynamo.reset()`` calls
-        this (Dynamo drops the compiled graphs at the same time). Memory pools stay, for reuse."""
+        this (Dynamo drops the compiled graphs at the same time). Memory pools stay, for reuse.
+
+        Their CUDA graphs are released first: Dynamo's compiled functions stay reachable from the
+        traced code's module globals (``__compiled_fn_*``) after a reset, and with them the graphs,
+        which would otherwise hold their memory, and any NCCL work captured in them (which makes
+        ``destroy_process_group`` wait), until the interpreter exits."""
         with self._lock:
+            release_graphs(self._graphs, self.config.simulate_graphs)
             self._graphs.clear()
             self._analyses.clear()
             self.shared.mirror.reset()  # adds what was counted so far, then starts from zero

@@ -52,7 +52,8 @@ class Rule(str, enum.Enum):
     SMALL_REGION = "small_region"
     """A static region too small to be worth a graph (min_region_ops); folded into eager."""
     COLLECTIVE = "collective"
-    """A collective (all-to-all, all-gather, reduce-scatter, ...): kept eager (passes/collectives.py)."""
+    """A collective kept eager: host-read sizes, an op not captured, or capture_collectives off
+    (passes/collectives.py)."""
 
     def __str__(self) -> str:  # shows the JSON name in text and f-strings
         return self.value
@@ -86,7 +87,8 @@ RULE_DESCRIPTIONS: dict[Rule, str] = {
     Rule.TUPLE_ELEMENT: "an element of a tuple an eager op made: regions pass tensors, not tuples",
     Rule.SMALL_REGION: "a static run of ops too small to be worth a graph (fewer estimated kernels than "
                        "the option min_region_ops), folded into the eager code around it",
-    Rule.COLLECTIVE: "a collective (all-to-all, all-gather, reduce-scatter, ...): kept eager",
+    Rule.COLLECTIVE: "a collective kept eager between graphs: its sizes are read from the device, or it is not "
+                     "a functional all-to-all / all-reduce with sizes fixed by shapes (those are captured)",
 }
 """One line per rule for people, read by the text report (reasons as data)."""
 

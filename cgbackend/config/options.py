@@ -107,6 +107,12 @@ class Config:
     dynamic_modules: tuple[str, ...] = ()
     """fnmatch patterns of module paths ("layers.*.moe.experts*") always kept out of graphs."""
 
+    capture_collectives: bool = True
+    """Let a static region hold the functional all-to-all and all-reduce (and their waits) whose
+    sizes are fixed by shapes, such as an expert-parallel exchange with a fixed capacity: NCCL work
+    captured in the region's CUDA graph (passes/collectives.py). Collectives with host-read sizes
+    run eagerly whatever this says. False keeps every collective eager, between graphs."""
+
     static_dispatch: DispatchMode = DispatchMode.AUTO
     """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is
     captured (cgbackend/moe/): "auto" (the default: a measured cost model picks the form per layer,

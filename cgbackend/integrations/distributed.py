@@ -9,12 +9,15 @@
   *volatile* for a backend (runtime/params.py): graphs read static copies refreshed before every
   replay. With neither, graphs are keyed on parameter addresses and a backward whose parameter
   moved runs eagerly (``param_moved``): correct, never a replay on freed storage, but slower.
-* Collectives (``all_to_all_single`` with host-read splits, all-gathers, reduce-scatters) are
-  dynamic regions (passes/collectives.py): they run eagerly between graphs.
+* Collectives whose sizes are fixed by shapes (a functional all-to-all with equal or constant
+  splits, an all-reduce: an expert-parallel exchange of fixed capacity, models/ep_capacity.py) are
+  captured with their static region; the others (``all_to_all_single`` with host-read splits,
+  all-gathers, reduce-scatters) are dynamic regions that run eagerly between graphs
+  (passes/collectives.py, option ``capture_collectives``).
 * Exit: a CUDA graph that captured NCCL work keeps its communicator alive, and
   ``destroy_process_group`` (or the process group's destructor at interpreter exit) then waits for
-  the graph to be destroyed. cgbackend captures no collectives, and every backend releases its
-  graphs when the process exits (a ``weakref.finalize``, run at exit) or when
+  the graph to be destroyed. Every backend releases its graphs when the process exits (a
+  ``weakref.finalize``, run at exit), on ``torch._dynamo.reset()`` and when
   ``cgbackend.distributed.release`` is called. Call ``release(model)`` and then
   ``torch.distributed.destroy_process_group()`` at the end of a distributed script.
 

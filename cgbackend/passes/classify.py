@@ -66,6 +66,8 @@ class ClassifyContext:
     """Nodes whose tensors live on the host (CPU work inside a device graph)."""
     grad_input_storages: set[int] = dataclasses.field(default_factory=set)
     """Storages of graph inputs that require grad."""
+    eager_nodes: set[torch.fx.Node] = dataclasses.field(default_factory=set)
+    """Nodes classified dynamic so far (graph order): a collective's wait follows its verdict."""
 
 
 _SYNC_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__",
@@ -388,6 +390,8 @@ def classify(gm: torch.fx.GraphModule, config: Config, *, training: Optional[boo
                     break
         if _is_host_value(node, ctx, reason):
             ctx.host_nodes.add(node)
+        if reason is not None:
+            ctx.eager_nodes.add(node)
         verdicts[node] = NodeVerdict(static=reason is None, reason=reason)
     return Classification(verdicts=verdicts, compute_device=ctx.compute_device, training=ctx.training,
                           grad_enabled=torch.is_grad_enabled())

@@ -21,10 +21,11 @@ import torch.fx
 
 from ..integrations.opaque import opaque_info
 from .bucket import written_positions
+from .collectives import is_collective
 from .effects import Effects
 from .partition import Partition, Region
 
-__all__ = ["RegionFacts", "GraphFacts", "facts_of", "graph_facts", "reruns_alike"]
+__all__ = ["RegionFacts", "GraphFacts", "facts_of", "graph_facts", "reruns_alike", "issues_collectives"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,10 @@ class RegionFacts:
     caller_only: frozenset[int] = frozenset()
     """Positions of the region's outputs whose one user is the graph's output node: the caller gets
     them as copies and no graph or eager op reads the static buffer."""
+    collectives: bool = False
+    """The region issues collectives (passes/collectives.py): every call must issue them exactly
+    once, on every path, so its simulated captures stand for their first replay as CUDA captures do
+    (runtime/capture.py), and it never runs again to recompute."""
 
 
 @dataclasses.dataclass
@@ -54,8 +59,11 @@ def reruns_alike(effects: Effects, nodes: Iterable[torch.fx.Node], inputs: Seque
     """Running ``nodes`` (a graph, or a region of it, reading ``inputs``) a second time on the same
     inputs gives the same outputs and leaves the same state: they write none of their inputs, draw
     no random number, touch no global state and call no opaque module (whose own state they cannot
-    see)."""
+    see), and issue no collective (each run issues it again: once more on this rank than on the
+    others, which then wait for a partner that never comes)."""
     nodes = list(nodes)
+    if issues_collectives(nodes):
+        return False
     members = set(nodes)
     if any(n in members for n in effects.random_nodes) or any(n in members for n in effects.barriers):
         return False
@@ -70,7 +78,13 @@ def facts_of(region: Region, effects: Effects) -> RegionFacts:
         written=tuple(sorted(written_positions(effects, region.nodes, region.inputs))),
         reruns_alike=reruns_alike(effects, region.nodes, region.inputs),
         caller_only=frozenset(i for i, node in enumerate(region.outputs)
-                              if node.users and all(u.op == "output" for u in node.users)))
+                              if node.users and all(u.op == "output" for u in node.users)),
+        collectives=issues_collectives(region.nodes))
+
+
+def issues_collectives(nodes: Iterable[torch.fx.Node]) -> bool:
+    """Do ``nodes`` call a collective (passes/collectives.py)?"""
+    return any(n.op == "call_function" and is_collective(n.target) for n in nodes)
 
 
 def graph_facts(gm: torch.fx.GraphModule, partition: Partition, effects: Effects) -> GraphFacts:

@@ -82,6 +82,7 @@ from ..integrations.opaque import opaque_info
 from ..passes.launch_estimate import estimate_kernels
 from ..common.reasons import Rule
 from .text import render_text
+from ..passes.collectives import collectives_by_op
 
 __all__ = ["SCHEMA", "Report", "GraphReport", "RegionReport", "build_report", "render_text"]
 
@@ -111,6 +112,9 @@ class RegionReport:
     """Static regions with backed symbols: per symbol ``{"bucketable", "padded", "why", "op",
     "source", "code"}`` (passes/bucket.py). A padded symbol's graphs are keyed on its capture size,
     the others on their exact values."""
+    collectives: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Static regions: the collectives its graphs issue (passes/collectives.py), ``{"op", "count",
+    "source"}`` per op (source: its first call's line)."""
     opaque: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Opaque module calls in this region (opaque.py: Transformer Engine modules): ``{"module",
     "kind", "node", "graphed", "why"}``; ``why`` says why a call in a dynamic region runs eagerly."""
@@ -272,6 +276,7 @@ def graph_report(analysis: Analysis, index: int, break_reason: Optional[dict[str
             nodes=nodes,
             hoisted_syncs=analysis.schedule.moved.get(region.index, 0),
             buckets=_buckets_of(analysis, region.index),
+            collectives=collectives_by_op(region.nodes) if region.is_static else [],
             opaque=opaque,
             memory=_memory_of(analysis, region) if region.is_static else [],
         ))

@@ -243,6 +243,10 @@ def render_text(report: Any) -> str:
             if r.buckets:
                 lines.extend(_buckets_text(r.buckets))
             lines.extend(memory_text(r.memory, g.training))
+            if r.collectives:
+                ops = ", ".join(f"{c['op']}" + (f" x{c['count']}" if c["count"] > 1 else "") for c in r.collectives)
+                lines.append(f"{'':<10}collectives captured in this region's graphs (sizes fixed by shapes; "
+                             f"every rank issues them at the same point): {ops}")
             for call in r.opaque:
                 how = "inside this region's CUDA graphs" if call["graphed"] else f"eager: {call['why']}"
                 lines.append(f"{'':<10}opaque call {call['module']} ({call['kind']}): {how}")

@@ -155,7 +155,7 @@ class Backward:
             with transfer if transfer is not None else contextlib.nullcontext():
                 graph, static_grad_ins = shared.capturer.capture(
                     run, entry.pool, hooks=self.spec.hooks,
-                    reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)])
+                    reads=[t for t in entry.static_ins if isinstance(t, torch.Tensor)], once=self.spec.collectives)
         except CaptureError as exc:
             if consume:  # the attempt may have used the autograd graph up
                 memory.release_saved(entry, loosening)

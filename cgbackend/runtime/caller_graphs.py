@@ -116,7 +116,8 @@ class CallerGraphs:
         start = time.perf_counter()
         try:
             graph, outputs = shared.capturer.capture(
-                lambda: fn(*static_ins), pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)])
+                lambda: fn(*static_ins), pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)],
+                once=self.spec.collectives)
         except CaptureError as exc:
             self.failed = str(exc)
             shared.counters.handout_failures.append({"region": name, "error": str(exc)})

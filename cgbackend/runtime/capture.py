@@ -41,9 +41,12 @@ class SimulatedGraph:
     reads them; code that breaks it fails tests on a CPU."""
 
     def __init__(self, fn: Callable[[], Any], outputs: Any, inputs: Sequence[torch.Tensor] = (),
-                 reads: Sequence[torch.Tensor] = ()) -> None:
+                 reads: Sequence[torch.Tensor] = (), ran: bool = False) -> None:
         self._fn = fn
         self.outputs = outputs
+        self._ran = [(t, t._version) for t in (reads or inputs)] if ran else None
+        """The capture's run stands for the first replay (``Capturer.capture(once=True)``): what it
+        read, with its versions then. The first replay re-runs nothing while they are unchanged."""
         self._reads = [(t, t.data_ptr(), t.untyped_storage().nbytes()) for t in (reads or inputs) if t.numel()]
         """Inputs with the address and storage size a CUDA graph would have baked in."""
         self._input_storages = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
@@ -95,6 +98,9 @@ class SimulatedGraph:
 
     def replay(self) -> None:
         self.check_addresses()
+        ran, self._ran = self._ran, None
+        if ran is not None and all(t._version == version for t, version in ran):
+            return  # the capture computed this replay's outputs from these very inputs
         if self.pool is not None:
             for other in self.pool.graphs:
                 if other.index > self.index or (other.released and other is not self):
@@ -234,7 +240,7 @@ class Capturer:
 
     def capture(self, fn: Callable[[], Any], pool: PoolState,
                 restore: Sequence[torch.Tensor] = (), hooks: Optional["RegionHooks"] = None,
-                reads: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
+                reads: Sequence[torch.Tensor] = (), once: bool = False) -> tuple[Any, Any]:
         """Capture ``fn`` into a graph drawing memory from ``pool``; raise CaptureError on failure.
 
         ``restore``: tensors ``fn`` may write in place. A CUDA capture executes nothing, so they
@@ -242,14 +248,26 @@ class Capturer:
         ``hooks``: the region's opaque-call hooks (opaque.py): their context is entered around the
         capture and their generators are registered with the graph.
         ``reads``: tensors the graph reads by address (default: ``restore``); a simulated graph
-        refuses to replay once one of them moved."""
+        refuses to replay once one of them moved.
+        ``once``: ``fn`` issues collectives, which must run exactly once per call on every rank
+        (passes/collectives.py). A CUDA capture executes nothing and the replay right after it
+        issues them; the simulated capture must issue them itself (it needs the outputs), so its
+        run counts as that first replay: its writes and random draws stay, and the first replay
+        re-runs nothing while what it reads is unchanged."""
         if hooks is not None:
             with hooks.capturing():
-                return self._capture(fn, pool, restore, hooks, reads)
-        return self._capture(fn, pool, restore, None, reads)
+                return self._capture(fn, pool, restore, hooks, reads, once)
+        return self._capture(fn, pool, restore, None, reads, once)
 
     def _capture(self, fn: Callable[[], Any], pool: PoolState, restore: Sequence[torch.Tensor],
-                 hooks: Optional["RegionHooks"], reads: Sequence[torch.Tensor] = ()) -> tuple[Any, Any]:
+                 hooks: Optional["RegionHooks"], reads: Sequence[torch.Tensor] = (),
+                 once: bool = False) -> tuple[Any, Any]:
+        if self.simulate and once:
+            try:
+                outputs = fn()
+            except Exception as exc:
+                raise CaptureError(first_line(exc)) from exc
+            return SimulatedGraph(fn, outputs, inputs=restore, reads=reads, ran=True), outputs
         if self.simulate:
             saved = [t.detach().clone() for t in restore]
             try:

@@ -105,7 +105,7 @@ def _example_inputs(module: torch.fx.GraphModule) -> list[Any]:
 def _hoist_input_views(module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[tuple[Callable, list]]]:
     """Take the no-copy views of the region's inputs out of what Inductor compiles.
 
-    ``stacked_view(w_0, ..., w_{E-1})`` (dispatch/layout.py) is a view of one block only for real
+    ``stacked_view(w_0, ..., w_{E-1})`` (moe/expert_layout.py) is a view of one block only for real
     tensors; traced with fake ones it is a ``torch.stack``, and Inductor would copy every expert's
     weights on every call. ``block_view(w_0, E)`` reads past ``w_0``'s own elements, which Inductor
     does not expect of an input. Each such call whose tensor arguments are all inputs of the region

@@ -188,7 +188,8 @@ class Recorder:
         start = time.perf_counter()
         try:
             graph, outputs = shared.capturer.capture(
-                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=spec.hooks)
+                run, pool, restore=[t for t in static_ins if isinstance(t, torch.Tensor)], hooks=spec.hooks,
+                once=spec.collectives)
         except CaptureError as exc:
             error = self._with_inputs(str(exc), static_ins)
         if error is not None:

@@ -109,7 +109,8 @@ class RunnerBuilder:
                 lazy = None
         spec = RegionSpec(name, kinds, sources, written=facts.written,
                           bucket=bucket if config.capture_sizes else None, device=_region_device(region),
-                          hooks=hooks, caller_only=facts.caller_only, recomputable=recomputable)
+                          hooks=hooks, caller_only=facts.caller_only, recomputable=recomputable,
+                          collectives=facts.collectives)
         runner = RegionRunner(spec, RegionCode(fn, lazy), self.shared,
                               on_sync=functools.partial(self.on_sync, region), sharing=self.sharing)
         if self.blocked is not None:

@@ -109,6 +109,9 @@ class RegionSpec:
     """Running the region's code again on the same inputs gives the same outputs and changes
     nothing else: its training entries may free their saved activations and recompute them in a
     backward that cannot replay (backward.py)."""
+    collectives: bool = False
+    """The region issues collectives (passes/region_facts.py): its captures issue them exactly once
+    per call, a simulated one too (capture.py, ``once``)."""
     param_pos: tuple[int, ...] = dataclasses.field(init=False)
     """Positions of the parameter inputs (a split may turn a graph's output into an eager value,
     never a parameter into anything else): the key reads them in one pass."""

@@ -130,7 +130,7 @@ class Counters:
     layout_reruns: int = 0
     """Calls run a second time because an expert parameter's address had changed since the last
     call (a replaced parameter, laid out as one block again): the check is made once the graph is
-    launched (passes/dispatch/layout.py LayoutCheck), so the first run may have read the old one."""
+    launched (moe/expert_layout.py LayoutCheck), so the first run may have read the old one."""
     regions_split: int = 0
     """Static regions split at an op that synchronized with the host during warm-up: the op runs
     eagerly, the parts before and after it are captured (runtime/syncsplit.py)."""

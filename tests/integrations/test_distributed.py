@@ -111,6 +111,7 @@ GPU_SCENARIOS = {sc.name: sc for sc in [
     Scenario("fsdp2", "moe"),
     Scenario("ep", "moe-ep"),
     Scenario("ep", "moe-ep", local_dispatch="padded"),
+    Scenario("ep", "moe-ep", local_dispatch="capacity"),
 ]}
 """Default options throughout (static dispatch is on by default); FSDP2's dense model is deeper
 than max_pending_forwards."""

@@ -213,7 +213,7 @@ def test_graph_limit_falls_back_with_reason():
 def _failing_capture(monkeypatch, region_suffix="S0"):
     real = Capturer.capture
 
-    def capture(self, fn, pool, restore=(), hooks=None):
+    def capture(self, fn, pool, restore=(), hooks=None, **kwargs):
         raise CaptureError("RuntimeError: injected failure")
     monkeypatch.setattr(Capturer, "capture", capture)
     return real
