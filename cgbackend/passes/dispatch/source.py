@@ -24,7 +24,7 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
 
     __cgb_cond = COND
     if __cgb_cond.dim() == 1:       # nonzero() rows are expert ids only for a 1-D condition
-        for e in range(__cgb_cond.shape[0]):
+        for e in range(min(__cgb_cond.shape[0], len(T), ...) if __cgb_compiling() else __cgb_cond.shape[0]):
             if not __cgb_compiling() and not __cgb_cond[e]:
                 continue
             ...                     # the body without its first statement
@@ -33,6 +33,9 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
 
   When the body's first statement is ``e = e[0]`` (a tensor), the body may use ``e`` only where an
   int means the same: as an index or in a comparison (``e.item()`` leaves the loop as written).
+  The traced loop runs over the ids that can select an expert: the mask's width (its classes; a
+  mask built with more classes than experts, as DBRX's ``one_hot(ids, E + 1)``, has classes no
+  expert answers to) bounded by the length of every table ``T`` the body indexes with ``e``.
 
 ``count_skip``::
 
@@ -42,8 +45,11 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
             continue
         ... torch.where(IDS == e) ...   # every selection in the body compares IDS with e
 
-  ``counts`` used nowhere else, ``IDS`` a local name that nothing rebinds or writes between the
-  count and the loop (so the loop selects from the very ids that were counted). Rewritten to::
+  ``counts`` used nowhere else, the count unweighted (with ``weights=`` a zero count is a zero
+  sum, not the absence of ids: padding counted with weight 0 still selects its experts), ``IDS`` a
+  local name that nothing rebinds or writes between the count and the loop (so the loop selects
+  from the very ids that were counted). The call's arguments are bound by bincount's signature
+  (positional or keyword). Rewritten to::
 
     if not __cgb_compiling():
         counts = torch.bincount(IDS..., minlength=E).tolist()
@@ -66,6 +72,7 @@ else is left as written, with the reason recorded.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import inspect
 import textwrap
@@ -73,9 +80,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..call_args import Call, bind
 from . import fold as _fold
 from .fold_syntax import FOLD, fold_loop
-from .proof import body_reason, tensor_uses, unchanged_between
+from .proof import body_reason, bound_names, tensor_uses, unchanged_between
 
 __all__ = ["LoopRewrite", "rewrite_function"]
 
@@ -264,6 +272,19 @@ def _selections(body: list[ast.stmt]) -> list[tuple[ast.expr, set[str]]]:
     return out
 
 
+def _bincount_args(node: ast.AST) -> Optional[Call]:
+    """``torch.bincount(...)`` / ``ids.bincount(...)`` bound to bincount's signature (its first
+    parameter the counted ids); None for other expressions."""
+    if not (isinstance(node, ast.Call) and _call_name(node) == "bincount") or any(
+            isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        return None
+    keywords = {k.arg: k.value for k in node.keywords}
+    f = node.func
+    if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "torch"):
+        return bind("bincount", [f.value, *node.args], keywords, method=True, typed=False)
+    return bind(torch.bincount, node.args, keywords, typed=False)
+
+
 def _strip_flatten(node: ast.AST) -> ast.AST:
     while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
             node.func.attr == "flatten" and not node.args
@@ -284,6 +305,43 @@ _COMPILING = "__cgb_compiling"
 """The rewritten function's own ``torch.compiler.is_compiling`` (a closure variable): Dynamo reads
 it as True and traces the loop over every expert; run eagerly (a frame Dynamo skips, a graph
 break), the rewritten loop keeps the skip it was written with."""
+
+
+def _hittable(width: ast.expr, body: list[ast.stmt], var: str, mask: str) -> ast.expr:
+    """How many expert ids the traced loop runs: the mask's width (its classes: ``one_hot(ids,
+    num_classes=E + 1)`` has a class no id reaches), bounded while traced by the length of every
+    table the body indexes with the id (``self.experts[e]``, ``self.w1.view(shape)[e]``): an id
+    past a table's end is no expert, eager would raise before it ran one. Run eagerly, the width
+    as written."""
+    rebound = bound_names(body) | {var}
+    tables: dict[str, ast.expr] = {}
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Name) \
+                and node.slice.id == var and _pure(node.value) and not _names_in(node.value) & rebound \
+                and ast.unparse(node.value) != mask:
+            tables.setdefault(ast.unparse(node.value), node.value)
+    if not tables:
+        return width
+    bounded = _call("min", width, *(_call("len", t) for t in tables.values()))
+    return ast.IfExp(test=_call(_COMPILING), body=bounded, orelse=copy.deepcopy(width))
+
+
+def _pure(node: ast.expr) -> bool:
+    """Reading ``node`` again has no effect: names, attributes, constant subscripts and layout
+    methods (``view``, ``reshape``, ...) of them."""
+    if isinstance(node, (ast.Name, ast.Constant)):
+        return True
+    if isinstance(node, ast.Attribute):
+        return _pure(node.value)
+    if isinstance(node, ast.Subscript):
+        return _pure(node.value) and _pure(node.slice)
+    if isinstance(node, ast.Tuple):
+        return all(_pure(e) for e in node.elts)
+    if isinstance(node, ast.UnaryOp):
+        return _pure(node.operand)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LAYOUT:
+        return _pure(node.func.value) and all(_pure(a) for a in node.args) and not node.keywords
+    return False
 
 
 def _call(name: str, *args: ast.expr) -> ast.Call:
@@ -376,12 +434,10 @@ class _Rewriter:
         skip = ast.If(test=_eager_only(ast.UnaryOp(op=ast.Not(), operand=ast.Subscript(
             value=ast.Name(id=name, ctx=ast.Load()), slice=ast.Name(id=var, ctx=ast.Load()), ctx=ast.Load()))),
             body=[ast.Continue()], orelse=[])
-        new_loop = ast.For(
-            target=ast.Name(id=var, ctx=ast.Store()),
-            iter=_call("range", ast.Subscript(
-                value=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="shape", ctx=ast.Load()),
-                slice=ast.Constant(0), ctx=ast.Load())),
-            body=[skip] + body, orelse=[])
+        width = ast.Subscript(value=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="shape",
+                                                  ctx=ast.Load()), slice=ast.Constant(0), ctx=ast.Load())
+        new_loop = ast.For(target=ast.Name(id=var, ctx=ast.Store()),
+                           iter=_call("range", _hittable(width, body, var, m)), body=[skip] + body, orelse=[])
         old_iter = ast.Call(func=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="nonzero",
                                                ctx=ast.Load()), args=[], keywords=[])
         old_loop = ast.For(target=loop.target, iter=old_iter, body=loop.body, orelse=[])
@@ -422,15 +478,19 @@ class _Rewriter:
             self.note(first, loop, "", f"{counts} is not assigned once from .tolist()")
             return
         bc = values[0].func.value
-        if not (isinstance(bc, ast.Call) and _call_name(bc) == "bincount" and bc.args):
+        bound = _bincount_args(bc)
+        if bound is None:
             self.note(first, loop, "", f"{counts} is not bincount(ids, ...).tolist()")
             return
         if _loads(self.fn, counts) != 1:
             self.note(first, loop, "", f"{counts} is also used outside the skip")
             return
-        ids = bc.args[0] if isinstance(bc.func, ast.Attribute) and isinstance(bc.func.value, ast.Name) \
-            and bc.func.value.id == "torch" or isinstance(bc.func, ast.Name) else bc.func.value
-        ids = _strip_flatten(ids)
+        weights = bound.get("weights")
+        if weights is not None and not (isinstance(weights, ast.Constant) and weights.value is None):
+            self.note(first, loop, "", f"{counts} counts weighted ids (weights={ast.unparse(weights)}): a zero "
+                      "count does not prove that no id selects the expert")
+            return
+        ids = _strip_flatten(next(iter(bound.args.values())))
         if not isinstance(ids, ast.Name):
             self.note(first, loop, "", f"the counted ids ({ast.unparse(ids)}) are not a local name, so the loop is "
                       "not proven to select from the ids that were counted")
