@@ -40,6 +40,7 @@ import torch
 import torch.fx
 
 from ...fx_utils import fake_value, plain_name, sizes_equal
+from ..call_args import argument
 from .cost import choose_layer_form
 from .graph import _Builder, _is, _is_getitem, _shape, _strip_type
 from .layout import consecutive, stacked_view
@@ -101,7 +102,7 @@ def _routing(unit: WhereUnit) -> Optional[tuple[torch.fx.Node, tuple, int]]:
     if _is_getitem(mask) and isinstance(mask.args[1], int):
         base, e = _strip_type(mask.args[0]), mask.args[1]
         if _is(base, "permute") and isinstance(base.args[0], torch.fx.Node):
-            p = _ints(base.args[1:]) or _ints(tuple(base.kwargs.get("dims", ())))
+            p = _ints(tuple(argument(base, "dims") or ()))
             oh = base.args[0]
             if p and _is(oh, "one_hot") and isinstance(oh.args[0], torch.fx.Node):
                 ids = oh.args[0]
