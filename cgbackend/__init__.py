@@ -17,7 +17,7 @@ from .config import Config, ConfigError
 from .explain import ExplainError, explain
 from .logs import register as _register_logs
 from .marks import mark_dynamic
-from .notices import CGBackendWarning, NothingCapturedWarning
+from .notices import CGBackendWarning, NothingCapturedWarning, UncompiledCallsWarning
 from .reasons import Reason, Rule
 from .reporting.report import Report
 from .serve import WarmUp, warm_up
@@ -29,4 +29,4 @@ _register_backend()  # torch.compile(backend="cgbackend") without installed meta
 
 __all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning",
            "Reason", "Report", "Rule", "backend", "compile", "explain", "find_backend", "mark_dynamic", "prepare",
-           "report", "reset", "stats", "summary", "warm_up", "WarmUp", "__version__"]
+           "report", "reset", "stats", "summary", "UncompiledCallsWarning", "warm_up", "WarmUp", "__version__"]
