@@ -13,6 +13,7 @@ from . import (Classification, Effects, Labels, Partition, Schedule, Shapes, ana
 from .bucket import Buckets, buckets
 from .constants import Constants, find_constants
 from .dispatch import DispatchResult, rewrite_static_dispatch
+from .scalars import DeviceScalars, device_scalars
 from ..reasons import Reason
 
 __all__ = ["Analysis", "analyze"]
@@ -31,6 +32,7 @@ class Analysis:
     dispatch: DispatchResult = dataclasses.field(default_factory=DispatchResult)
     buckets: Buckets = dataclasses.field(default_factory=lambda: Buckets(regions={}))
     constants: Constants = dataclasses.field(default_factory=Constants)
+    scalars: DeviceScalars = dataclasses.field(default_factory=DeviceScalars)
 
     def reason_of(self, node: torch.fx.Node) -> Optional[Reason]:
         return self.partition.reason_of(node, self.classification)
@@ -39,6 +41,7 @@ class Analysis:
 def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool] = None,
             compute_device: Optional[str] = None, loops: Sequence = ()) -> Analysis:
     dispatch = rewrite_static_dispatch(gm, config.static_dispatch, loops)
+    scalars = device_scalars(gm)
     effects = analyze_effects(gm)
     classification = classify(gm, config, training=training, compute_device=compute_device)
     constants = find_constants(gm, effects)
@@ -47,4 +50,4 @@ def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool
     return Analysis(gm=gm, config=config, effects=effects, classification=classification,
                     partition=part, labels=label(gm, part, effects), shapes=region_shapes,
                     schedule=schedule(part, classification, effects), dispatch=dispatch,
-                    buckets=buckets(part, region_shapes, effects, config), constants=constants)
+                    buckets=buckets(part, region_shapes, effects, config), constants=constants, scalars=scalars)

@@ -181,6 +181,8 @@ class CompiledGraph:
         for node in self.constants:  # in graph order: a conversion reads a constant made before it
             made[node] = make_constant(node, made)
         self._constant_values: list = list(made.values())
+        self._device_scalars = tuple(analysis.scalars.inputs.items())
+        """Float inputs the graph reads as device values (passes/scalars.py): moved there first."""
         # A constant the graph returns is copied out on every call, like graph memory: the caller
         # may write its copy (runtime/outputs.py copies outputs lying in these storages).
         shared.register_persistent([made[n] for n in analysis.constants.returned], handoff=False)
@@ -406,6 +408,8 @@ class CompiledGraph:
 
     def _env(self, args: tuple) -> list:
         env: list = list(args)
+        for position, device in self._device_scalars:
+            env[position] = env[position].to(device, non_blocking=True)
         env.extend(self._constant_values)
         env.extend([None] * (self.n_values - len(env)))
         return env
