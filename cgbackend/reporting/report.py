@@ -183,8 +183,9 @@ class Report:
     "source": {"path", "line", "function", "code"}}``."""
     regional: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Stacks of identical layers compiled once each (cgbackend.compile, regional.py): ``[{"path",
-    "layers", "class", "key"}]``: the layers at ``path`` share one compiled layer (one Dynamo graph,
-    one analysis), each capturing its own graphs."""
+    "layers", "class", "key", "groups"}]``: the layers at ``path`` share one compiled layer (one Dynamo
+    graph, one analysis), each capturing its own graphs; ``groups`` (``[{"layers", "why"}]``) are the
+    layers Dynamo specialises apart, each group compiled on its own (regional_calls.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -562,6 +563,9 @@ def render_text(report: Report) -> str:
         where = f"{stack['path']}.0-{stack['layers'] - 1}" if stack["path"] else f"0-{stack['layers'] - 1}"
         lines.append(f"  regional compilation: {where} ({stack['layers']} x {stack['class']}) share one compiled "
                      "layer: traced, analysed and compiled once, graphs captured per layer")
+        apart = {g["why"] for g in stack.get("groups", ()) if g["why"]}
+        if apart:
+            lines.append(f"    {len(stack['groups'])} groups compiled apart: {'; '.join(sorted(apart))}")
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")
