@@ -14,6 +14,7 @@ import torch.nn as nn
 import cgbackend
 from cgbackend.models.realsize import RealConfig, RealModel
 from cgbackend.regional import find_layer_stacks
+from layer_helpers import Chain as _Chain
 
 SIM = dict(simulate_graphs=True, inner="eager")
 
@@ -32,19 +33,6 @@ class _Block(nn.Module):
 
     def forward(self, x):
         return x + torch.tanh(self.lin(x))
-
-
-class _Chain(nn.Module):
-    """Its forward runs the stack one layer after the other (``x = layer(x)``)."""
-
-    def __init__(self, layers) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 class _Indexed(nn.Module):

@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cgbackend
+from layer_helpers import Chain, assert_same_grads
 
 W = 4
 ACTIVATIONS = [lambda: nn.LeakyReLU(0.1, True), lambda: nn.ReLU(True), lambda: nn.ELU(1.0, True),
@@ -37,17 +38,6 @@ class _Layer(nn.Module):
         if self.shift:
             h = h + 1.0
         return x + h * self.scale / (self.idx + 1)
-
-
-class _Loop(nn.Module):
-    def __init__(self, layers) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 class _Seq(nn.Module):
@@ -97,7 +87,7 @@ def _build(case: Case) -> nn.Module:
     torch.manual_seed(case.seed)
     layers = [_Layer(ACTIVATIONS[case.act](), case.scales[i], case.idx[i], case.shift[i], case.act_input[i])
               for i in range(case.layers)]
-    model = (_Seq if case.sequential else _Loop)(layers).double()
+    model = (_Seq if case.sequential else Chain)(layers).double()
     return model.train(case.training)
 
 
@@ -141,11 +131,7 @@ def _compare(case: Case, calls: int = 2) -> None:
             out_r.pow(2).sum().backward()
             if case.input_grad:
                 torch.testing.assert_close(xm.grad, xr.grad, rtol=1e-10, atol=1e-10, msg=f"{case}: input grad")
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                assert (p.grad is None) == (q.grad is None), (case, name)
-                if p.grad is not None:
-                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10, msg=f"{case}: {name}")
-                p.grad = q.grad = None
+            assert_same_grads(model, ref, 1e-10, case)
     assert len(mine_seen) == len(ref_seen), case
     for a, b in zip(mine_seen, ref_seen):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"{case}: a probe")

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import cgbackend
+from layer_helpers import Chain as _Chain, assert_same_grads
 
 SIM = dict(simulate_graphs=True)
 
@@ -27,17 +28,6 @@ class _Block(nn.Module):
 
     def forward(self, x):
         return x + self.mlp(self.lin(x))
-
-
-class _Chain(nn.Module):
-    def __init__(self, layers) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 def _model(kind: str, n: int = 6) -> nn.Module:
@@ -200,9 +190,7 @@ def test_vit_with_stochastic_depth_trains_with_every_block_compiled():
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
         out.pow(2).sum().backward()
         expected.pow(2).sum().backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
-            p.grad = q.grad = None
+        assert_same_grads(model, ref, what=f"step {step}")
     st = cgbackend.stats(compiled)
     assert st["uncompiled_calls"] == 0, st["uncompiled_by"]
     (stack,) = cgbackend.report(compiled).regional
