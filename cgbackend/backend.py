@@ -38,7 +38,6 @@ from .runtime.mirror import CounterMirror
 from .runtime.release import finalizer, release_graphs
 from .runtime.entries import RuntimeShared
 from .runtime.stats import EagerReason
-from .runtime.capture_watch import compile_id
 from .uncompiled import UncompiledCalls
 from .reporting import structured
 
@@ -185,7 +184,7 @@ class CGBackend:
                                summary=summarize([gr], [break_info] if break_info else []),
                                config=self.config.to_dict()), "cgbackend_partition_report")
         self.shared.capture_watch.on_compile(compiled)
-        self.uncompiled.on_compile(compile_id(), _function_of(gm))
+        self.uncompiled.on_compile(_function_of(gm))
         if self.config.dryrun:
             self.dry_run.show(analysis, index, break_info, self.config)  # dryrun.py
         if compiled.blocked == EagerReason.NO_CUDA and self.config.strict:

@@ -39,6 +39,19 @@ def recompile_limit() -> int:
     return int(getattr(cfg, "recompile_limit", None) or getattr(cfg, "cache_size_limit", 8))
 
 
+def _graphs_of_compiling_frame() -> Optional[int]:
+    """The graphs Dynamo holds for the code it is compiling now, this one included; None where this
+    torch cannot tell (private API, feature-tested)."""
+    translator = getattr(getattr(torch._dynamo, "symbolic_convert", None), "InstructionTranslator", None)
+    entries = getattr(getattr(torch._dynamo, "eval_frame", None), "_debug_get_cache_entry_list", None)
+    try:
+        tx = translator.current_tx() if translator is not None else None
+        code = getattr(tx, "f_code", None)
+        return len(entries(code)) + 1 if code is not None and entries is not None else None
+    except Exception:  # no frame is being compiled (a graph compiled outside Dynamo)
+        return None
+
+
 class UncompiledCalls:
     """One backend instance's record (its counters)."""
 
@@ -59,13 +72,14 @@ class UncompiledCalls:
             log.warning("cgbackend: %s ran without cgbackend (as plain Python, uncompiled): %s", where, why)
         self._warn(f"{where} ran without cgbackend (as plain Python, uncompiled): {why}")
 
-    def on_compile(self, frame: Optional[tuple[int, int]], name: str) -> None:
-        """A graph of Dynamo's frame ``frame`` (frame id, its compile count in this process) was
-        compiled; at the recompile limit, later calls that match none of its graphs run uncompiled."""
-        if frame is None or frame[1] + 1 < recompile_limit() or name in self.limits:
+    def on_compile(self, name: str) -> None:
+        """A graph of the function Dynamo is compiling (``name``) was compiled: with it, the function
+        holds ``recompile_limit`` graphs, and a later call that matches none of them runs uncompiled."""
+        graphs = _graphs_of_compiling_frame()
+        if graphs is None or graphs < recompile_limit() or name in self.limits:
             return
-        self.limits[name] = f"{frame[1] + 1} graphs"
-        self._warn(f"Dynamo compiled {name} {frame[1] + 1} times, its recompile limit "
+        self.limits[name] = f"{graphs} graphs"
+        self._warn(f"Dynamo compiled {name} {graphs} times, its recompile limit "
                    f"(torch._dynamo.config.recompile_limit={recompile_limit()}): a later call that matches none "
                    "of its graphs runs without cgbackend (TORCH_LOGS=recompiles names what changes)")
 

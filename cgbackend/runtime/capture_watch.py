@@ -22,7 +22,7 @@ import torch
 from ..notices import NothingCapturedWarning
 from .stats import EagerReason
 
-__all__ = ["CaptureWatch", "compile_id", "settle_call"]
+__all__ = ["CaptureWatch", "settle_call"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def settle_call(config: Any, layer_copies: int) -> int:
     return (config.warmup + 1) * max(layer_copies, 1)
 
 
-def compile_id() -> Optional[tuple[int, int]]:
+def _compile_id() -> Optional[tuple[int, int]]:
     """(frame id, compile of that frame in this process) of the compile in progress; None where
     torch has none (private API, feature-tested)."""
     context = getattr(getattr(torch, "_guards", None), "CompileContext", None)
@@ -100,10 +100,10 @@ class CaptureWatch:
     def on_compile(self, graph: Any) -> None:
         """A new graph was compiled (backend.py): the third compile of one function with nothing
         captured means a value that changes each call is baked into each graph."""
-        current = compile_id() if self.enabled else None
-        if current is None or self.warned:
+        compile_id = _compile_id() if self.enabled else None
+        if compile_id is None or self.warned:
             return
-        frame = current[0]  # Dynamo counts a frame's compiles per process; these are this model's
+        frame = compile_id[0]  # Dynamo counts a frame's compiles per process; these are this model's
         self.compiles[frame] = self.compiles.get(frame, 0) + 1
         if self.compiles[frame] >= _RECOMPILES and self.counters.graphs_captured == 0:
             self.warn(f"Dynamo compiled the same function {self.compiles[frame]} times with "
