@@ -146,3 +146,26 @@ def test_implied_softmax_dimension_follows_torch():
         with pytest.warns(UserWarning):
             implied = F.softmax(x)
         torch.testing.assert_close(implied, F.softmax(x, implicit_softmax_dim(ndim)))
+
+
+@pytest.mark.parametrize("divide", [
+    lambda a, ids: torch.div(a, ids, rounding_mode="floor"),
+    lambda a, ids: torch.div(a, other=ids, rounding_mode="floor"),
+    lambda a, ids: torch.remainder(a, other=ids),
+    lambda a, ids: a // ids,
+], ids=["positional", "keyword", "remainder_keyword", "operator"])
+def test_padding_check_finds_the_divisor_by_name(divide):
+    """passes/padvalues.py: an integer divisor computed from arange over a padded size is unsafe
+    however the divisor is passed."""
+    from cgbackend.passes.padvalues import unsafe_padding_use
+
+    def fn(x):
+        ids = torch.arange(1, x.shape[0] + 1).unsqueeze(1)
+        return divide(torch.full((x.shape[0], 1), 7), ids) * x
+
+    x = torch.randn(6, 4)
+    torch._dynamo.mark_dynamic(x, 0)
+    nodes = [n for n in trace(fn, x).graph.nodes if n.op in ("call_function", "call_method")]
+    aranges = [n for n in nodes if n.target is torch.arange]
+    found = unsafe_padding_use(nodes, aranges)
+    assert found is not None and "divides by integers" in found[1], found
