@@ -17,7 +17,7 @@ from .passes.dispatch.layout import stack_expert_params
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
 from .distributed import WholeGraphUnderDDP, fsdp_modules, is_ddp, track_fsdp
-from .regional import LayerStack, Overrides, find_layer_stacks, regional_overrides
+from .regional import LayerStack, find_layer_stacks, regional_overrides
 from .tracing import CompileScope, data_dependent_failure, dynamic_ops_config
 from .reporting.report import Report
 
@@ -126,8 +126,8 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
         instance.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
     if is_module:
         track_fsdp(instance, model)  # FSDP2's parameters: copied into the graphs (distributed.py)
-    overrides = Overrides(regional_overrides(stacks, instance, dynamic=dynamic,
-                                             forward_of=lambda layer: loops.function_of(layer) or type(layer).forward))
+    overrides = regional_overrides(stacks, instance, dynamic=dynamic,
+                                   forward_of=lambda layer: loops.function_of(layer) or type(layer).forward)
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward

@@ -43,12 +43,12 @@ import torch.utils.hooks
 
 from .uncompiled import recompile_limit
 
-__all__ = ["LayerCalls", "hook_key"]
+__all__ = ["HANDLES", "LayerCalls", "hook_key"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
-_HANDLES = torch.utils.hooks.RemovableHandle
+HANDLES = torch.utils.hooks.RemovableHandle
 """Its ``next_id`` moves at every hook registration (module, global, tensor)."""
 
 
@@ -131,7 +131,7 @@ class LayerCalls:
         slot = _Slot(layer, index)
         self.slots.append(slot)
         counters = self.backend.shared.counters
-        handles = _HANDLES
+        handles = HANDLES
         place = self._place
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -154,7 +154,7 @@ class LayerCalls:
     # ------------------------------------------------------------------ placing a layer
 
     def _place(self, slot: _Slot, args: tuple, kwargs: dict) -> _Group:
-        seen = _HANDLES.next_id
+        seen = HANDLES.next_id
         hooks = hook_key(slot.layer)
         group = slot.group
         if group is None or group.hooks != hooks:

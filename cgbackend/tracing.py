@@ -157,8 +157,16 @@ class CompileScope:
         for metrics in reversed(_compilation_metrics()):
             kind = getattr(metrics, "fail_type", None)
             if kind:
-                return str(kind).rsplit(".", 1)[-1].strip("'>"), str(getattr(metrics, "fail_reason", "") or "")
+                kind = str(kind).rsplit(".", 1)[-1].strip("'>")
+                if kind in _SOFT:  # Dynamo runs the frame as it is with or without suppress_errors
+                    return None
+                return kind, str(getattr(metrics, "fail_reason", "") or "")
         return ("an error", "")
+
+
+_SOFT = ("Unsupported", "UserError")
+"""Compile failures Dynamo itself answers by running the frame as it is (a graph break it cannot
+resume from, its recompile limit): not ours to report as a failure."""
 
 
 def _frame_counts() -> tuple[int, int]:

@@ -185,7 +185,9 @@ class Report:
     """Stacks of identical layers compiled once each (cgbackend.compile, regional.py): ``[{"path",
     "layers", "class", "key", "groups"}]``: the layers at ``path`` share one compiled layer (one Dynamo
     graph, one analysis), each capturing its own graphs; ``groups`` (``[{"layers", "why"}]``) are the
-    layers Dynamo specialises apart, each group compiled on its own (regional_calls.py)."""
+    layers Dynamo specialises apart, each group compiled on its own (regional_calls.py);
+    ``with_model``: the stack is compiled with the rest of the model now, ``why`` says why
+    (regional_modes.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -566,6 +568,8 @@ def render_text(report: Report) -> str:
         apart = {g["why"] for g in stack.get("groups", ()) if g["why"]}
         if apart:
             lines.append(f"    {len(stack['groups'])} groups compiled apart: {'; '.join(sorted(apart))}")
+        if stack.get("why"):
+            lines.append(f"    {stack['why']}")
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")

@@ -121,7 +121,7 @@ def test_layers_share_one_compiled_graph_and_match_eager(training):
         assert "forward" not in module.__dict__ or type(module).__name__ == "LoopMoE"
     report = cgbackend.report(compiled)
     assert report.regional == [{"path": "layers", "layers": 4, "class": "Block", "key": report.regional[0]["key"],
-                                "groups": [{"layers": [0, 1, 2, 3], "why": ""}]}]
+                                "groups": [{"layers": [0, 1, 2, 3], "why": ""}], "with_model": False, "why": ""}]
     assert "regional compilation: layers.0-3 (4 x Block)" in report.to_text()
 
 

@@ -49,6 +49,7 @@ def _check_counters(compiled, layers: int) -> None:
     groups = stack["groups"]
     assert sorted(i for g in groups for i in g["layers"]) == list(range(layers)), groups
     assert len(groups) == layers and all("layer_idx" in g["why"] for g in groups[1:]), groups
+    assert stack["with_model"], stack  # every layer apart: compiled with the model after the first call
 
 
 def test_nine_layer_llama_with_its_kv_cache_compiles_every_layer():

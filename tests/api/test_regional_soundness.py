@@ -125,19 +125,42 @@ class _DepthScaled(nn.Module):
 
 
 def test_twelve_layers_with_their_own_index_all_compile():
+    """Each layer is compiled on its own at the first call (none falls off Dynamo's recompile
+    limit); with every layer apart, the stack is then compiled with the model."""
     torch.manual_seed(0)
     model = _Chain(_DepthScaled(i) for i in range(12)).double()
     ref = copy.deepcopy(model)
     compiled = cgbackend.compile(model, **SIM)
     with torch.no_grad():
-        for x in _inputs(5):
+        for x in _inputs(6):
             torch.testing.assert_close(compiled(x), ref(x), rtol=1e-12, atol=1e-12)
     st = cgbackend.stats(compiled)
-    assert st["uncompiled_calls"] == 0 and st["graphs_captured"] == 12, st
+    assert st["uncompiled_calls"] == 0 and st["compiled_graphs"] == 12 + 1, st
+    assert st["graphs_captured"] == 1 and st["replays"] >= 1, st  # the whole model's graph
     assert set(st["eager_calls"]) == {"warmup"}, st["eager_calls"]
     (stack,) = cgbackend.report(compiled).regional
     assert [g["layers"] for g in stack["groups"]] == [[i] for i in range(12)]
     assert all("self.layer_idx" in g["why"] for g in stack["groups"][1:]), stack["groups"]
+    assert stack["with_model"] and "11 of its 12 layers are compiled apart" in stack["why"], stack
+
+
+def test_a_stack_compiled_with_the_model_goes_back_layer_by_layer_for_a_hook():
+    """Dynamo does not guard empty hook dicts: a hook registered on a layer of a stack compiled
+    with the model sends the stack back to layer-by-layer compilation, where each call checks it."""
+    torch.manual_seed(0)
+    model = _Chain(_DepthScaled(i) for i in range(8)).double()
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, regional_min_layers=6, **SIM)
+    xs = _inputs(6)
+    with torch.no_grad():
+        for step, x in enumerate(xs):
+            if step == 3:
+                for m in (model, ref):
+                    m.layers[5].lin.register_forward_hook(lambda mod, i, o: o * -1.0)
+            torch.testing.assert_close(compiled(x), ref(x), rtol=1e-12, atol=1e-12)
+    (stack,) = cgbackend.report(compiled).regional
+    assert not stack["with_model"] and "a hook was registered" in stack["why"], stack
+    assert cgbackend.stats(compiled)["uncompiled_calls"] == 0
 
 
 class _DropPath(nn.Module):
@@ -195,6 +218,7 @@ def test_vit_with_stochastic_depth_trains_with_every_block_compiled():
     assert st["uncompiled_calls"] == 0, st["uncompiled_by"]
     (stack,) = cgbackend.report(compiled).regional
     assert len(stack["groups"]) == 12 and "drop_prob" in stack["groups"][1]["why"], stack["groups"]
+    assert not stack["with_model"], stack  # an nn.Sequential: its layers stay compiled one by one
 
 
 class _Mode(nn.Module):
