@@ -129,9 +129,12 @@ class Config:
     """cgbackend.compile compiles a stack of at least this many identical layers (an nn.ModuleList or
     nn.Sequential of one class with equal parameter shapes) one layer at a time: Dynamo traces,
     cgbackend analyses and Inductor compiles one layer, which every layer of the stack reuses, and
-    each layer captures its own graphs, so compile time stays flat in depth (regional.py). Each
-    layer is then a graph call of its own (tens of microseconds of host time per layer); a shallower
-    stack stays inside one whole-model graph. 0 turns it off."""
+    each layer captures its own graphs, so compile time stays flat in depth (regional.py). Layers
+    Dynamo specialises apart (a Python value of their own such as self.layer_idx, hooks on their
+    submodules) are compiled in groups of their own, and a layer call Dynamo runs without cgbackend
+    is counted and reported (regional_calls.py). Each layer is then a graph call of its own (tens of
+    microseconds of host time per layer); a shallower stack stays inside one whole-model graph. 0
+    turns it off."""
 
     opaque_modules: bool = True
     """``cgbackend.compile`` and ``cgbackend.explain`` make each module Dynamo cannot trace but
