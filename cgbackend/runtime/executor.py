@@ -342,6 +342,7 @@ class CompiledGraph:
             "inner": self.inner_mode,
             "constants": self.analysis.constants.to_dict(),
             "pending_forwards": self.slots.pending(),
+            "layers_sharing": self.sharing.copies,
             "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
         }
 
