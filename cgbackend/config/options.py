@@ -50,8 +50,9 @@ class Config:
     """A static region with fewer estimated kernel launches than this runs eagerly (folded)."""
 
     max_graphs_per_region: int = 32
-    """Bound on the graphs one region holds (input signatures or buckets, replaced parameters,
-    training slots; a training forward and its backward count as one). At the bound, a new signature
+    """Bound on the graphs one region holds, for each layer whose parameters its graph serves
+    (input signatures or buckets, replaced parameters, training slots; a training forward and its
+    backward count as one). At the bound, a new signature
     either evicts the least recently used graph (``graph_cache="lru"``) or runs eagerly
     (``"keep"``, or when every held graph is in use); each eager call is counted with its reason."""
 
@@ -74,8 +75,10 @@ class Config:
     limit."""
 
     max_pending_forwards: int = 4
-    """Training: how many forwards of one region may wait for their backward at once, each with its
-    own graphs and memory pool. A forward beyond that runs eagerly (counted)."""
+    """Training: how many forwards of one region may wait for their backward at once, for each layer
+    whose parameters the region's graph serves (a deep model's layers each wait in a slot of their
+    own: runtime/sharing.py), each with graphs of its own in the shared pool. A forward beyond that
+    runs eagerly (counted)."""
 
     handout_graphs: int = 2
     """Inference: extra graphs of a region whose outputs are the call's (no static region reads
