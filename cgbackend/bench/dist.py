@@ -49,12 +49,12 @@ TOLERANCE = {"bfloat16": (2e-2, 5e-2), "float16": (2e-2, 5e-2), "float32": (1e-4
 ROW_FIELDS = ("setup", "model", "layers", "tokens_per_rank", "mode", "world_size", "contender", "median_ms", "p10_ms",
               "p90_ms", "timed_steps", "vs_eager", "vs_grouped_inductor", "accuracy_ok", "loss_rel_err", "grad_rel_err",
               "graphs", "graphs_per_step", "graphs_constant_after_warmup", "eager_calls", "eager_calls_timed",
-              "static_regions", "dynamic_regions", "options", "peak_mb", "peak_vs_eager", "reserved_mb",
+              "inner_fallbacks", "static_regions", "dynamic_regions", "options", "peak_mb", "peak_vs_eager", "reserved_mb",
               "reserved_vs_eager", "alloc_after_fwd_mb", "resident_before_mb", "memory_error", "error")
 """Every row's fields (benchmarks/README.md describes them); moe-ep rows add ``local_dispatch``."""
 
 
-def plan(setups: Sequence[str], *, size: str, batch: int, seq: int, steps: int, models: Optional[Sequence[str]] = None,
+def plan(setups: Sequence[str], *, size: str, batch: int, seq: Optional[int], steps: int, models: Optional[Sequence[str]] = None,
          contenders: Optional[Sequence[str]] = None, ep_dispatch: Sequence[str] = ()
          ) -> list[tuple[Scenario, tuple[str, ...]]]:
     """(scenario, contenders) of every chosen setup and model: eager and cgbackend everywhere,
@@ -74,12 +74,23 @@ def plan(setups: Sequence[str], *, size: str, batch: int, seq: int, steps: int, 
                 names += [f"cgbackend-{d}" for d in ep_dispatch]
             if contenders is not None:
                 names = [n for n in names if n == "eager" or n in contenders]
-            shape = dict(batch=batch, seq=seq)
+            shape = dict(batch=batch, seq=_gpt_seq(size, seq))
             if model == "moe-128e":
-                shape = dict(batch=1, seq=seq) if size == "tiny" else dict(zip(("batch", "seq"), MOE_128E_TOKENS))
+                shape = dict(batch=1, seq=seq or 128) if size == "tiny" else dict(zip(("batch", "seq"), MOE_128E_TOKENS))
                 shape["layers"] = MOE_128E_LAYERS
             out.append((Scenario(setup, model, size=size, steps=steps, **shape), tuple(names)))
     return out
+
+
+def _gpt_seq(size: str, seq: Optional[int]) -> int:
+    """The GPT models' sequence length: ``seq``, or 128 capped at the size's ``max_seq`` when unset."""
+    from ..models import SIZES
+    longest = SIZES[size]["max_seq"]
+    if seq is None:
+        return min(128, longest)
+    if seq > longest:
+        raise ValueError(f"--seq {seq} is longer than the {size} models' max_seq ({longest})")
+    return seq
 
 
 def _accuracy(rec: dict, eager_losses: list, dtype: str) -> tuple[bool, float, float]:
@@ -134,6 +145,7 @@ def _row(name: str, recs: list[dict], eager: list[dict], sc: Scenario, dtype: st
                                                     == g[-1] for g, r in zip(graphs, recs)),
                    eager_calls=_max_calls([r.get("final_eager_calls") for r in recs]),
                    eager_calls_timed=_max_calls([r.get("eager_calls_timed") for r in recs]),
+                   inner_fallbacks=_max_calls([r["stats"].get("inner_fallbacks") or {} for r in recs]),
                    static_regions=recs[0]["stats"]["static_regions"],
                    dynamic_regions=recs[0]["stats"]["dynamic_regions"])
     for key in ("peak_mb", "reserved_mb", "alloc_after_fwd_mb", "resident_before_mb"):
@@ -220,7 +232,8 @@ def _parser() -> argparse.ArgumentParser:
                         "as contenders cgbackend-<dispatch> beside cgbackend on the loop model")
     p.add_argument("--size", default="bench", help="model size (cgbackend.models.SIZES; tiny for a smoke run)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank (GPT models)")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (GPT models; moe-128e at --size tiny)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="sequence length (GPT models: 128, or the size's max_seq if shorter; moe-128e at --size tiny)")
     p.add_argument("--steps", type=int, default=20, help="side-by-side steps compared with eager")
     p.add_argument("--iters", type=int, default=30, help="timed steps of each contender")
     p.add_argument("--peak-steps", type=int, default=PEAK_STEPS,

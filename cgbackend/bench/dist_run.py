@@ -296,7 +296,7 @@ class _Run:
                 stats = _cg_stats(live)
                 self.record[name]["stats"] = {k: stats.get(k) for k in (
                     "graphs_captured", "replays", "fwd_replays", "bwd_replays", "static_regions", "dynamic_regions",
-                    "capture_failures")}
+                    "capture_failures", "inner_fallbacks")}
                 self.record[name]["final_eager_calls"] = dict(stats.get("eager_calls", {}))
 
     def memory(self, steps: int) -> None:

@@ -472,6 +472,8 @@ class LazyInner:
             layouts, module = InputLayouts.plan(self.module, self.copied, self.written)
             fn = self.compiler(module, donate=True) if self.donate else self.compiler(module)
         except Exception as exc:  # any Inductor error: this region keeps eager's kernels
+            log.debug("cgbackend: Inductor's error on region %s, whose code is\n%s", self.name, self.module.code,
+                      exc_info=exc)
             return self.fall_back(InnerFallback.COMPILE_FAILED, first_line(exc))
         finally:
             self.seconds = time.perf_counter() - start

@@ -21,7 +21,15 @@ from cgbackend.bench.timing import TIMING_ROUNDS
 ROW_FIELDS = {"setup", "model", "layers", "tokens_per_rank", "mode", "contender", "median_ms", "p10_ms", "p90_ms",
               "vs_eager", "vs_grouped_inductor", "accuracy_ok", "loss_rel_err", "grad_rel_err", "graphs",
               "graphs_per_step", "graphs_constant_after_warmup", "eager_calls", "options", "peak_mb", "peak_vs_eager", "reserved_mb",
-              "alloc_after_fwd_mb", "static_regions", "dynamic_regions", "world_size"}
+              "alloc_after_fwd_mb", "inner_fallbacks", "static_regions", "dynamic_regions", "world_size"}
+
+
+def test_the_sequence_defaults_to_what_the_size_holds_and_a_longer_one_is_refused():
+    (tiny, _), = plan(["ddp"], size="tiny", batch=2, seq=None, steps=4, models=["dense"])
+    (bench, _), = plan(["ddp"], size="bench", batch=2, seq=None, steps=4, models=["dense"])
+    assert (tiny.seq, bench.seq) == (64, 128)  # the tiny models' max_seq is 64
+    with pytest.raises(ValueError, match="max_seq"):
+        plan(["ep"], size="tiny", batch=2, seq=128, steps=4)
 
 
 def test_plan_covers_every_setup_model_and_contender():

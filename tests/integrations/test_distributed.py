@@ -65,6 +65,8 @@ def _check(results: list[dict], stable_from: int, rel_tol: float) -> None:
         assert len(set(graphs[stable_from:])) == 1, f"{where}: graph count changed after warm-up: {graphs}"
         assert r["stats"]["replays"] > 0, where
         assert not r["stats"]["capture_failures"], (where, r["stats"]["capture_failures"])
+        # every static region runs Inductor's code, not eager's kernels inside its graph
+        assert not r["stats"].get("inner_fallbacks"), (where, r["stats"]["inner_fallbacks"])
         # every region call past warm-up replayed a graph: no eager call for another reason
         assert set(r["final_eager_calls"]) <= {"warmup"}, (where, r["final_eager_calls"])
 
