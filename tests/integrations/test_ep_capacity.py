@@ -186,7 +186,9 @@ def test_report_shows_a_static_collective_inside_a_static_region(one_rank_group)
     regions = report.regions()
     assert [r.kind for r in regions] == ["static"]
     ops = {c["op"]: c["count"] for c in regions[0].collectives}
-    assert ops == {"_c10d_functional.all_to_all_single": 1, "_c10d_functional.wait_tensor": 1}
+    # torch < 2.12: the autograd op of _c10d_functional_autograd, its wait in an autograd.Function
+    assert ops in ({"_c10d_functional.all_to_all_single": 1, "_c10d_functional.wait_tensor": 1},
+                   {"_c10d_functional_autograd.all_to_all_single": 1, "higher_order.autograd_function_apply": 1}), ops
     assert "collectives captured in this region's graphs" in report.to_text()
 
 
@@ -451,9 +453,10 @@ def test_ranks_exit_cleanly_within_30s(two_ranks):
 # ----------------------------------------------------------------------------- two GPUs
 
 @pytest.mark.multigpu
-@pytest.mark.xfail(strict=True, reason="seen on two H200s: a rank replaying the captured capacity exchange while "
-                   "the other ran it eagerly gave gradients 0.07 off eager's; capture_collectives stays off by "
-                   "default until that is understood")
+@pytest.mark.xfail(strict=True, reason="seen on two H200s (torch 2.11): a rank replaying the captured capacity "
+                   "exchange while the other ran it eagerly gave gradients 0.07 off eager's, measured while torch "
+                   "2.11's all-to-all left its wait in the graphs without the collective (passes/collectives.py); "
+                   "not measured since: remove once it passes there")
 def test_two_gpus_nccl_collectives_in_graphs_with_rank_local_fallbacks_and_overflow_checks():
     """The checks above that run graphs, on two GPUs: NCCL work captured in CUDA graphs while the
     other rank runs the same collective eagerly or captures it, and the overflow check's host read
