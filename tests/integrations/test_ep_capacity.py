@@ -236,16 +236,6 @@ def test_a_collective_inside_an_autograd_function_stays_eager(one_rank_group):
     assert "_c10d_functional::all_reduce" in verdicts[hop].reason.detail
 
 
-class _ExchangeBefore212(torch.nn.Module):
-    def __init__(self, group) -> None:
-        super().__init__()
-        self.group = group
-        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.b(torch.tanh(all_to_all_before_212(self.a(x), None, None, self.group)))
-
-
 @needs_dist
 @pytest.mark.parametrize("capture", [False, True])
 def test_every_exchange_of_torch_before_212_is_waited_for_by_every_call(one_rank_group, capture):
@@ -256,8 +246,8 @@ def test_every_exchange_of_torch_before_212_is_waited_for_by_every_call(one_rank
     registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
     if registry is None:
         pytest.skip("this torch does not tell the functional collectives' pending work")
-    model = _ExchangeBefore212(one_rank_group).double()
-    ref = _ExchangeBefore212(one_rank_group).double()
+    model = _Exchange(one_rank_group, all_to_all_before_212).double()
+    ref = _Exchange(one_rank_group, all_to_all_before_212).double()
     ref.load_state_dict(model.state_dict())
     compiled = cgbackend.compile(model, simulate_graphs=True, capture_collectives=capture)
     before = registry()  # what earlier code in this process left (the registry is the process's)
@@ -279,13 +269,13 @@ def test_every_exchange_of_torch_before_212_is_waited_for_by_every_call(one_rank
 # ----------------------------------------------------------------------------- runtime: exactly once
 
 class _Exchange(torch.nn.Module):
-    def __init__(self, group) -> None:
+    def __init__(self, group, a2a=funcol.all_to_all_single_autograd) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.a2a = group, a2a
         self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.b(torch.tanh(funcol.all_to_all_single_autograd(self.a(x), None, None, self.group)))
+        return self.b(torch.tanh(self.a2a(self.a(x), None, None, self.group)))
 
 
 def _issued(group, fn) -> int:
