@@ -60,6 +60,33 @@ def dense_reference(h: torch.Tensor, weights: torch.Tensor, selected: torch.Tens
     return torch.stack(rows)
 
 
+# ----------------------------------------------------------------------------- torch < 2.12's all-to-all
+
+class _WaitBeforeUse(torch.autograd.Function):
+    """torch < 2.12's ``funcol._FromTorchTensor``: ``all_to_all_single_autograd`` returned its result
+    through it, and its forward waits for the collective (``wait_tensor`` under tracing), so Dynamo
+    records that wait inside ``autograd_function_apply``, not as a ``wait_tensor`` node."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+        return funcol.wait_tensor(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def all_to_all_before_212(x: torch.Tensor, out_splits: Any, in_splits: Any, group: Any) -> torch.Tensor:
+    """``funcol.all_to_all_single_autograd`` as torch 2.11 and older write it: the autograd op of
+    ``_c10d_functional_autograd`` (still registered in later versions), then the wait above."""
+    if out_splits is None:
+        world = dist.get_world_size(group)
+        out_splits = in_splits = [x.shape[0] // world] * world
+    t = torch.ops._c10d_functional_autograd.all_to_all_single(x, out_splits, in_splits, group.group_name)
+    return _WaitBeforeUse.apply(t)
+
+
 # ----------------------------------------------------------------------------- two ranks
 
 ROUTINGS = {
@@ -155,6 +182,25 @@ def check_scenario(rank: int, world: int, device: torch.device) -> dict:
     return run_scenario(sc, rank, world, device, dtype=_dtype(device), simulate=device.type == "cpu")
 
 
+def check_before_212(rank: int, world: int, device: torch.device) -> dict:
+    """The bench's EP scenario with the capacity exchange under default options (collectives eager),
+    its all-to-all written as torch 2.11 and older write ``all_to_all_single_autograd`` (the wait in
+    an autograd.Function): every call waits for its collectives' work, and training equals eager."""
+    from torch.distributed import _functional_collectives as funcol
+    from cgbackend.bench.dist_check import Scenario, run_scenario
+    registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
+    sc = Scenario("ep", "moe-ep", steps=8, layers=1, local_dispatch="capacity")
+    original = funcol.all_to_all_single_autograd
+    funcol.all_to_all_single_autograd = all_to_all_before_212
+    try:
+        before = registry() if registry is not None else 0
+        out = run_scenario(sc, rank, world, device, dtype=_dtype(device), simulate=device.type == "cpu")
+        out["pending_work"] = registry() - before if registry is not None else None
+    finally:
+        funcol.all_to_all_single_autograd = original
+    return out
+
+
 def _dtype(device: torch.device) -> torch.dtype:
     return torch.float64 if device.type == "cpu" else torch.float32
 
@@ -241,6 +287,7 @@ CHECKS: dict[str, Callable[[int, int, torch.device], dict]] = {
     "scenario": check_scenario,
     "rank_local_fallbacks": check_rank_local_fallbacks,
     "small_capacity_compiled": check_small_capacity_compiled,
+    "before_212": check_before_212,
 }
 
 

@@ -27,6 +27,16 @@ A ``wait_tensor`` is static exactly when the collective it waits for is. Every o
 (host-read split sizes, ``c10d`` ops, DTensor's and symmetric memory's, ops not listed) stays
 dynamic, eagerly between graphs.
 
+Waits inside a higher-order op count as waits. Before torch 2.12, ``all_to_all_single_autograd``
+returns its result through an autograd.Function whose forward is ``wait_tensor``, which Dynamo
+records as ``autograd_function_apply`` with the wait in its forward body: not a collective by its
+target. Taken for an ordinary op, it joined the next static region, its collective stayed eager,
+and the graph waited for that eager work only at its capture: every replay (and the staging copy of
+the collective's output before it) read the receive buffer while NCCL was still writing it. So a
+higher-order op whose bodies call collectives is classified by what they call: one whose only
+collective is ``wait_tensor`` on its one input is a wait (static exactly when its collective is),
+any other stays dynamic.
+
 Why ranks cannot deadlock on a captured collective: NCCL matches collectives by the order each
 rank issues them on a communicator, and a region's collectives are issued at the same point of
 the program whatever runs the region: its eager warm-up calls, a capture (on a GPU a capture
@@ -54,7 +64,8 @@ from ..common.fx_utils import fake_value, iter_tensors, op_key, op_name, source_
 from ..frontend.marks import marked_op_reason
 from ..common.reasons import Reason, Rule, reason_for
 
-__all__ = ["CAPTURED", "WAIT", "rule_collective", "is_collective", "why_eager", "collectives_by_op"]
+__all__ = ["CAPTURED", "WAIT", "rule_collective", "is_collective", "calls_collective", "inner_collectives", "is_wait",
+           "why_eager", "collectives_by_op"]
 
 _NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor", "symm_mem"})
 
@@ -86,6 +97,63 @@ def is_collective(target: Any) -> bool:
         return _qualified(target).split("::")[0] in _NAMESPACES
     module = getattr(target, "__module__", None) or ""
     return module.startswith("torch.distributed") and callable(target)
+
+
+def _bodies(node: torch.fx.Node) -> list[torch.fx.GraphModule]:
+    """The subgraphs a higher-order op calls (its ``get_attr`` arguments that are graph modules:
+    the forward and backward bodies of Dynamo's ``autograd_function_apply``, a cond's branches)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return []
+    root = node.graph.owning_module
+    bodies = []
+    for arg in node.all_input_nodes:
+        if arg.op != "get_attr" or root is None:
+            continue
+        value: Any = root
+        for part in str(arg.target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, torch.fx.GraphModule):
+            bodies.append(value)
+    return bodies
+
+
+def inner_collectives(node: torch.fx.Node) -> list[str]:
+    """The collectives (qualified names, ``target`` for Python functions) the subgraphs of a
+    higher-order op call, nested ones included; empty for any other node."""
+    found: list[str] = []
+    for body in _bodies(node):
+        for inner in body.graph.nodes:
+            if inner.op != "call_function":
+                continue
+            if is_collective(inner.target):
+                found.append(_qualified(inner.target) or str(inner.target))
+            found.extend(inner_collectives(inner))
+    return found
+
+
+def calls_collective(node: torch.fx.Node) -> bool:
+    """Does ``node`` call a collective: a collective op or function, or a higher-order op whose
+    bodies call one (a wait included)?"""
+    return node.op == "call_function" and (is_collective(node.target) or bool(inner_collectives(node)))
+
+
+def is_wait(node: torch.fx.Node) -> bool:
+    """``wait_tensor``, or a higher-order op whose bodies call no collective but ``wait_tensor``
+    on its one tensor input (torch < 2.12's ``all_to_all_single_autograd`` ends in one)."""
+    if node.op != "call_function":
+        return False
+    if _qualified(node.target) == WAIT:
+        return True
+    inner = inner_collectives(node)
+    return bool(inner) and all(name == WAIT for name in inner) and len(_waited(node)) == 1
+
+
+def _waited(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The values a wait waits for: ``wait_tensor``'s argument, a higher-order op's inputs other
+    than its bodies."""
+    if _qualified(node.target) == WAIT:
+        return [a for a in node.args[:1] if isinstance(a, torch.fx.Node)]
+    return [a for a in node.all_input_nodes if a.op != "get_attr"]
 
 
 def _schema_argument(node: torch.fx.Node, name: str) -> tuple[bool, Any]:
@@ -160,8 +228,9 @@ def why_eager(node: torch.fx.Node, ctx: Any = None) -> Optional[str]:
     config = getattr(ctx, "config", None)
     if config is not None and not config.capture_collectives:
         return "the option capture_collectives is off"
-    if name == WAIT:
-        producer = node.args[0] if node.args else None
+    if is_wait(node):
+        waited = _waited(node)
+        producer = waited[0] if len(waited) == 1 else None
         if not (isinstance(producer, torch.fx.Node) and producer.op == "call_function"
                 and _qualified(producer.target) in CAPTURED):
             return "it waits for a value that is not the output of a collective a graph may hold"
@@ -169,13 +238,17 @@ def why_eager(node: torch.fx.Node, ctx: Any = None) -> Optional[str]:
         if eager is not None:
             return "it waits for a collective that runs eagerly" if producer in eager else None
         return "it waits for a collective that runs eagerly" if why_eager(producer, ctx) else None
+    inner = inner_collectives(node)
+    if inner:
+        return (f"{node.target} calls {', '.join(sorted(set(inner)))} in its body, not one of the collectives "
+                "cgbackend captures")
     if name not in CAPTURED:
         return f"{name or node.target} is not one of the collectives cgbackend captures"
     problem = _sizes_problem(node)
     if problem is not None:
         return problem
     for user in node.users:
-        if user.op != "call_function" or _qualified(user.target) != WAIT:
+        if not is_wait(user):
             return f"its output is read by {user.name} before or without a wait_tensor"
         if _user_marked(user, ctx):
             return "its wait_tensor is marked dynamic, and a graph cannot issue work it does not wait for"
@@ -185,7 +258,7 @@ def why_eager(node: torch.fx.Node, ctx: Any = None) -> Optional[str]:
 
 
 def rule_collective(node: torch.fx.Node, ctx: Any) -> Optional[Reason]:
-    if node.op != "call_function" or not is_collective(node.target):
+    if not calls_collective(node):
         return None
     why = why_eager(node, ctx)
     if why is None:
@@ -201,7 +274,7 @@ def collectives_by_op(nodes: list[torch.fx.Node]) -> list[dict[str, Any]]:
     ``{"op", "count", "source"}`` (source: the first call's line), for the report."""
     found: dict[str, dict[str, Any]] = {}
     for node in nodes:
-        if node.op == "call_function" and is_collective(node.target):
+        if calls_collective(node):
             op = op_name(node)
             if op not in found:
                 found[op] = {"op": op, "count": 0, "source": source_location(node)[0]}

@@ -21,7 +21,7 @@ import torch.fx
 
 from ..integrations.opaque import opaque_info
 from .bucket import written_positions
-from .collectives import is_collective
+from .collectives import calls_collective
 from .effects import Effects
 from .partition import Partition, Region
 
@@ -84,7 +84,7 @@ def facts_of(region: Region, effects: Effects) -> RegionFacts:
 
 def issues_collectives(nodes: Iterable[torch.fx.Node]) -> bool:
     """Do ``nodes`` call a collective (passes/collectives.py)?"""
-    return any(n.op == "call_function" and is_collective(n.target) for n in nodes)
+    return any(calls_collective(n) for n in nodes)
 
 
 def graph_facts(gm: torch.fx.GraphModule, partition: Partition, effects: Effects) -> GraphFacts:

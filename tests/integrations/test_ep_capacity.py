@@ -28,7 +28,7 @@ from cgbackend.passes.classify import classify
 from cgbackend.common.reasons import Rule
 from cgbackend.runtime.capture import Capturer
 from cgbackend.runtime.pool import PoolState
-from ep_helpers import ROUTINGS, dense_reference, simulated_ranks, spawn_checks
+from ep_helpers import ROUTINGS, all_to_all_before_212, dense_reference, simulated_ranks, spawn_checks
 from fx_helpers import trace
 
 needs_dist = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -186,20 +186,96 @@ def test_report_shows_a_static_collective_inside_a_static_region(one_rank_group)
     regions = report.regions()
     assert [r.kind for r in regions] == ["static"]
     ops = {c["op"]: c["count"] for c in regions[0].collectives}
-    assert ops == {"_c10d_functional.all_to_all_single": 1, "_c10d_functional.wait_tensor": 1}
+    # torch < 2.12: the autograd op of _c10d_functional_autograd, its wait in an autograd.Function
+    assert ops in ({"_c10d_functional.all_to_all_single": 1, "_c10d_functional.wait_tensor": 1},
+                   {"_c10d_functional_autograd.all_to_all_single": 1, "higher_order.autograd_function_apply": 1}), ops
     assert "collectives captured in this region's graphs" in report.to_text()
+
+
+# ----------------------------------------------------------------------------- torch < 2.12's exchange
+
+def _hop_and_collective(group, capture: bool):
+    x = torch.randn(4, 3, requires_grad=True)  # an input needing grad: Dynamo keeps the autograd.Function
+    gm = trace(lambda x: torch.tanh(all_to_all_before_212(x * 2, None, None, group)) + 1, x)
+    verdicts = classify(gm, Config(capture_collectives=capture)).verdicts
+    waits = [n for n in verdicts if "autograd_function_apply" in str(n.target)]
+    a2a = [n for n in verdicts if "all_to_all_single" in str(n.target)]
+    assert len(waits) == 1 and len(a2a) == 1, list(verdicts)
+    return verdicts[waits[0]], verdicts[a2a[0]]
+
+
+@needs_dist
+@pytest.mark.parametrize("capture", [False, True])
+def test_a_wait_inside_an_autograd_function_follows_its_collective(one_rank_group, capture):
+    """torch < 2.12's all_to_all_single_autograd waits inside an autograd.Function: that wait runs
+    eagerly with its collective, or is captured with it, never in a graph without it (which would
+    replay without waiting for the eager work)."""
+    wait, a2a = _hop_and_collective(one_rank_group, capture)
+    assert wait.static == a2a.static == capture
+    if not capture:
+        assert wait.reason.rule is Rule.COLLECTIVE, wait.reason
+
+
+class _ReduceInside(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, name):
+        return funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@needs_dist
+def test_a_collective_inside_an_autograd_function_stays_eager(one_rank_group):
+    x = torch.randn(4, 3, requires_grad=True)
+    gm = trace(lambda x: torch.tanh(_ReduceInside.apply(x * 2, one_rank_group.group_name)) + 1, x)
+    verdicts = classify(gm, Config(capture_collectives=True)).verdicts
+    (hop,) = [n for n in verdicts if "autograd_function_apply" in str(n.target)]
+    assert not verdicts[hop].static and verdicts[hop].reason.rule is Rule.COLLECTIVE
+    assert "_c10d_functional::all_reduce" in verdicts[hop].reason.detail
+
+
+@needs_dist
+@pytest.mark.parametrize("capture", [False, True])
+def test_every_exchange_of_torch_before_212_is_waited_for_by_every_call(one_rank_group, capture):
+    """Under cgbackend, each call waits for the work of each collective it issued (none is left in
+    the work registry: a wait captured without its eager collective waits only at the capture, and
+    the replays read the receive buffer while the collective may still write it), and training
+    equals eager."""
+    registry = getattr(torch._C._distributed_c10d, "_get_work_registry_size", None)
+    if registry is None:
+        pytest.skip("this torch does not tell the functional collectives' pending work")
+    model = _Exchange(one_rank_group, all_to_all_before_212).double()
+    ref = _Exchange(one_rank_group, all_to_all_before_212).double()
+    ref.load_state_dict(model.state_dict())
+    compiled = cgbackend.compile(model, simulate_graphs=True, capture_collectives=capture)
+    before = registry()  # what earlier code in this process left (the registry is the process's)
+    pending = []
+    for i in range(7):
+        x = torch.randn(4, 8, dtype=torch.float64)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        compiled(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        pending.append(registry() - before)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+    stats = cgbackend.stats(compiled)
+    assert stats["replays"] > 0 and stats["graphs_captured"] >= 2, stats
+    assert pending == [0] * 7, pending
 
 
 # ----------------------------------------------------------------------------- runtime: exactly once
 
 class _Exchange(torch.nn.Module):
-    def __init__(self, group) -> None:
+    def __init__(self, group, a2a=funcol.all_to_all_single_autograd) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.a2a = group, a2a
         self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        return self.b(torch.tanh(funcol.all_to_all_single_autograd(self.a(x), None, None, self.group)))
+        return self.b(torch.tanh(self.a2a(self.a(x), None, None, self.group)))
 
 
 def _issued(group, fn) -> int:
@@ -339,6 +415,17 @@ def _check_small_capacity(results: list[dict], rel_tol: float) -> None:
         assert r["replays"] > 0 and not r["capture_failures"], r
 
 
+def test_the_capacity_model_with_torch_before_212s_exchange_trains_as_eager(two_ranks):
+    for r in _results(two_ranks, "before_212"):
+        where = f"rank {r['rank']}"
+        assert r["loss_diff"] <= 1e-12 * max(abs(v) for v in r["losses"]["eager"]), where
+        assert r["grad_diff"] <= 1e-12 * r["grad_scale"], where
+        assert r["final_eager_calls"] == {"warmup": 3 * r["stats"]["static_regions"]}, r["final_eager_calls"]
+        assert r["stats"]["replays"] > 0 and not r["stats"]["capture_failures"], r["stats"]
+        # every collective's work waited for by the call that issued it
+        assert r["pending_work"] in (None, 0), r["pending_work"]
+
+
 def test_ranks_that_capture_and_fall_back_at_different_calls_stay_matched(two_ranks):
     _check_rank_local_fallbacks(_results(two_ranks, "rank_local_fallbacks"), 1e-12)
 
@@ -356,9 +443,10 @@ def test_ranks_exit_cleanly_within_30s(two_ranks):
 # ----------------------------------------------------------------------------- two GPUs
 
 @pytest.mark.multigpu
-@pytest.mark.xfail(strict=True, reason="seen on two H200s: a rank replaying the captured capacity exchange while "
-                   "the other ran it eagerly gave gradients 0.07 off eager's; capture_collectives stays off by "
-                   "default until that is understood")
+@pytest.mark.xfail(strict=True, reason="seen on two H200s (torch 2.11): a rank replaying the captured capacity "
+                   "exchange while the other ran it eagerly gave gradients 0.07 off eager's, measured while torch "
+                   "2.11's all-to-all left its wait in the graphs without the collective (passes/collectives.py); "
+                   "not measured since: remove once it passes there")
 def test_two_gpus_nccl_collectives_in_graphs_with_rank_local_fallbacks_and_overflow_checks():
     """The checks above that run graphs, on two GPUs: NCCL work captured in CUDA graphs while the
     other rank runs the same collective eagerly or captures it, and the overflow check's host read
