@@ -240,14 +240,15 @@ _ZOO_TOP_K = 2
 
 class LogitsAndRouting(nn.Module):
     """A transformers MoE causal LM returning ``(logits, top-k expert ids of its first MoE layer)``.
-    The ids come from a forward hook on that layer's router (``output_router_logits=True`` would
-    collect them through transformers' output hooks, which break the graph under torch.compile)."""
+    The ids come from a forward hook on that layer's router, at ``router`` (its path in the layer;
+    ``output_router_logits=True`` would collect them through transformers' output hooks, which
+    break the graph under torch.compile)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, router: str = "mlp.gate") -> None:
         super().__init__()
         self.model = model
         self.routing: Optional[torch.Tensor] = None
-        model.model.layers[0].mlp.gate.register_forward_hook(self._keep_routing)
+        model.model.layers[0].get_submodule(router).register_forward_hook(self._keep_routing)
 
     def _keep_routing(self, module: nn.Module, args: Any, out: Any) -> None:
         self.routing = out[2]  # (router logits, scores, expert ids)
@@ -258,29 +259,44 @@ class LogitsAndRouting(nn.Module):
         return logits, routing
 
 
-def build_hf_moe(family: str, scale: str, seed: int, dtype: torch.dtype, experts: str = "eager") -> nn.Module:
-    """The zoo's transformers MoE model ``family`` (mixtral, qwen2_moe, olmoe) at ``scale``, random
-    weights from ``seed``, on CPU in ``dtype``, experts implementation ``experts``."""
+def _zoo_family(family: str) -> tuple[Any, Any, Callable[[int, int], dict], str]:
+    """(config class, model class, the family's own config arguments for ``e`` experts of width
+    ``ffn``, its router's path in a layer) of a zoo MoE family."""
     import transformers
+    table = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                    lambda e, ffn: dict(num_local_experts=e), "mlp.gate"),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                      lambda e, ffn: dict(num_experts=e, moe_intermediate_size=ffn,
+                                     shared_expert_intermediate_size=ffn, decoder_sparse_step=1),
+                      "mlp.gate"),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
+                  lambda e, ffn: dict(num_experts=e), "mlp.gate"),
+        "phimoe": (transformers.PhimoeConfig, transformers.PhimoeForCausalLM,
+                   lambda e, ffn: dict(num_local_experts=e), "mlp.router"),
+        "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM,
+                       lambda e, ffn: dict(num_local_experts=e), "block_sparse_moe.router"),
+    }
+    if family not in table:
+        raise ValueError(f"no transformers MoE family {family!r} (known: {', '.join(table)})")
+    return table[family]
+
+
+ZOO_FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "phimoe", "granitemoe")
+
+
+def build_hf_moe(family: str, scale: str, seed: int, dtype: torch.dtype, experts: str = "eager") -> nn.Module:
+    """The zoo's transformers MoE model ``family`` (ZOO_FAMILIES) at ``scale``, random weights from
+    ``seed``, on CPU in ``dtype``, experts implementation ``experts``."""
     shape = dict(ZOO_SHAPES[scale])
     e, ffn = shape.pop("experts"), shape.pop("expert_ffn")
+    config_cls, model_cls, own, router = _zoo_family(family)
     torch.manual_seed(seed)
-    if family == "mixtral":
-        cfg = transformers.MixtralConfig(num_local_experts=e, num_experts_per_tok=_ZOO_TOP_K, **shape)
-        cls = transformers.MixtralForCausalLM
-    elif family == "qwen2_moe":
-        cfg = transformers.Qwen2MoeConfig(num_experts=e, num_experts_per_tok=_ZOO_TOP_K, moe_intermediate_size=ffn,
-                                          shared_expert_intermediate_size=ffn, decoder_sparse_step=1, **shape)
-        cls = transformers.Qwen2MoeForCausalLM
-    elif family == "olmoe":
-        cfg = transformers.OlmoeConfig(num_experts=e, num_experts_per_tok=_ZOO_TOP_K, **shape)
-        cls = transformers.OlmoeForCausalLM
-    else:
-        raise ValueError(f"no transformers MoE family {family!r}")
+    cfg = config_cls(num_experts_per_tok=_ZOO_TOP_K, **own(e, ffn), **shape)
     cfg._attn_implementation = "sdpa"
-    model = cls(cfg)
+    model = model_cls(cfg)
     model.set_experts_implementation(experts)
-    return LogitsAndRouting(model.to(dtype=dtype).eval())
+    return LogitsAndRouting(model.to(dtype=dtype).eval(), router)
 
 
 def _zoo_moe(family: str) -> BenchModel:
@@ -303,6 +319,8 @@ def _zoo_moe(family: str) -> BenchModel:
                     'set_experts_implementation("eager")')
 
 
-for _name in ("mixtral", "qwen2_moe", "olmoe"):
+for _name in ZOO_FAMILIES:
     register_model(_zoo_moe(_name))
 del _name
+
+from . import hf_models  # noqa: E402,F401  (registers the transformers models at real size)
