@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from .models import SHAPE_MAX_SEQ, BenchModel, register_model, upcast_float
+from .registry import SHAPE_MAX_SEQ, BenchModel, register_model, upcast_float
 
 __all__ = ["HiddenStatesMoE", "QWEN3_MOE_SHAPES", "build_qwen3_moe"]
 
