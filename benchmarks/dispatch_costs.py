@@ -2,11 +2,15 @@
 MoE layer (masked dense, grouped, small batch, the eager loop) at a real expert shape over token
 counts, expert counts and top-k.
 
-    python benchmarks/dispatch_costs.py --out DIR [--quick]
+    python benchmarks/dispatch_costs.py --out DIR [--constants-only | --quick]
 
-Writes DIR/costs.json (the constants cgbackend/moe/form_choice.py reads, to be committed as
-cgbackend/moe/costs.json) and DIR/dispatch_crossover.json (measured milliseconds per
-form, shape and token count, next to the cost model's estimate), and prints a table.
+Writes DIR/costs.json: the package's cgbackend/moe/costs.json (the constants
+cgbackend/moe/form_choice.py reads, one set per GPU by its torch.cuda.get_device_name) with this
+GPU's set added or replaced, the other GPUs' kept: to be committed as cgbackend/moe/costs.json.
+``--constants-only`` stops there (about a minute: four Inductor compiles and a few hundred timed
+calls); otherwise it also writes DIR/dispatch_crossover.json (measured milliseconds per form,
+shape and token count, next to the cost model's estimate with the constants just measured) and
+prints a table.
 Static forms are timed as CUDA-graph replays (as cgbackend runs them), the loop eagerly (as it runs
 when left dynamic), bf16, inputs rotated, medians of CUDA-event timings. The grouped and small-batch
 forms are compiled by Inductor first, as cgbackend's rewrites are (the small-batch product exists
@@ -276,15 +280,22 @@ def table(doc: dict, compact: bool = False) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the crossover at 5 token counts rather than 7")
+    ap.add_argument("--constants-only", action="store_true",
+                    help="measure the constants and write DIR/costs.json only (no crossover table)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     c = constants(args.quick)
     print("constants:", json.dumps(c), flush=True)
+    sets = cost.measured_sets()
+    sets[c["device"]] = c
     with open(os.path.join(args.out, "costs.json"), "w") as f:
-        json.dump(c, f, indent=1)
-    cost.constants.cache_clear()
-    cost._measured_override = c  # estimates below use what was just measured
+        json.dump({"devices": sets}, f, indent=1)
+        f.write("\n")
+    print(f"wrote {os.path.join(args.out, 'costs.json')} (devices: {', '.join(sets)})", flush=True)
+    if args.constants_only:
+        return
+    cost.use_measured(c)  # estimates below use what was just measured
     tokens = [1, 8, 64, 512, 4096] if args.quick else [1, 4, 16, 64, 256, 1024, 4096]
     rows = crossover(tokens)
     with open(os.path.join(args.out, "dispatch_crossover.json"), "w") as f:

@@ -219,7 +219,7 @@ def _hf_grouped_convert(base: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _needs_hf_moe(spec: Any) -> Optional[str]:
-    if spec.family in ("decode", "zoo") and spec.moe:
+    if spec.family in ("decode", "zoo", "hf") and spec.moe:
         return None
     return f"{spec.name} is not a transformers MoE model"
 

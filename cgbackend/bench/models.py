@@ -7,6 +7,7 @@ Families:
   ``--tokens`` (a sweep gives one row group per token count, same model name).
 - ``decode``: transformers models from small configs, greedy decode with a StaticCache
   (``decode.py``).
+- ``hf`` (``hf_models.py``): transformers models at real size on hidden states, token counts swept.
 - ``zoo``: transformers MoE models from the zoo's small configs (``benchmarks/zoo.py``) with
   ``set_experts_implementation("eager")``, inference and a training step on ``--batch`` x ``--seq``
   token ids (``--scale tiny``: a smaller config for CPU checks).
@@ -14,62 +15,15 @@ Families:
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["BenchModel", "DECODE_SHAPES", "MODELS", "build_hf", "register_model", "upcast_float"]
+from .registry import SHAPE_MAX_SEQ, BenchModel, MODELS, register_model, upcast_float
 
-
-def upcast_float(t: torch.Tensor) -> torch.Tensor:
-    """float32 for 16-bit floats; float64 stays float64 (the reference's loss is computed in it)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchModel:
-    """One benchmark model.
-
-    build(settings) -> module on CPU in settings.dtype, weights from settings.seed.
-    inputs(base, settings, tokens) -> list of input batches on settings.device (distinct routing).
-    loss(out, x) -> scalar, computed outside the compiled model in float32 (float64 for the reference).
-    output(out) -> the tensor compared for accuracy; routing(out) -> [..., top_k] expert ids or None.
-    contenders: the default contender list (None: every registered contender); modes: those it runs.
-    defaults: settings this model uses unless given on the command line (warmup, iters, batches,
-    acc_batches, time_budget, tokens). moe: it has MoE layers (routing flips are counted).
-    grouped: the grouped-GEMM contender can rebuild it (cgbackend.models.realsize.grouped_from).
-    """
-
-    name: str
-    family: str
-    modes: tuple[str, ...]
-    build: Callable[[Any], nn.Module]
-    inputs: Callable[[nn.Module, Any, Optional[int]], list]
-    loss: Callable[[Any, torch.Tensor], torch.Tensor]
-    output: Callable[[Any], torch.Tensor] = lambda out: out
-    routing: Callable[[Any], Optional[torch.Tensor]] = lambda out: None
-    contenders: Optional[tuple[str, ...]] = None
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    moe: bool = False
-    grouped: bool = False
-    description: str = ""
-    to_device: Optional[Callable[[nn.Module, Any], nn.Module]] = None
-    """to_device(base, settings) -> the model on settings.device without a second host copy (used for
-    the one copy contenders share under --share-weights); None: a deep copy."""
-    reference_forward: Optional[Callable[[nn.Module, torch.Tensor, Any], Any]] = None
-    """reference_forward(base, x, settings) -> the float64 output of an inference call computed
-    layer by layer (a model whose float64 copy does not fit the device); None: a float64 copy."""
-
-
-MODELS: dict[str, BenchModel] = {}
-
-
-def register_model(spec: BenchModel) -> BenchModel:
-    MODELS[spec.name] = spec
-    return spec
+__all__ = ["BenchModel", "DECODE_SHAPES", "MODELS", "SHAPE_MAX_SEQ", "build_hf", "register_model", "upcast_float"]
 
 
 # ---------------------------------------------------------------------------------- reference
@@ -101,9 +55,6 @@ for _name in ("dense", "moe", "moe_sort", "item", "cpu_op", "dropout"):
     register_model(_reference(_name))
 
 # ---------------------------------------------------------------------------------- real-size shapes
-
-SHAPE_MAX_SEQ = 4096
-"""A token count above this is split into sequences of this length (batch = tokens / 4096)."""
 
 _MOE_SHAPE_CONTENDERS = ("eager", "cgbackend", "cgbackend-static-dispatch", "grouped-reduce-overhead")
 _DENSE_SHAPE_CONTENDERS = ("eager", "reduce-overhead", "cgbackend", "cgbackend-eager-kernels")
@@ -240,14 +191,15 @@ _ZOO_TOP_K = 2
 
 class LogitsAndRouting(nn.Module):
     """A transformers MoE causal LM returning ``(logits, top-k expert ids of its first MoE layer)``.
-    The ids come from a forward hook on that layer's router (``output_router_logits=True`` would
-    collect them through transformers' output hooks, which break the graph under torch.compile)."""
+    The ids come from a forward hook on that layer's router, at ``router`` (its path in the layer;
+    ``output_router_logits=True`` would collect them through transformers' output hooks, which
+    break the graph under torch.compile)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, router: str = "mlp.gate") -> None:
         super().__init__()
         self.model = model
         self.routing: Optional[torch.Tensor] = None
-        model.model.layers[0].mlp.gate.register_forward_hook(self._keep_routing)
+        model.model.layers[0].get_submodule(router).register_forward_hook(self._keep_routing)
 
     def _keep_routing(self, module: nn.Module, args: Any, out: Any) -> None:
         self.routing = out[2]  # (router logits, scores, expert ids)
@@ -258,29 +210,44 @@ class LogitsAndRouting(nn.Module):
         return logits, routing
 
 
-def build_hf_moe(family: str, scale: str, seed: int, dtype: torch.dtype, experts: str = "eager") -> nn.Module:
-    """The zoo's transformers MoE model ``family`` (mixtral, qwen2_moe, olmoe) at ``scale``, random
-    weights from ``seed``, on CPU in ``dtype``, experts implementation ``experts``."""
+def _zoo_family(family: str) -> tuple[Any, Any, Callable[[int, int], dict], str]:
+    """(config class, model class, the family's own config arguments for ``e`` experts of width
+    ``ffn``, its router's path in a layer) of a zoo MoE family."""
     import transformers
+    table = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                    lambda e, ffn: dict(num_local_experts=e), "mlp.gate"),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                      lambda e, ffn: dict(num_experts=e, moe_intermediate_size=ffn,
+                                     shared_expert_intermediate_size=ffn, decoder_sparse_step=1),
+                      "mlp.gate"),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM,
+                  lambda e, ffn: dict(num_experts=e), "mlp.gate"),
+        "phimoe": (transformers.PhimoeConfig, transformers.PhimoeForCausalLM,
+                   lambda e, ffn: dict(num_local_experts=e), "mlp.router"),
+        "granitemoe": (transformers.GraniteMoeConfig, transformers.GraniteMoeForCausalLM,
+                       lambda e, ffn: dict(num_local_experts=e), "block_sparse_moe.router"),
+    }
+    if family not in table:
+        raise ValueError(f"no transformers MoE family {family!r} (known: {', '.join(table)})")
+    return table[family]
+
+
+ZOO_FAMILIES = ("mixtral", "qwen2_moe", "olmoe", "phimoe", "granitemoe")
+
+
+def build_hf_moe(family: str, scale: str, seed: int, dtype: torch.dtype, experts: str = "eager") -> nn.Module:
+    """The zoo's transformers MoE model ``family`` (ZOO_FAMILIES) at ``scale``, random weights from
+    ``seed``, on CPU in ``dtype``, experts implementation ``experts``."""
     shape = dict(ZOO_SHAPES[scale])
     e, ffn = shape.pop("experts"), shape.pop("expert_ffn")
+    config_cls, model_cls, own, router = _zoo_family(family)
     torch.manual_seed(seed)
-    if family == "mixtral":
-        cfg = transformers.MixtralConfig(num_local_experts=e, num_experts_per_tok=_ZOO_TOP_K, **shape)
-        cls = transformers.MixtralForCausalLM
-    elif family == "qwen2_moe":
-        cfg = transformers.Qwen2MoeConfig(num_experts=e, num_experts_per_tok=_ZOO_TOP_K, moe_intermediate_size=ffn,
-                                          shared_expert_intermediate_size=ffn, decoder_sparse_step=1, **shape)
-        cls = transformers.Qwen2MoeForCausalLM
-    elif family == "olmoe":
-        cfg = transformers.OlmoeConfig(num_experts=e, num_experts_per_tok=_ZOO_TOP_K, **shape)
-        cls = transformers.OlmoeForCausalLM
-    else:
-        raise ValueError(f"no transformers MoE family {family!r}")
+    cfg = config_cls(num_experts_per_tok=_ZOO_TOP_K, **own(e, ffn), **shape)
     cfg._attn_implementation = "sdpa"
-    model = cls(cfg)
+    model = model_cls(cfg)
     model.set_experts_implementation(experts)
-    return LogitsAndRouting(model.to(dtype=dtype).eval())
+    return LogitsAndRouting(model.to(dtype=dtype).eval(), router)
 
 
 def _zoo_moe(family: str) -> BenchModel:
@@ -303,6 +270,8 @@ def _zoo_moe(family: str) -> BenchModel:
                     'set_experts_implementation("eager")')
 
 
-for _name in ("mixtral", "qwen2_moe", "olmoe"):
+for _name in ZOO_FAMILIES:
     register_model(_zoo_moe(_name))
 del _name
+
+from . import hf_models  # noqa: E402,F401  (registers the transformers models at real size)

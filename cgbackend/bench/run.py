@@ -53,9 +53,9 @@ def _log_row(key: str, row: dict[str, Any], seconds: float) -> None:
 
 
 def _token_cases(spec: Any, ms: Settings) -> tuple:
-    """One case per entry: shape models' token counts (4096 unless --tokens), decode models' decode
+    """One case per entry: shape and hf models' token counts (4096 unless --tokens), decode models' decode
     batches (None: their scale's own, unless --tokens), one case (None) for the others."""
-    if spec.family == "shape":
+    if spec.family in ("shape", "hf"):
         return tuple(ms.tokens or (4096,))
     if spec.family == "decode":
         return tuple(ms.tokens or (None,))
@@ -118,6 +118,9 @@ def run(settings: Settings, argv: Sequence[str]) -> dict[str, Any]:
                 cleanup(settings.device)
                 log(f"{label}: done [{time.perf_counter() - t_case:.1f}s]")
     add_ratios(rows)
+    device = device_name(settings.device)
+    for row in rows:  # rows of several devices stand side by side in one results file (merge_runs)
+        row["device"] = device
     return {"meta": build_meta(settings, argv, cases, skipped, rows), "rows": rows}
 
 

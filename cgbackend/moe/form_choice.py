@@ -17,10 +17,15 @@ Four ways to run a MoE layer, each estimated as ``max(FLOPs / rate, bytes / band
   expert. Weighed for inference only: its backward would scatter a weight gradient per row, so a
   layer that needs gradients never takes it under "auto".
 
-The rates come from ``costs.json`` beside this file, measured on a GPU by
-``benchmarks/dispatch_costs.py`` (which also times the forms directly, for the crossover table
-in docs/static-dispatch.md); without that file the defaults below stand, and the report says
-which were used. On a device other than CUDA nothing is captured, so "auto" keeps the old rule
+The rates come from ``costs.json`` beside this file: one set per GPU, by the name
+``torch.cuda.get_device_name`` gives, measured on that GPU by ``benchmarks/dispatch_costs.py
+--constants-only`` (which adds or replaces its own device's set; without ``--constants-only`` it
+also times the forms directly, for the crossover table in docs/static-dispatch.md). A GPU with no
+set of its own takes the reference device's (``REFERENCE_DEVICE``, the H100 the crossover table
+was measured on): the NVIDIA H200 does until its set is measured (the same compute die, with more
+memory bandwidth, so the estimates are those of an H100); the report's ``source`` names the set
+used and the device it stands in for. Without the file the defaults below stand, and the report
+says so. On a device other than CUDA nothing is captured, so "auto" keeps the old rule
 there: masked dense up to ``_AUTO_MAX_ROWS`` rows per expert (the CPU tests exercise the forms
 through the explicit modes).
 """
@@ -33,9 +38,12 @@ import math
 import os
 from typing import Any, Optional
 
+import torch
+
 from ..config.dispatch_mode import GROUPED_FORMS, DispatchMode
 
-__all__ = ["FORMS", "GROUPED_FORMS", "choose_form", "choose_layer_form", "constants", "estimate"]
+__all__ = ["FORMS", "GROUPED_FORMS", "REFERENCE_DEVICE", "choose_form", "choose_layer_form", "constants",
+           "current_device_name", "estimate", "measured_sets", "use_measured"]
 
 FORMS = ("masked_dense",) + GROUPED_FORMS
 """The static forms (GROUPED_FORMS: those built from the grouped routing, grouped.py: where-loop
@@ -62,24 +70,70 @@ _DEFAULTS = {
 _measured_override: Optional[dict] = None
 """Set by benchmarks/dispatch_costs.py to estimate with the constants it just measured."""
 
+REFERENCE_DEVICE = "NVIDIA H100 80GB HBM3"
+"""The GPU whose constants stand in for a GPU that has none of its own in costs.json."""
 
-@functools.lru_cache(maxsize=1)
-def constants() -> dict[str, Any]:
-    path = os.path.join(os.path.dirname(__file__), "costs.json")
-    values = dict(_DEFAULTS)
+COSTS_PATH = os.path.join(os.path.dirname(__file__), "costs.json")
+
+
+def measured_sets(path: Optional[str] = None) -> dict[str, dict]:
+    """costs.json's constants by device name: ``{"devices": {name: {...}}}`` (a file holding one
+    device's constants at the top level, as written before there were several, counts as that
+    device's). Empty when there is no readable file."""
     try:
-        if _measured_override is not None:
-            measured = dict(_measured_override)
-        else:
-            with open(path, encoding="utf-8") as f:
-                measured = json.load(f)
+        with open(path or COSTS_PATH, encoding="utf-8") as f:
+            doc = json.load(f)
     except (OSError, ValueError):
-        return values
+        return {}
+    if isinstance(doc.get("devices"), dict):
+        return dict(doc["devices"])
+    return {doc.get("device", REFERENCE_DEVICE): doc} if doc else {}
+
+
+def current_device_name(device: Any = None) -> Optional[str]:
+    """``torch.cuda.get_device_name`` of ``device`` (the current CUDA device by default), or None
+    off CUDA."""
+    if device is not None and torch.device(device).type != "cuda":
+        return None
+    if device is None and not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(device)
+
+
+def constants(device_name: Optional[str] = None) -> dict[str, Any]:
+    """The cost model's constants for the GPU named ``device_name`` (default: the current CUDA
+    device; off CUDA, the reference device's), with ``source`` saying which set they are."""
+    return _constants(device_name if device_name is not None else current_device_name())
+
+
+@functools.lru_cache(maxsize=8)
+def _constants(device_name: Optional[str]) -> dict[str, Any]:
+    values = dict(_DEFAULTS)
+    if _measured_override is not None:
+        measured, note = dict(_measured_override), ""
+    else:
+        sets = measured_sets()
+        if not sets:
+            return values
+        if device_name in sets:
+            measured, note = sets[device_name], ""
+        else:
+            stand_in = REFERENCE_DEVICE if REFERENCE_DEVICE in sets else next(iter(sets))
+            measured = sets[stand_in]
+            note = f"; standing in for {device_name}, not measured" if device_name else ""
     values.update({k: v for k, v in measured.items() if k in _DEFAULTS or k in ("device", "date", "torch")})
     values["rate_by_rows"] = {kind: {int(m): float(r) for m, r in table.items()}
                               for kind, table in values.get("rate_by_rows", {}).items()}
-    values["source"] = f"measured ({measured.get('device', '?')}, {measured.get('date', '?')}; costs.json)"
+    values["source"] = f"measured ({measured.get('device', '?')}, {measured.get('date', '?')}; costs.json{note})"
     return values
+
+
+def use_measured(measured: Optional[dict]) -> None:
+    """Estimate with ``measured`` (constants just measured: benchmarks/dispatch_costs.py) on every
+    device, or (None) with costs.json's sets again."""
+    global _measured_override
+    _measured_override = measured
+    _constants.cache_clear()
 
 
 def _hint(size: Any) -> Optional[int]:
@@ -106,10 +160,11 @@ def _rate(c: dict, kind: str, rows: float) -> float:
 
 
 def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes: int,
-             stack_bytes: int, small_batch: bool = False) -> dict[str, float]:
-    """Estimated microseconds of each way to run one layer (see the module docstring); the
-    small-batch form's only with ``small_batch`` (a layer that needs no gradient)."""
-    c = constants()
+             stack_bytes: int, small_batch: bool = False, device_name: Optional[str] = None) -> dict[str, float]:
+    """Estimated microseconds of each way to run one layer (see the module docstring) on the GPU
+    named ``device_name`` (default: the current one); the small-batch form's only with
+    ``small_batch`` (a layer that needs no gradient)."""
+    c = constants(device_name)
     per_group = max(tokens * k / max(experts, 1), 1.0)
     bw = c["bandwidth_gbs"] * 1e3          # bytes per microsecond
     # experts that get a row, expected under uniform routing (each token picks k distinct experts)
@@ -136,11 +191,13 @@ def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes
 
 
 def choose_layer_form(layer: Any, mode: DispatchMode, device_type: str, itemsize: int,
-                      native: bool = True, needs_grad: bool = True) -> tuple[Optional[str], str, dict]:
+                      native: bool = True, needs_grad: bool = True,
+                      device_name: Optional[str] = None) -> tuple[Optional[str], str, dict]:
     """Form for a layer of where-loop units that can take the grouped form (grouped.Layer).
     ``native``: torch._grouped_mm applies (else "auto" does not pick grouped: its stand-in gathers a
     weight matrix per row, fine for tests, not for speed). ``needs_grad``: the layer's output needs
-    a gradient (then "auto" does not weigh the small-batch form)."""
+    a gradient (then "auto" does not weigh the small-batch form). ``device_name``: the GPU whose
+    constants apply (default: the current CUDA device's)."""
     n, k = layer.experts, layer.k
     weight_bytes = n * (layer.flops_per_row // 2) * itemsize
     tokens = _hint(layer.tokens)
@@ -156,11 +213,11 @@ def choose_layer_form(layer: Any, mode: DispatchMode, device_type: str, itemsize
     if device_type != "cuda" or tokens is None:
         return None, "", figures  # the per-unit rule decides (choose_form)
     est = estimate(tokens, n, k, layer.flops_per_row, weight_bytes, layer.stack_bytes,
-                   small_batch=not needs_grad)
+                   small_batch=not needs_grad, device_name=device_name)
     if not native:
         est.pop("grouped")
     figures["estimate_us"] = {f: round(v, 1) for f, v in est.items()}
-    figures["constants"] = constants()["source"]
+    figures["constants"] = constants(device_name)["source"]
     best = min(est, key=est.get)
     text = ", ".join(f"{f} {v:.0f} us" for f, v in est.items())
     if best == "dynamic":

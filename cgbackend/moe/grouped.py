@@ -41,7 +41,7 @@ import torch.fx
 
 from ..common.fx_utils import fake_value, plain_name, sizes_equal
 from ..passes.call_args import argument
-from .form_choice import choose_layer_form
+from .form_choice import choose_layer_form, current_device_name
 from .graph_builder import _Builder, _is, _is_getitem, _shape, _strip_type
 from .expert_layout import consecutive, stacked_view
 from ..config.dispatch_mode import DispatchMode
@@ -314,7 +314,7 @@ def layer_form(layer: Layer, mode: DispatchMode) -> tuple[Optional[str], str, di
     value = fake_value(layer.units[0].rows.out)
     native = layer_is_native(layer)
     form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native,
-                                           value.requires_grad)
+                                           value.requires_grad, device_name=current_device_name(value.device))
     return form, why, figures, native
 
 

@@ -194,8 +194,9 @@ class Recorder:
             error = self._with_inputs(str(exc), static_ins)
         if error is not None:
             # the attempt's static buffers (and the handler's traceback) go before its pool's
-            # blocks are handed back
-            entry.static_ins = None
+            # blocks are handed back, and their addresses stop counting as graph memory
+            shared.forget_persistent([static_ins[p] for p in entry.copy_pos])
+            entry.static_ins = entry.copy_dst = None
             del static_ins, run, entry
             return self.failed_attempt(error)
         elapsed = time.perf_counter() - start

@@ -103,3 +103,15 @@ class RuntimeShared:
             if in_place:
                 self.persistent_ptrs.add(t.data_ptr())
             self.persistent_storages.add(t.untyped_storage().data_ptr())
+
+    def forget_persistent(self, values: Any) -> None:
+        """Static tensors about to be freed that no graph holds (a failed capture's input buffers):
+        their addresses stop being graph memory. Called while they are still alive, so no other
+        live storage shares those addresses; left registered, an eager tensor allocated there
+        later would be copied needlessly on its way to the caller (an extra allocation where
+        memory is short: the eager call after a capture's out-of-memory error)."""
+        for t in iter_tensors(values):
+            if t.numel() == 0:
+                continue
+            self.persistent_ptrs.discard(t.data_ptr())
+            self.persistent_storages.discard(t.untyped_storage().data_ptr())

@@ -30,8 +30,8 @@ def _layer(tokens: int, experts: int, k: int, hidden: int, ffn: int) -> SimpleNa
 
 
 def test_the_committed_costs_and_crossover_come_from_one_run():
-    c = cost.constants()
     meta = _committed()["meta"]
+    c = cost.constants(meta["device"])
     assert c["source"].startswith("measured")
     assert (c["device"], c["date"], c["torch"]) == (meta["device"], meta["date"], meta["torch"])
 
@@ -39,7 +39,8 @@ def test_the_committed_costs_and_crossover_come_from_one_run():
 @pytest.mark.parametrize("row", _crossover(), ids=lambda r: f"E{r['experts']}k{r['k']}T{r['tokens']}")
 def test_auto_picks_a_form_within_15_percent_of_the_fastest_measured(row):
     layer = _layer(row["tokens"], row["experts"], row["k"], row["hidden"], row["ffn"])
-    form, why, figures = cost.choose_layer_form(layer, DispatchMode.AUTO, "cuda", 2, native=True, needs_grad=False)
+    form, why, figures = cost.choose_layer_form(layer, DispatchMode.AUTO, "cuda", 2, native=True, needs_grad=False,
+                                                device_name=_committed()["meta"]["device"])
     measured = {f: row[f"{f}_ms"] for f in FORMS}
     assert form in measured, why
     assert measured[form] <= 1.15 * min(measured.values()), (form, measured, figures["estimate_us"])
@@ -89,8 +90,8 @@ def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypat
 
     real, seen = cost.choose_layer_form, []
 
-    def on_cuda(layer, mode, device_type, itemsize, native=True, needs_grad=True):
-        out = real(layer, mode, "cuda", itemsize, native, needs_grad)
+    def on_cuda(layer, mode, device_type, itemsize, native=True, needs_grad=True, device_name=None):
+        out = real(layer, mode, "cuda", itemsize, native, needs_grad, device_name=device_name)
         seen.append((needs_grad, out[0]))
         return out
 
@@ -104,3 +105,29 @@ def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypat
     assert seen and all(needs == grad for needs, _ in seen), seen
     forms = {r.form for r in result.rewrites}
     assert ("small_batch" in forms) is (not grad), (forms, seen)
+
+
+def test_constants_are_picked_by_device_name(tmp_path, monkeypatch):
+    """One set per GPU in costs.json; a GPU without its own set takes the reference device's, and
+    the source says it stands in; a file in the one-device layout still reads as that device's."""
+    h100 = dict(cost.measured_sets()[cost.REFERENCE_DEVICE])
+    other = dict(h100, device="Other GPU", date="2099-01-01", bandwidth_gbs=1.0)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"devices": {cost.REFERENCE_DEVICE: h100, "Other GPU": other}}))
+    monkeypatch.setattr(cost, "COSTS_PATH", str(path))
+    cost.use_measured(None)
+    try:
+        assert cost.constants("Other GPU")["bandwidth_gbs"] == 1.0
+        assert cost.constants("Other GPU")["source"] == "measured (Other GPU, 2099-01-01; costs.json)"
+        stand_in = cost.constants("NVIDIA H200")
+        assert stand_in["bandwidth_gbs"] == h100["bandwidth_gbs"]
+        assert stand_in["source"].endswith("standing in for NVIDIA H200, not measured)")
+        assert cost.constants(cost.REFERENCE_DEVICE)["source"].endswith("; costs.json)")
+        path.write_text(json.dumps(other))  # the one-device layout
+        cost.use_measured(None)
+        assert set(cost.measured_sets(str(path))) == {"Other GPU"}
+        assert cost.constants("Other GPU")["bandwidth_gbs"] == 1.0
+    finally:
+        monkeypatch.undo()
+        cost.use_measured(None)
+    assert cost.constants(cost.REFERENCE_DEVICE)["bandwidth_gbs"] == h100["bandwidth_gbs"]

@@ -165,6 +165,33 @@ def test_bad_options_fail_fast_with_the_valid_list():
         cgbackend.compile(_MLP(), wramup=3)
 
 
+def test_failed_capture_leaves_no_graph_memory_behind(monkeypatch):
+    """A capture that fails (out of memory, injected here) after its static input buffers were
+    made: the eager call that follows, and every later one, is what eager alone would allocate.
+    The attempt's buffers stop counting as graph memory, so an eager output that the allocator
+    places where one of them lay is handed over as is, never copied (a copy needs memory that an
+    out-of-memory error just said is not there)."""
+    from cgbackend.runtime.capture import CaptureError, Capturer
+    seen = []
+
+    def failing(self, fn, pool, restore=(), **kwargs):
+        seen.extend(t.untyped_storage().data_ptr() for t in restore if t.numel())
+        raise CaptureError("OutOfMemoryError: CUDA out of memory (injected)")
+
+    monkeypatch.setattr(Capturer, "capture", failing)
+    model = _MLP().to(DEV).eval()
+    compiled = cgbackend.compile(model, **SIM)
+    xs = [torch.randn(8, 16, device=DEV) for _ in range(4)]
+    _check(compiled, model, xs)
+    shared = cgbackend.find_backend(compiled).shared
+    assert seen, "the capture was attempted with static input buffers"
+    assert not set(seen) & shared.persistent_storages
+    st = cgbackend.stats(compiled)
+    assert len(st["capture_failures"]) == 1 and "out of memory" in st["capture_failures"][0]["error"]
+    assert st["eager_calls"].get("capture_failed", 0) == len(xs) - 1
+    assert st["graphs_captured"] == 0 and shared.counters.output_clones == 0
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 
@@ -206,7 +233,9 @@ with torch.no_grad():
         torch.cuda.set_per_process_memory_fraction(1.0)
     ok = [torch.allclose(o, r, rtol=1e-5, atol=1e-5) for o, r in zip(outs, refs)]
 st = cgbackend.stats(compiled)
-print(json.dumps({"ok": ok, "failures": st["capture_failures"], "eager": dict(st["eager_calls"])}))
+clones = cgbackend.find_backend(compiled).shared.counters.output_clones
+print(json.dumps({"ok": ok, "failures": st["capture_failures"], "eager": dict(st["eager_calls"]),
+                  "clones": clones}))
 """
 
 
@@ -223,6 +252,7 @@ def test_out_of_memory_during_capture_falls_back_with_the_reason():
     assert len(result["failures"]) == 1, result
     assert "out of memory" in result["failures"][0]["error"].lower()
     assert result["eager"].get("capture_failed", 0) >= 1
+    assert result["clones"] == 0  # eager outputs handed over as they are, with no memory beyond eager's
 
 
 @pytest.mark.cuda
