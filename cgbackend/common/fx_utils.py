@@ -62,6 +62,22 @@ def storage_ids(value: Any) -> set[int]:
     return ids
 
 
+def is_subgraph_attr(node: torch.fx.Node) -> bool:
+    """A ``get_attr`` of a module (a higher-order op's body: ``autograd_function_apply``'s forward
+    and backward, a cond's branches). Not a value a region can take or return: each region whose
+    ops call it reads it from the root itself (runtime/split.py)."""
+    if node.op != "get_attr":
+        return False
+    root = node.graph.owning_module
+    if root is None:
+        return False
+    try:
+        value = operator.attrgetter(node.target)(root)
+    except AttributeError:
+        return False
+    return isinstance(value, torch.nn.Module)
+
+
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Nodes that run something: everything except placeholders and the output node."""
     return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]

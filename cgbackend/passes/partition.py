@@ -34,7 +34,7 @@ import torch
 import torch.fx
 
 from ..config import Config
-from ..common.fx_utils import callee_name, compute_nodes, fake_value
+from ..common.fx_utils import callee_name, compute_nodes, fake_value, is_subgraph_attr
 from ..common.reasons import Reason, Rule, reason_for
 from .classify import Classification
 from .launch_estimate import estimate_kernels
@@ -149,7 +149,8 @@ def partition(gm: torch.fx.GraphModule, classification: Classification, effects:
               config: Config, constants: Collection[torch.fx.Node] = ()) -> Partition:
     """``constants``: nodes hoisted out of every region (passes/constants.py); they become region
     inputs, like placeholders."""
-    nodes = [n for n in compute_nodes(gm) if n not in constants] if constants else compute_nodes(gm)
+    # Higher-order ops' bodies belong to no region: each region that calls one reads it itself.
+    nodes = [n for n in compute_nodes(gm) if n not in constants and not is_subgraph_attr(n)]
     order = {n: i for i, n in enumerate(nodes)}
     static = {n: classification.is_static(n) for n in nodes}
     extra: dict[torch.fx.Node, Reason] = {}
@@ -229,7 +230,7 @@ def set_boundaries(gm: torch.fx.GraphModule, regions: list[Region],
         seen: set[torch.fx.Node] = set()
         for node in region.nodes:
             for inp in node.all_input_nodes:
-                if region_of.get(inp) is not region and inp not in seen:
+                if region_of.get(inp) is not region and inp not in seen and not is_subgraph_attr(inp):
                     seen.add(inp)
                     region.inputs.append(inp)
         for node in region.nodes:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.fx
 
+from ..common.fx_utils import is_subgraph_attr
 from ..passes.partition import Region
 
 __all__ = ["Step", "build_region_module"]
@@ -49,6 +50,10 @@ def build_region_module(gm: torch.fx.GraphModule, region: Region,
         placeholder.meta = dict(inp.meta)
         env[inp] = placeholder
     for node in (order if order is not None else region.nodes):
+        for body in node.all_input_nodes:
+            if body not in env and is_subgraph_attr(body):  # passes/partition.py: read where called
+                env[body] = graph.get_attr(body.target)
+                env[body].meta = dict(body.meta)
         new = graph.node_copy(node, lambda n: env[n])
         if rewrites is not None and node in rewrites:
             target, args = rewrites[node]

@@ -268,6 +268,47 @@ def test_every_exchange_of_torch_before_212_is_waited_for_by_every_call(one_rank
     assert pending == [0] * 7, pending
 
 
+class _AroundExchange(torch.nn.Module):
+    """Static runs of ops before and after torch < 2.12's exchange (an autograd.Function that Dynamo
+    records as a higher-order op whose bodies are get_attr nodes)."""
+
+    def __init__(self, group) -> None:
+        super().__init__()
+        self.group = group
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.tanh(h) * 2 + h.sigmoid() - h.cos()
+        y = all_to_all_before_212(h, None, None, self.group)
+        return self.b(torch.relu(y) * 3 + y.exp() - y.sin())
+
+
+@needs_dist
+def test_a_higher_order_ops_bodies_are_read_where_it_runs_not_passed_between_regions(one_rank_group):
+    """The bodies of the eager exchange once went to the region before it as outputs, and Inductor
+    cannot compile a region returning modules: that region ran eager's kernels (seen on two H200s,
+    torch 2.11, every rank)."""
+    model = _AroundExchange(one_rank_group).double()
+    ref = _AroundExchange(one_rank_group).double()
+    ref.load_state_dict(model.state_dict())
+    compiled = cgbackend.compile(model, simulate_graphs=True, inner="inductor", warmup=1)
+    for _ in range(4):
+        x = torch.randn(4, 8, dtype=torch.float64)
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        out, expected = compiled(x), ref(x)
+        torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-9)
+    stats = cgbackend.stats(compiled)
+    assert stats["inner_fallbacks"] == {}, stats["inner_failures"]
+    assert stats["static_regions"] == 2 and stats["dynamic_regions"] == 1, stats
+    assert stats["replays"] > 0, stats
+
+
 # ----------------------------------------------------------------------------- runtime: exactly once
 
 class _Exchange(torch.nn.Module):
