@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from .passes.pipeline import Analysis, analyze
-from .reporting.breaks import break_text, source_of_stack
+from .reporting.breaks import break_text, code_of_stack, source_of_stack
 from .common import progress
 from .config import Config
 from .reporting.dryrun import DryRun
@@ -30,6 +30,7 @@ from .frontend.tracing import trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
 from .frontend.prepare import Prepared
+from .moe.loop_forwards import mark_traced
 from .moe.report_notes import annotate_report
 from .runtime.region_timer import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
@@ -53,8 +54,9 @@ def graph_break_info(gm: torch.fx.GraphModule) -> Optional[dict[str, str]]:
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
-    source = source_of_stack(getattr(reason, "user_stack", None))
-    return {"reason": break_text(str(getattr(reason, "reason", ""))), "source": source}
+    stack = getattr(reason, "user_stack", None)
+    return {"reason": break_text(str(getattr(reason, "reason", ""))), "source": source_of_stack(stack),
+            "code": code_of_stack(stack)}
 
 
 class CGBackend:
@@ -160,6 +162,7 @@ class CGBackend:
         with self._lock:
             index = len(self._graphs)
             started = time.perf_counter()
+            mark_traced(gm, self.loops)  # which rewritten loops the model ran (the report, the gradient notice)
             analysis = analyze(gm, self.config, loops=self.loops)
             analysed_s = time.perf_counter() - started
             break_info = graph_break_info(gm)

@@ -27,8 +27,6 @@ dispatch mode stops Dynamo from running compiled code, and the measurement is sk
 from __future__ import annotations
 
 import collections
-import linecache
-import os
 import sys
 from typing import Any, Callable, Optional
 
@@ -37,12 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .launch_profile import OP_RANGE, REGION_RANGE, Attribution, LaunchProfiler, op_range
 from ..common.reasons import EagerReason
+from ..common.user_code import frame_source, user_frame
 
 __all__ = ["LaunchCounter", "Launches", "Tally", "counting_supported", "launches_op", "measure_launches",
            "runtime_launches", "launch_text"]
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 _NO_KERNEL = frozenset({
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted",
@@ -87,24 +83,8 @@ def launches_op(func: Any) -> bool:
 
 def _user_frame() -> tuple[str, str]:
     """``(source, code)`` of the innermost frame outside torch and cgbackend."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)
-                or filename.startswith("<")):
-            base = filename.replace("\\", "/").rsplit("/", 1)[-1]
-            code = linecache.getline(filename, frame.f_lineno).strip()
-            return f"{base}:{frame.f_lineno} in {_function_name(frame.f_code.co_name)}", code
-        frame = frame.f_back
-    return "?", ""
-
-
-def _function_name(name: str) -> str:
-    """The user's function behind Dynamo's resume functions (``torch_dynamo_resume_in_f_at_12``)."""
-    prefix = "torch_dynamo_resume_in_"
-    if name.startswith(prefix) and "_at_" in name:
-        return name[len(prefix):].rsplit("_at_", 1)[0]
-    return name
+    frame, _ = user_frame(sys._getframe(2))
+    return frame_source(frame) if frame is not None else ("?", "")
 
 
 class LaunchCounter(TorchDispatchMode):

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from .entry import entry_text
 from .hints import hint_option, option_cli, option_python, source_text
+from .text import roles_text
 
 __all__ = ["render_html"]
 
@@ -153,7 +154,8 @@ def _split_text(parts: dict[str, Any]) -> str:
 
 def _tooltip(region: Any, weight: float, unit: str, timing: Optional[dict[str, Any]],
              counters: Optional[dict[str, Any]]) -> str:
-    lines = [f"{region.id}: {region.kind}, role {region.role}, {region.ops} ops, {weight:g} ({unit})"]
+    lines = [f"{region.id}: {region.kind}, role {region.role}, {region.ops} ops, {weight:g} ({unit})",
+             f"roles (ops, share): {roles_text(region.roles)}"]
     if timing:
         lines.append("time: " + _split_text(timing))
     if counters:
@@ -329,7 +331,7 @@ def _table(report: Any, weights: dict[str, float], unit: str, timing: dict[str, 
     out = ['<section id="details"><h2>Regions</h2><div class="scroll"><table id="regions">',
            f"<tr>{''.join(head)}</tr>"]
     for r in report.regions():
-        cells = [f"<td>{_e(r.id)}</td><td>{_e(r.kind)}</td><td>{_e(r.role)}</td>"]
+        cells = [f"<td>{_e(r.id)}</td><td>{_e(r.kind)}</td><td title=\"{_e(roles_text(r.roles))}\">{_e(r.role)}</td>"]
         if timing:
             parts = timing.get(r.id, {})
             cells.append("".join(f'<td class="num">{parts[how]["total_ms"]:.3f}</td>' if how in parts

@@ -14,7 +14,7 @@ from .entry import entry_text
 from .hints import hints_text
 from .memory_estimate import memory_text
 
-__all__ = ["render_text"]
+__all__ = ["render_text", "roles_text"]
 
 
 def _io_text(items: list[dict[str, str]], limit: int = 2) -> str:
@@ -26,6 +26,12 @@ def _io_text(items: list[dict[str, str]], limit: int = 2) -> str:
     if rest > 0:
         text += f"{', ' if shown else ''}+{rest}"
     return text
+
+
+def roles_text(roles: dict[str, int]) -> str:
+    """"attention 84 (35%), experts 60 (25%)": each role's ops and share, most first."""
+    total = sum(roles.values()) or 1
+    return ", ".join(f"{k} {v} ({100 * v / total:.0f}%)" for k, v in sorted(roles.items(), key=lambda kv: -kv[1]))
 
 
 def _paths_text(paths: list[str], limit: int = 3) -> str:
@@ -115,6 +121,10 @@ def _opaque_modules_text(opaque: dict[str, Any], summary: dict[str, Any]) -> lis
 def _loop_rewrites_text(loops: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in loops:
+        if r.get("traced") is False:  # the model took another path: nothing of the loop is in a graph
+            lines.append(f"  dispatch loop at {r['source']}: not run by the traced call (the model took another "
+                         "path, such as grouped_mm experts), so nothing of it is in a graph")
+            continue
         fold = r.get("fold", "")
         if fold:
             lines.append(f"  dispatch loop at {r['source']}: " + (
@@ -215,6 +225,8 @@ def render_text(report: Any) -> str:
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")
+        if brk.get("code"):
+            lines.append(f"{'':<4}`{brk['code']}`")
     explained: set[str] = set()  # rules whose meaning the text has given (once each)
     for g in report.graphs:
         mode = "training" if g.training else "inference"
@@ -234,8 +246,7 @@ def render_text(report: Any) -> str:
         for r in g.regions:
             lines.append(f"  {r.id.split('.')[-1]:<8}{r.kind:<9}{r.role:<14}{r.ops:>5}{r.est_kernels:>7}  "
                          f"{_io_text(r.inputs)} -> {_io_text(r.outputs)}")
-            composition = ", ".join(f"{k} {v}" for k, v in sorted(r.roles.items(), key=lambda kv: -kv[1]))
-            lines.append(f"{'':<10}roles: {composition}")
+            lines.append(f"{'':<10}roles (ops, share): {roles_text(r.roles)}")
             lines.append(f"{'':<10}modules: {_paths_text(r.module_paths)}")
             if r.symbols:
                 syms = ", ".join(f"{k}({v})" for k, v in r.symbols.items())

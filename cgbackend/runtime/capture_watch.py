@@ -14,13 +14,13 @@ same line at INFO. The check costs one integer comparison per call of a compiled
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from ..common.notices import NothingCapturedWarning
 from ..common.reasons import EagerReason
+from ..common.user_code import warn
 
 __all__ = ["CaptureWatch", "settle_call"]
 
@@ -130,7 +130,7 @@ class CaptureWatch:
         self.warned = True
         message = f"cgbackend: nothing was captured as a CUDA graph, every call runs eagerly: {reason}"
         log.info("%s", message)
-        warnings.warn(message, NothingCapturedWarning, stacklevel=2)
+        warn(message, NothingCapturedWarning)  # at the user's call, not at this file
 
     def reset(self) -> None:
         self.warned = False
