@@ -49,7 +49,7 @@ _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 def mark_traced(gm: torch.fx.GraphModule, loops: Sequence[LoopRewrite]) -> None:
     """Record on each of ``loops`` whether ``gm`` (a graph Dynamo handed over) has a node from its
     lines; a loop found in one graph stays found."""
-    pending = [loop for loop in loops if not loop.traced and loop.filename]
+    pending = [loop for loop in loops if loop.form and not loop.traced and loop.filename]
     if not pending:
         return
     for loop in pending:

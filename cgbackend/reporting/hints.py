@@ -137,7 +137,7 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
     summary = report.summary
     launches = summary.get("launches") or {}
     by_region = launches.get("by_region") or {}
-    # as launch_coverage: 1 - (launches left outside graphs) / (an eager call's launches)
+    # as launch_coverage: 1 - (launches left outside graphs) / (the call's launches)
     outside = total = 0.0
     for g, fraction in zip(report.graphs, fractions):
         n = sum(by_region.get(r.id, r.est_kernels if not by_region else 0) for r in g.regions)
@@ -148,7 +148,7 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
     measured = launches.get("basis") == "measured"
     if measured:
         outside += launches.get("uncompiled") or 0
-        total = max(total + (launches.get("uncompiled") or 0), launches.get("eager_call") or 0)
+        total += launches.get("uncompiled") or 0
     estimate = 1.0 - outside / total if total else 0.0
     now = summary.get("launch_coverage")
     now_text = f", now {100 * now:.0f}%" if now is not None else ""

@@ -35,6 +35,7 @@ from typing import Any, Optional
 
 from .entry import entry_text
 from .hints import hint_option, option_cli, option_python, source_text
+from .figures import count, summary_figures
 from .text import roles_text
 
 __all__ = ["render_html"]
@@ -174,26 +175,10 @@ def _tooltip(region: Any, weight: float, unit: str, timing: Optional[dict[str, A
 
 def _summary_rows(report: Any) -> list[tuple[str, str]]:
     s = report.summary
-    rows = [("graphs / graph breaks", f"{s['graphs']} / {s['graph_breaks']}"
-             + (f" (Dynamo graphs run {s['graph_runs_per_call']} times per call)"
-                if s.get("graph_runs_per_call", s["graphs"]) != s["graphs"] else "")),
+    rows = [("graphs / graph breaks", f"{s['graphs']} / {s['graph_breaks']}"),
             ("ops (static fraction)", f"{s['ops']} ({s['static_op_fraction']:.3f})"),
             ("static / dynamic regions", f"{s['static_regions']} / {s['dynamic_regions']}"),
-            ("kernel launches per call (estimated)",
-             f"{s['est_kernels_eager']} all eager -> {s['est_launches_graphed']} with graphs")]
-    cov = s.get("launch_coverage")
-    info = s.get("launches") or {}
-    if cov is not None:
-        if info.get("basis") == "measured":
-            weights = "profiled launches per op" if info.get("weights") == "profiled" else "one launch per op"
-            detail = (f"measured, {weights}: {info['in_graphs']} of {info['eager_call']} launches of an eager "
-                      f"call in graphs, {info['in_dynamic_regions']} in dynamic regions, {info['uncompiled']} uncompiled")
-        else:
-            after = f" of the {info['calls']} calls after warm-up" if info.get("calls") is not None else ""
-            detail = f"runtime: {info['in_graphs']} of {info['with_cgbackend']} estimated launches{after} in replays"
-            if info.get("upper_bound"):
-                detail += " (upper bound: code outside compiled graphs not seen)"
-        rows.insert(2, ("launch coverage", f"{cov:.3f} ({detail})"))
+            *summary_figures(s)]  # the text report's figures, in its words (figures.py)
     totals: dict[str, float] = {}
     for parts in _timing(report).values():
         for how, t in parts.items():
@@ -271,10 +256,10 @@ def _timeline(report: Any, weights: dict[str, float], unit: str, timing: dict[st
         return sum(ops * per_op.get(source, 1.0) for source, ops in item["parts"])
 
     total = sum(weight(item) for item in sequence) or 1.0
-    caption = (f"{len(sequence)} steps of one call as explain ran it: a graph that runs several times per call "
-               "(a layer's graph once per layer) appears once per run, uncompiled code where it ran"
+    caption = (f"{count(len(sequence), 'step')} of one call as explain ran it: a graph that runs several times "
+               "per call (a layer's graph once per layer) appears once per run, uncompiled code where it ran"
                if measured else
-               f"{len(report.graphs)} graph(s) in the order Dynamo compiled them, each once (the order of one "
+               f"{count(len(report.graphs), 'graph')} in the order Dynamo compiled them, each once (the order of one "
                "call was not measured: cgbackend.explain measures it)")
     out = ['<section id="timeline"><h2>Regions in the order they run in one call</h2>',
            '<div class="legend"><span><i class="swatch static"></i>static (CUDA graph)</span>'

@@ -9,7 +9,7 @@ from typing import Any
 from ..common.reasons import EagerReason, Rule
 from ..runtime.memory import released_kinds
 from ..runtime.region_timer import timing_text
-from .coverage import launch_text
+from .figures import count, summary_figures
 from .entry import entry_text
 from .hints import hints_text
 from .memory_estimate import memory_text
@@ -58,6 +58,17 @@ def _buckets_text(buckets: dict[str, dict[str, Any]]) -> list[str]:
             why.append(f"{name} not bucketable: {b['why']}{where}")
     lines = [f"{'':<10}graphs keyed on: {', '.join(parts)}"]
     lines.extend(f"{'':<12}{w}" for w in why)
+    return lines
+
+
+def _uncompiled_text(summary: dict[str, Any]) -> list[str]:
+    """The lines under the launch coverage: where a call ran uncompiled code (explain's measurement)."""
+    lines = []
+    for src in ((summary.get("launches") or {}).get("uncompiled_sources") or [])[:6]:
+        ops = ", ".join(f"{op} x{n}" for op, n in src["ops"].items())
+        lines.append(f"{'':<4}uncompiled: {count(src['launches'], 'launch')} at {src['source']} ({ops})")
+        if src["code"]:
+            lines.append(f"{'':<8}`{src['code']}`")
     return lines
 
 
@@ -121,9 +132,9 @@ def _opaque_modules_text(opaque: dict[str, Any], summary: dict[str, Any]) -> lis
 def _loop_rewrites_text(loops: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in loops:
-        if r.get("traced") is False:  # the model took another path: nothing of the loop is in a graph
-            lines.append(f"  dispatch loop at {r['source']}: not run by the traced call (the model took another "
-                         "path, such as grouped_mm experts), so nothing of it is in a graph")
+        if r["form"] and r.get("traced") is False:  # nothing of the rewritten loop is in a graph
+            lines.append(f"  dispatch loop at {r['source']}: rewritten, but no graph Dynamo traced runs it (the "
+                         "model's experts took another path, such as grouped_mm, or the code ran uncompiled)")
             continue
         fold = r.get("fold", "")
         if fold:
@@ -201,18 +212,11 @@ def render_text(report: Any) -> str:
         f"  graphs: {s['graphs']}   graph breaks: {s['graph_breaks']}   ops: {s['ops']}",
         f"  static_op_fraction: {s['static_op_fraction']:.3f} (kernels ~{s['static_kernel_fraction']:.3f})"
         f"   static regions: {s['static_regions']}   dynamic regions: {s['dynamic_regions']}",
-        f"  kernel launches per call (estimated): {s['est_kernels_eager']} all eager -> "
-        f"{s['est_launches_graphed']} with graphs ({s['graph_launches_per_call']} graph launches + "
-        f"{s['est_launches_graphed'] - s['graph_launches_per_call']} eager)"
-        + (f"; Dynamo graphs run {s['graph_runs_per_call']} times per call"
-           if s['graph_runs_per_call'] != s['graphs'] else ""),
     ]
-    if s.get("est_graph_bytes"):
-        lines.append(f"  graph memory (estimate, before capture): at most {s['est_graph_bytes'] / 2**20:.1f} MiB "
-                     "for one graph of each static region (each at its largest capture size)")
     if report.traced_as:
         lines.append(f"  traced as {report.traced_as['mode']}: {report.traced_as['why']}")
-    lines.extend(launch_text(s))
+    lines.extend(f"  {label}: {text}" for label, text in summary_figures(s))
+    lines.extend(_uncompiled_text(s))
     for note in report.notes:
         lines.append(f"  note: {note}")
     lines.extend(hints_text(report.hints))
