@@ -42,6 +42,7 @@ from .runtime.release import finalizer, release_graphs
 from .runtime.shared import RuntimeShared
 from .runtime.stats import Counters
 from .common.reasons import EagerReason
+from .common.wording import count
 from .reporting import structured
 
 __all__ = ["CGBackend"]
@@ -176,9 +177,9 @@ class CGBackend:
         part = analysis.partition
         ops = sum(1 for r in part.regions for n in r.nodes if n.op.startswith("call_"))
         static_ops = sum(1 for r in part.static_regions() for n in r.nodes if n.op.startswith("call_"))
-        log.info("cgbackend: graph %d: %d ops, %d static regions (%.0f%% of ops), %d dynamic regions%s",
-                 index, ops, len(part.static_regions()), 100.0 * static_ops / max(ops, 1),
-                 len(part.dynamic_regions()),
+        log.info("cgbackend: graph %d: %s, %s (%.0f%% of ops), %s%s",
+                 index, count(ops, "op"), count(len(part.static_regions()), "static region"),
+                 100.0 * static_ops / max(ops, 1), count(len(part.dynamic_regions()), "dynamic region"),
                  f" [{compiled.blocked}]" if compiled.blocked else "")
         progress.log.log(progress.level(analysed_s + (traced_s or 0.0)),
                          "cgbackend: graph %d: %sanalysed by cgbackend in %.1f s; its static regions compile and "

@@ -19,16 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..common.wording import count
+
 __all__ = ["count", "coverage_detail", "estimated_launches", "graph_memory", "launch_coverage", "summary_figures"]
-
-
-def count(n: int, noun: str, nouns: Optional[str] = None) -> str:
-    """``"1 graph launch"``, ``"2 graph launches"``: ``n`` and the noun in its number."""
-    if n == 1:
-        return f"{n} {noun}"
-    if nouns is None:
-        nouns = noun + ("es" if noun.endswith(("s", "sh", "ch", "x")) else "s")
-    return f"{n} {nouns}"
 
 
 def estimated_launches(s: dict[str, Any]) -> tuple[str, str]:

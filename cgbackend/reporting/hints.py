@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch.fx
 
 from ..config import Config, DispatchMode
+from ..common.wording import count
 from ..common.fx_utils import copy_module, source_frame, source_location, user_function
 
 __all__ = ["MEMORY_HINT_BYTES", "build_hints", "hint_option", "hints_text", "option_cli", "option_python",
@@ -194,7 +195,7 @@ def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]
         if not (_DATA_DEPENDENT.search(reason) or _DATA_DEPENDENT_ITER.search(match.group("iter"))):
             continue
         seen.add(source)
-        cost = f" ({uncompiled} launches of a call ran uncompiled)" if uncompiled else ""
+        cost = f" ({count(uncompiled, 'launch')} of a call ran uncompiled)" if uncompiled else ""
         what = (f"this graph break comes from iterating a data-dependent tensor at {source} (`{code}`): "
                 f"Dynamo cannot unroll a loop whose length only the device knows, so the rest of the frame "
                 f"runs uncompiled{cost}. ")

@@ -35,7 +35,8 @@ from typing import Any, Optional
 
 from .entry import entry_text
 from .hints import hint_option, option_cli, option_python, source_text
-from .figures import count, summary_figures
+from ..common.wording import count
+from .figures import summary_figures
 from .text import roles_text
 
 __all__ = ["render_html"]

@@ -9,7 +9,8 @@ from typing import Any
 from ..common.reasons import EagerReason, Rule
 from ..runtime.memory import released_kinds
 from ..runtime.region_timer import timing_text
-from .figures import count, summary_figures
+from ..common.wording import count
+from .figures import summary_figures
 from .entry import entry_text
 from .hints import hints_text
 from .memory_estimate import memory_text
@@ -192,7 +193,7 @@ def _derived_text(derived: list[dict[str, Any]]) -> str:
     total = sum(ops.values())
     costly = sorted((op for op in ops if kernels[op] > 0), key=lambda op: (-kernels[op], -ops[op]))
     free = sorted((op for op in ops if kernels[op] == 0), key=lambda op: -ops[op])
-    text = f"+ {total} ops that follow from those"
+    text = f"+ {count(total, 'op')} that follow{'s' if total == 1 else ''} from those"
     if costly:
         text += (f", ~{sum(kernels.values())} kernels: "
                  + ", ".join(f"{op} x{ops[op]} (~{kernels[op]})" for op in costly[:4])

@@ -105,7 +105,7 @@ def test_a_regions_role_is_what_most_of_its_ops_do(demo):
     (0, "launch", "0 launches"), (3, "static region", "3 static regions"),
 ])
 def test_counts_agree_in_number(n, noun, expected):
-    from cgbackend.reporting.figures import count
+    from cgbackend.common.wording import count
     assert count(n, noun) == expected
 
 
