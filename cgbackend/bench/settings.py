@@ -155,8 +155,8 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
     p.add_argument("--timing", choices=("alternate", "sequential"),
                    help="alternate (default): a case's contenders are compiled, warmed up and judged one "
                         "after the other and kept, then timed in 5 alternating blocks; sequential: each is "
-                        "timed alone right after its warm-up and dropped (less memory held; decode rows "
-                        "are always sequential)")
+                        "timed alone right after its warm-up and dropped (less memory held); decode rows "
+                        "follow it too: their timed rounds alternate by the same rule")
     p.add_argument("--share-weights", action="store_true", default=None,
                    help="inference: all contenders share one device copy of the weights (default for models "
                         "that set it, such as moe-128e-deep)")
