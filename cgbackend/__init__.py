@@ -33,7 +33,7 @@ else:
     from .backend import CGBackend
     from .by_name import register as _register_backend
     from .common.logs import register as _register_logs
-    from .common.notices import CGBackendWarning, NothingCapturedWarning
+    from .common.notices import CGBackendWarning, NothingCapturedWarning, UncompiledCallsWarning
     from .common.reasons import Reason, Rule
     from .config import Config, ConfigError
     from .frontend.marks import mark_dynamic
@@ -48,4 +48,4 @@ else:
 
     __all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning",
                "Reason", "Report", "Rule", "backend", "compile", "explain", "find_backend", "mark_dynamic", "prepare",
-               "report", "reset", "stats", "summary", "warm_up", "WarmUp", "__version__"]
+               "report", "reset", "stats", "summary", "UncompiledCallsWarning", "warm_up", "WarmUp", "__version__"]

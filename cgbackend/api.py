@@ -13,7 +13,7 @@ from .by_name import by_name_backends, find_backend, reset_default_backend
 from .config import Config
 from .config.suggest import check_callable
 from .frontend.prepare import prepare_for_compile
-from .frontend.regional import Overrides, regional_overrides
+from .frontend.regional import regional_overrides
 from .frontend.tracing import CompileScope, data_dependent_failure, dynamic_ops_config
 from .integrations import opaque
 from .integrations.distributed import WholeGraphUnderDDP, is_ddp
@@ -34,21 +34,39 @@ def _call_tracing_dynamic_ops(instance: CGBackend, fn: Callable[..., Any], args:
     """Call ``fn`` with data-dependent ops traced into the graph; if Dynamo fails on a data-dependent
     value, trace as plain torch.compile does (a graph break there) from then on, counted and shown
     in the report. The call is retried only when no compiled graph ran during the failed attempt
-    (tracing itself runs none of the model's code)."""
-    if instance.trace_fallback is not None:
-        return fn(*args, **kwargs)
+    (tracing itself runs none of the model's code); a frame that fails after a graph of the call
+    ran is run as it is by Dynamo instead (tracing.CompileScope), and the fallback starts with the
+    next call. A call during which no graph of the instance ran was run by Dynamo without it:
+    counted (uncompiled.py)."""
     counters = instance.shared.counters
     calls = counters.graph_calls
-    scope = dynamic_ops_config() if instance.switch_per_call or not CompileScope.install() else CompileScope()
+    if instance.trace_fallback is not None:
+        out = fn(*args, **kwargs)
+        if counters.graph_calls == calls:
+            _ran_uncompiled(instance)
+        return out
+    scope = dynamic_ops_config() if instance.switch_per_call or not CompileScope.install() else CompileScope(counters)
     try:
         with scope:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
     except Exception as exc:
         cause = data_dependent_failure(exc)
         if cause is None or counters.graph_calls != calls:
             raise
         instance.note_trace_fallback(cause)
-    return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    failure = scope.failure() if isinstance(scope, CompileScope) else None
+    if failure is not None:
+        instance.note_frame_failure(*failure)
+    if counters.graph_calls == calls:
+        _ran_uncompiled(instance)
+    return out
+
+
+def _ran_uncompiled(instance: CGBackend) -> None:
+    instance.uncompiled.note("model", "no compiled graph of cgbackend ran during the call: Dynamo ran the "
+                                      "model's code as it is (a function at its recompile limit, or nothing it "
+                                      "could compile)")
 
 
 class _NoLoops:
@@ -93,8 +111,8 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     prepared = prepare_for_compile(model, config, fullgraph=fullgraph)  # frontend/prepare.py
     instance = CGBackend(config, prepared=prepared)
     loops: Any = prepared.forwards if prepared.forwards is not None else _NO_LOOPS
-    overrides = Overrides(regional_overrides(prepared.stacks, instance, dynamic=dynamic,
-                                             forward_of=lambda layer: loops.function_of(layer) or type(layer).forward))
+    overrides = regional_overrides(prepared.stacks, instance, dynamic=dynamic,
+                                   forward_of=lambda layer: loops.function_of(layer) or type(layer).forward)
     compiled = torch.compile(model, backend=instance, dynamic=dynamic, fullgraph=fullgraph)
     if isinstance(compiled, torch.nn.Module):
         traced_forward = compiled.forward

@@ -13,6 +13,7 @@ counters along with Dynamo's caches.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import weakref
@@ -26,7 +27,7 @@ from .reporting.breaks import break_text, code_of_stack, source_of_stack
 from .common import progress
 from .config import Config
 from .reporting.dryrun import DryRun
-from .frontend.tracing import trace_scope_missed
+from .frontend.tracing import is_data_dependent, trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
 from .frontend.prepare import Prepared
@@ -43,6 +44,7 @@ from .runtime.shared import RuntimeShared
 from .runtime.stats import Counters
 from .common.reasons import EagerReason
 from .common.wording import count
+from .frontend.uncompiled import UncompiledCalls
 from .reporting import structured
 
 __all__ = ["CGBackend"]
@@ -58,6 +60,19 @@ def graph_break_info(gm: torch.fx.GraphModule) -> Optional[dict[str, str]]:
     stack = getattr(reason, "user_stack", None)
     return {"reason": break_text(str(getattr(reason, "reason", ""))), "source": source_of_stack(stack),
             "code": code_of_stack(stack)}
+
+
+def _function_of(gm: torch.fx.GraphModule) -> str:
+    """``file.py:LINE in func`` of the user function a Dynamo graph was traced from (its first
+    node's outermost user frame), for messages."""
+    for node in gm.graph.nodes:
+        match = _FRAME.search(node.meta.get("stack_trace") or "")
+        if match:
+            return f"{match['file'].replace(chr(92), '/').rsplit('/', 1)[-1]}:{match['line']} in {match['func']}"
+    return "a compiled function"
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 
 class CGBackend:
@@ -100,6 +115,8 @@ class CGBackend:
         self.switch_per_call = False
         """cgbackend.compile switches Dynamo's data-dependent settings around each call rather than
         around each compile (tracing.CompileScope), after a compile ran without them."""
+        self.uncompiled = UncompiledCalls(self.shared.counters)
+        """Calls Dynamo ran without this instance: counted, explained, warned once (frontend/uncompiled.py)."""
         self.dry_run = DryRun(self.config.dryrun)
         """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"
@@ -141,6 +158,18 @@ class CGBackend:
         self.shared.mirror.begin(self.shared.counters)
         self.shared.counters.trace_fallbacks += 1
         log.warning("cgbackend: %s", self.trace_fallback)
+
+    def note_frame_failure(self, kind: str, message: str) -> None:
+        """A frame of a cgbackend.compile call failed to compile after a graph of the call had run,
+        and Dynamo ran it as it is (tracing.CompileScope), and skips it from then on. A
+        data-dependent value (``.tolist()`` of a data-dependent length after a graph break) makes
+        the instance trace as plain torch.compile from the next call on. Counted and reported."""
+        self.shared.mirror.begin(self.shared.counters)
+        first = message.strip().splitlines()[0] if message.strip() else "no message"
+        if is_data_dependent(kind):
+            self.note_trace_fallback(RuntimeError(f"{kind}: {message}"))
+        self.uncompiled.note("frame", f"Dynamo failed to compile a frame after a graph of the call had run "
+                                      f"({kind}: {first}): it ran that frame as it is, and skips it from then on")
 
     def note_trace_scope_missed(self) -> None:
         """This graph of a cgbackend.compile call was traced without the data-dependent settings
@@ -191,6 +220,7 @@ class CGBackend:
                                summary=summarize([gr], [break_info] if break_info else []),
                                config=self.config.to_dict()), "cgbackend_partition_report")
         self.shared.capture_watch.on_compile(compiled)
+        self.uncompiled.on_compile(_function_of(gm))
         if self.config.dryrun:
             self.dry_run.show(analysis, index, break_info, self.config)  # dryrun.py
         if compiled.blocked == EagerReason.NO_CUDA and self.config.strict:
@@ -231,6 +261,7 @@ class CGBackend:
             self.shared.mirror.reset()  # adds what was counted so far, then starts from zero
             self.shared.counters.clear()
             self.shared.capture_watch.reset()
+            self.uncompiled.reset()
             self._no_cuda_logged = False
 
     def stats(self) -> dict[str, Any]:
@@ -284,6 +315,7 @@ class CGBackend:
         report.regional = [stack.to_dict() for stack in self.prepared.stacks]
         if self.trace_fallback is not None:
             report.notes.append(self.trace_fallback)
+        report.notes.extend(self.uncompiled.notes())
         missed = self.shared.counters.trace_scope_missed
         if missed:
             report.notes.append(f"{missed} graph(s) traced without capture_scalar_outputs / "

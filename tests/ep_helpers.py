@@ -147,9 +147,11 @@ def check_overflow_raises(rank: int, world: int, device: torch.device) -> dict:
 
 
 def check_scenario(rank: int, world: int, device: torch.device) -> dict:
-    """The bench's EP scenario with the capacity exchange, under cgbackend with default options."""
+    """The bench's EP scenario with the capacity exchange, under cgbackend with its collectives
+    captured (capture_collectives=True; off by default)."""
     from cgbackend.bench.dist_check import Scenario, run_scenario
-    sc = Scenario("ep", "moe-ep", steps=8, layers=1, local_dispatch="capacity")
+    sc = Scenario("ep", "moe-ep", steps=8, layers=1, local_dispatch="capacity",
+                  options=(("capture_collectives", True),))
     return run_scenario(sc, rank, world, device, dtype=_dtype(device), simulate=device.type == "cpu")
 
 
@@ -166,6 +168,7 @@ def _compiled_pair(rank: int, world: int, device: torch.device, **options: Any) 
     model = build_ep_model(rank, world, n_layers=1, dtype=_dtype(device), device=device, local_dispatch="capacity",
                            capacity_factor=factor)
     twin = copy.deepcopy(model)
+    options.setdefault("capture_collectives", True)  # what these checks are about (off by default)
     compiled = cgbackend.compile(model, simulate_graphs=device.type == "cpu", **options)
     return model, compiled, twin
 

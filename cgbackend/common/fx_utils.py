@@ -213,13 +213,6 @@ def plain_name(node: torch.fx.Node) -> str:
     return name[2:-2] if name.startswith("__") and name.endswith("__") and len(name) > 4 else name
 
 
-def arg_of(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """The call's argument at position ``index`` or keyword ``name``, else ``default``."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def size_expr(size: Any) -> sympy.Expr:
     """A size (int, SymInt or sympy expression) as a sympy expression."""
     node = getattr(size, "node", None)

@@ -3,7 +3,7 @@ captured is worth a warning, not an error: its results are right, only slow)."""
 
 from __future__ import annotations
 
-__all__ = ["CGBackendWarning", "NothingCapturedWarning"]
+__all__ = ["CGBackendWarning", "NothingCapturedWarning", "UncompiledCallsWarning"]
 
 
 class CGBackendWarning(UserWarning):
@@ -13,3 +13,10 @@ class CGBackendWarning(UserWarning):
 class NothingCapturedWarning(CGBackendWarning):
     """A compiled model ran past its warm-up and nothing was captured as a CUDA graph: every call runs
     eagerly. The message names the reason (runtime/capture_watch.py). Once per backend instance."""
+
+
+class UncompiledCallsWarning(NothingCapturedWarning):
+    """Dynamo ran calls of a compiled model (or of one of its regional layers) without cgbackend: a
+    function at Dynamo's recompile limit, a frame whose compile failed. Their results are eager's;
+    ``cgbackend.stats()["uncompiled_calls"]`` counts them and the report names where and why
+    (uncompiled.py). Once per backend instance."""

@@ -50,8 +50,9 @@ class Config:
     """A static region with fewer estimated kernel launches than this runs eagerly (folded)."""
 
     max_graphs_per_region: int = 32
-    """Bound on the graphs one region holds (input signatures or buckets, replaced parameters,
-    training slots; a training forward and its backward count as one). At the bound, a new signature
+    """Bound on the graphs one region holds, for each layer whose parameters its graph serves
+    (input signatures or buckets, replaced parameters, training slots; a training forward and its
+    backward count as one). At the bound, a new signature
     either evicts the least recently used graph (``graph_cache="lru"``) or runs eagerly
     (``"keep"``, or when every held graph is in use); each eager call is counted with its reason."""
 
@@ -74,8 +75,10 @@ class Config:
     limit."""
 
     max_pending_forwards: int = 4
-    """Training: how many forwards of one region may wait for their backward at once, each with its
-    own graphs and memory pool. A forward beyond that runs eagerly (counted)."""
+    """Training: how many forwards of one region may wait for their backward at once, for each layer
+    whose parameters the region's graph serves (a deep model's layers each wait in a slot of their
+    own: runtime/sharing.py), each with graphs of its own in the shared pool. A forward beyond that
+    runs eagerly (counted)."""
 
     handout_graphs: int = 2
     """Inference: extra graphs of a region whose outputs are the call's (no static region reads
@@ -107,11 +110,14 @@ class Config:
     dynamic_modules: tuple[str, ...] = ()
     """fnmatch patterns of module paths ("layers.*.moe.experts*") always kept out of graphs."""
 
-    capture_collectives: bool = True
+    capture_collectives: bool = False
     """Let a static region hold the functional all-to-all and all-reduce (and their waits) whose
     sizes are fixed by shapes, such as an expert-parallel exchange with a fixed capacity: NCCL work
     captured in the region's CUDA graph (passes/collectives.py). Collectives with host-read sizes
-    run eagerly whatever this says. False keeps every collective eager, between graphs."""
+    run eagerly whatever this says. Off by default: on two H200s, graphs holding the fixed-capacity
+    exchange computed a loss 4e-3 (relative, fp32) off eager's, and ranks capturing at different
+    calls gave gradients 0.07 off (docs/distributed.md); off, every collective runs eagerly between
+    graphs."""
 
     static_dispatch: DispatchMode = DispatchMode.AUTO
     """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is
@@ -129,9 +135,12 @@ class Config:
     """cgbackend.compile compiles a stack of at least this many identical layers (an nn.ModuleList or
     nn.Sequential of one class with equal parameter shapes) one layer at a time: Dynamo traces,
     cgbackend analyses and Inductor compiles one layer, which every layer of the stack reuses, and
-    each layer captures its own graphs, so compile time stays flat in depth (regional.py). Each
-    layer is then a graph call of its own (tens of microseconds of host time per layer); a shallower
-    stack stays inside one whole-model graph. 0 turns it off."""
+    each layer captures its own graphs, so compile time stays flat in depth (regional.py). Layers
+    Dynamo specialises apart (a Python value of their own such as self.layer_idx, hooks on their
+    submodules) are compiled in groups of their own, and a layer call Dynamo runs without cgbackend
+    is counted and reported (regional_calls.py). Each layer is then a graph call of its own (tens of
+    microseconds of host time per layer); a shallower stack stays inside one whole-model graph. 0
+    turns it off."""
 
     opaque_modules: bool = True
     """``cgbackend.compile`` and ``cgbackend.explain`` make each module Dynamo cannot trace but

@@ -11,7 +11,10 @@ during each call of the compiled model, gives every layer of a stack a
 that function once, for the first layer, and every later layer passes its guards (with
 ``inline_inbuilt_nn_modules``, Dynamo's default, a layer's parameters are inputs of the graph, not
 constants of it), so the trace, cgbackend's passes and Inductor's compile happen once per stack
-whatever its depth. The layers share the compiled graph's regions; each layer captures its own
+whatever its depth. Layers that Dynamo specialises apart (a Python value of their own, such as
+``self.layer_idx``; hooks on their submodules) are compiled in groups of their own, each with its
+own copy of the function, and checked for hooks on every call (regional_calls.py): regional
+compilation never changes what a layer computes, and no layer runs uncompiled unreported. The layers share the compiled graph's regions; each layer captures its own
 CUDA graphs there, keyed by its parameters' addresses (runtime/graph_cache.py), and the bounds
 that count graphs and call slots scale by the number of layers sharing them
 (``RuntimeShared.layer_copies``).
@@ -43,6 +46,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from .regional_calls import LayerCalls
+from .regional_modes import StackModes
+
 __all__ = ["LayerStack", "Overrides", "find_layer_stacks", "regional_overrides", "structure_key"]
 
 log = logging.getLogger(__name__)
@@ -73,13 +79,21 @@ class LayerStack:
     owner: Optional[nn.Module] = None
     """The module whose forward loops over the layers (a ``ModuleList``'s); None for an
     ``nn.Sequential``, whose own forward runs them."""
+    calls: list = dataclasses.field(default_factory=list)
+    """The layers' compiled functions (regional_calls.LayerCalls, one per distinct layer function),
+    set by :func:`regional_overrides`."""
+    modes: Any = None
+    """Whether the stack is compiled layer by layer or with the model now (regional_modes.py)."""
 
     @property
     def cls(self) -> str:
         return type(self.layers[0]).__qualname__
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "layers": len(self.layers), "class": self.cls, "key": self.key}
+        groups = [g for calls in self.calls for g in calls.describe()]
+        mode = self.modes.describe(self) if self.modes is not None else {"with_model": False, "why": ""}
+        return {"path": self.path, "layers": len(self.layers), "class": self.cls, "key": self.key,
+                "groups": groups, **mode}
 
     def describe(self) -> str:
         last = len(self.layers) - 1
@@ -202,10 +216,12 @@ def _calls_layer(call: ast.Call, layer: str) -> bool:
 class Overrides:
     """Instance ``forward`` attributes set only while a call of the compiled model runs: installed
     on entry, the modules' own state restored on exit (also on an exception). Re-entrant per
-    thread; the same callables every call, so Dynamo's guards see the same objects."""
+    thread; the same callables every call, so Dynamo's guards see the same objects. ``modes``
+    (regional_modes.StackModes) chooses, per call, the pairs of the stacks compiled layer by layer."""
 
-    def __init__(self, pairs: list[tuple[nn.Module, Callable[..., Any]]]) -> None:
+    def __init__(self, pairs: list[tuple[nn.Module, Callable[..., Any]]], modes: Any = None) -> None:
         self.pairs = pairs
+        self.modes = modes
         self._local = threading.local()
 
     def __bool__(self) -> bool:
@@ -216,10 +232,11 @@ class Overrides:
         self._local.depth = depth + 1
         if depth:
             return
+        pairs = self.modes.select() if self.modes is not None else self.pairs
         saved = []
-        for module, fn in self.pairs:
+        for module, fn in pairs:
             d = module.__dict__
-            saved.append(d.get("forward", _MISSING))
+            saved.append((module, d.get("forward", _MISSING)))
             d["forward"] = fn
         self._local.saved = saved
 
@@ -227,7 +244,7 @@ class Overrides:
         self._local.depth -= 1
         if self._local.depth:
             return
-        for (module, _), old in zip(self.pairs, self._local.saved):
+        for module, old in self._local.saved:
             if old is _MISSING:
                 module.__dict__.pop("forward", None)
             else:
@@ -239,27 +256,36 @@ _MISSING = object()
 
 
 def regional_overrides(stacks: list[LayerStack], backend: Callable[..., Any], *, dynamic: Optional[bool],
-                       forward_of: Callable[[nn.Module], Callable[..., Any]]) -> list[tuple[nn.Module, Callable[..., Any]]]:
+                       forward_of: Callable[[nn.Module], Callable[..., Any]]) -> Overrides:
     """For every layer of ``stacks``: (layer, the forward it gets during a call). ``forward_of``
-    gives the plain function a module runs (its class's ``forward``, or a rewritten one); one
-    ``torch.compile`` per distinct function serves every layer running it. The owner of a stack
-    its forward loops over gets a forward too (:func:`_skipped_forward`)."""
-    compiled: dict[Any, Callable[..., Any]] = {}
-    pairs = []
+    gives the plain function a module runs (its class's ``forward``, or a rewritten one); the
+    layers running one function share its compiled functions, grouped by what Dynamo specialises
+    them on (regional_calls.py). The owner of a stack its forward loops over gets a forward too
+    (:func:`_skipped_forward`). The stacks whose layers are mostly compiled apart are compiled with
+    the model after their first call (regional_modes.py)."""
+    per_stack = []
     owners: list[nn.Module] = []
     for stack in stacks:
         if stack.owner is not None and all(stack.owner is not o for o in owners):
             owners.append(stack.owner)
-        for layer in stack.layers:
+        calls: dict[Any, LayerCalls] = {}
+        pairs = []
+        for index, layer in enumerate(stack.layers):
             fn = forward_of(layer)
-            if fn not in compiled:
-                compiled[fn] = torch.compile(fn, backend=backend, dynamic=dynamic)
-            pairs.append((layer, _layer_forward(compiled[fn], layer)))
+            if fn not in calls:
+                calls[fn] = LayerCalls(fn, backend, dynamic, stack.path)
+            pairs.append((layer, calls[fn].forward_for(layer, index)))
+        stack.calls = list(calls.values())
+        per_stack.append((stack, pairs))
+    owner_pairs = []
     for owner in owners:
         skipped = _skipped_forward(forward_of(owner))
         if skipped is not None:
-            pairs.append((owner, types.MethodType(skipped, owner)))
-    return pairs
+            owner_pairs.append((owner, types.MethodType(skipped, owner)))
+    modes = StackModes(per_stack, owner_pairs)
+    for stack in stacks:
+        stack.modes = modes
+    return Overrides([p for _, pairs in per_stack for p in pairs] + owner_pairs, modes if stacks else None)
 
 
 def _skipped_forward(fn: Callable[..., Any]) -> Optional[Callable[..., Any]]:
@@ -286,15 +312,3 @@ def _skipped_forward(fn: Callable[..., Any]) -> Optional[Callable[..., Any]]:
     skip_code(copy.__code__)
     copy._torchdynamo_disable = True  # type: ignore[attr-defined]  # a caller being traced breaks here
     return copy
-
-
-def _layer_forward(compiled: Callable[..., Any], layer: nn.Module) -> Callable[..., Any]:
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return compiled(layer, *args, **kwargs)
-
-    # Dynamo, tracing the model's forward, stops at this call (a graph break) instead of inlining
-    # the layer; the compiled layer function it calls is compiled on its own, once for all layers
-    # (its own torch.compile context turns Dynamo back on inside). Disabled recursively: with
-    # recursive=False Dynamo looks at this wrapper's frame on every call, finds nothing to compile
-    # and skips it, about 0.4 ms of host time per layer call.
-    return torch._dynamo.disable(forward)

@@ -13,7 +13,7 @@ import torch
 from ..common.progress import compile_started
 
 __all__ = ["TraceDynamicOps", "CompileScope", "dynamic_ops_config", "trace_scope_missed",
-           "data_dependent_failure"]
+           "data_dependent_failure", "is_data_dependent"]
 
 
 class TraceDynamicOps:
@@ -58,10 +58,22 @@ class CompileScope:
     Dynamo runs start callbacks only for the outermost of overlapping compiles (of any thread), so
     a compile can start without them; the backend notices (the settings are off while it compiles
     a graph of a cgbackend call, :func:`trace_scope_missed`), counts it (``trace_scope_missed``)
-    and that instance switches the settings around each call from then on."""
+    and that instance switches the settings around each call from then on.
 
-    __slots__ = ()
+    A frame compiled after a graph of the call has run (the code after a graph break, a regional
+    layer after the embedding's graph) is compiled with Dynamo's ``suppress_errors`` on as well: if
+    its trace fails (a ``.tolist()`` of a data-dependent length, which plain torch.compile meets as
+    a graph break), Dynamo runs that frame as it is, this once, instead of raising out of a call
+    whose earlier graphs (and their effects: writes, prints, random draws) cannot be run again.
+    :meth:`failure` then names what failed, so the caller traces as plain torch.compile does from
+    then on."""
+
+    __slots__ = ("_counters",)
     local = threading.local()
+
+    def __init__(self, counters: Any = None) -> None:
+        self._counters = counters
+        """The calling instance's counters: their ``graph_calls`` tell that a graph of the call ran."""
 
     @classmethod
     def install(cls) -> bool:
@@ -91,6 +103,14 @@ class CompileScope:
         compile_started()
         cfg = torch._dynamo.config
         keys = [k for k in TraceDynamicOps._KEYS if not getattr(cfg, k)]
+        counters, calls = getattr(here, "entry", (None, 0))
+        if counters is not None and counters.graph_calls != calls and not cfg.suppress_errors:
+            # Until the call returns: Dynamo reads it once the compile has ended (and raised).
+            cfg.suppress_errors = True
+            here.suppressing = True
+            if here.frames is None:  # Dynamo counted this compile's frame before it started it
+                total, ok = _frame_counts()
+                here.frames = (total - 1, ok)
         for key in keys:
             setattr(cfg, key, True)
         here.applied = keys
@@ -106,13 +126,64 @@ class CompileScope:
 
     def __enter__(self) -> None:
         here = self.local
-        here.depth = getattr(here, "depth", 0) + 1
+        depth = getattr(here, "depth", 0)
+        if depth == 0:
+            counters = self._counters
+            here.entry = (counters, counters.graph_calls if counters is not None else 0)
+            here.frames = None
+        here.depth = depth + 1
 
     def __exit__(self, *exc: Any) -> None:
         here = self.local
         here.depth -= 1
-        if here.depth == 0 and getattr(here, "applied", None):
-            self._ended()
+        if here.depth == 0:
+            if getattr(here, "applied", None):
+                self._ended()
+            if getattr(here, "suppressing", False):
+                here.suppressing = False
+                torch._dynamo.config.suppress_errors = False
+
+    def failure(self) -> Optional[tuple[str, str]]:
+        """After the outermost scope of this thread ended: (error type, message) of a compile that
+        failed in it and ran its frame as it is (see the class docstring), else None."""
+        here = self.local
+        start = getattr(here, "frames", None)
+        if start is None or getattr(here, "depth", 0) != 0:
+            return None
+        here.frames = None
+        total, ok = _frame_counts()
+        if total - start[0] <= ok - start[1]:
+            return None
+        for metrics in reversed(_compilation_metrics()):
+            kind = getattr(metrics, "fail_type", None)
+            if kind:
+                kind = str(kind).rsplit(".", 1)[-1].strip("'>")
+                if kind in _SOFT:  # Dynamo runs the frame as it is with or without suppress_errors
+                    return None
+                return kind, str(getattr(metrics, "fail_reason", "") or "")
+        return ("an error", "")
+
+
+_SOFT = ("Unsupported", "UserError")
+"""Compile failures Dynamo itself answers by running the frame as it is (a graph break it cannot
+resume from, its recompile limit): not ours to report as a failure."""
+
+
+def _frame_counts() -> tuple[int, int]:
+    """Dynamo's count of frames it started to compile and of those it compiled."""
+    frames = torch._dynamo.utils.counters["frames"]
+    return frames["total"], frames["ok"]
+
+
+def _compilation_metrics() -> list:
+    """Dynamo's records of its latest compiles (private API, feature-tested: none where absent)."""
+    get = getattr(torch._dynamo.utils, "get_compilation_metrics", None)
+    return list(get()) if get is not None else []
+
+
+def is_data_dependent(kind: str) -> bool:
+    """An error type name (a compile's ``fail_type``) of a data-dependent value Dynamo could not trace."""
+    return kind in ("GuardOnDataDependentSymNode", "DataDependentOutputException")
 
 
 def trace_scope_missed() -> bool:

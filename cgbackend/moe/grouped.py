@@ -40,10 +40,11 @@ import torch
 import torch.fx
 
 from ..common.fx_utils import fake_value, plain_name, sizes_equal
-from ..config.dispatch_mode import DispatchMode
+from ..passes.call_args import argument
 from .form_choice import choose_layer_form
 from .graph_builder import _Builder, _is, _is_getitem, _shape, _strip_type
 from .expert_layout import consecutive, stacked_view
+from ..config.dispatch_mode import DispatchMode
 from .masked_dense import _dense_weight
 from .match import _Plan, WhereUnit, _removable, read_while_written
 from .records import _Skip
@@ -102,7 +103,7 @@ def _routing(unit: WhereUnit) -> Optional[tuple[torch.fx.Node, tuple, int]]:
     if _is_getitem(mask) and isinstance(mask.args[1], int):
         base, e = _strip_type(mask.args[0]), mask.args[1]
         if _is(base, "permute") and isinstance(base.args[0], torch.fx.Node):
-            p = _ints(base.args[1:]) or _ints(tuple(base.kwargs.get("dims", ())))
+            p = _ints(tuple(argument(base, "dims") or ()))
             oh = base.args[0]
             if p and _is(oh, "one_hot") and isinstance(oh.args[0], torch.fx.Node):
                 ids = oh.args[0]

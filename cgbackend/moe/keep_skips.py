@@ -34,6 +34,7 @@ import torch.fx
 
 from ..common.fx_utils import META_KEY, fake_value, storage_ids
 from ..passes.effects import is_global_state_node, is_random_node, mutated_args
+from ..passes.call_args import argument
 from .graph_builder import _descendants, _is
 
 __all__ = ["KeptSkip", "SkipNotKept", "keep_skips"]
@@ -74,7 +75,7 @@ class _SkipWhenEmpty:
 def _selection(node: torch.fx.Node) -> bool:
     if _is(node, "where"):
         return len(node.args) == 1 and not node.kwargs
-    return _is(node, "nonzero") and node.kwargs.get("as_tuple") is True
+    return _is(node, "nonzero") and argument(node, "as_tuple") is True
 
 
 def _loop_of(node: torch.fx.Node, loops: Sequence[Any]) -> Optional[Any]:

@@ -27,7 +27,9 @@ from __future__ import annotations
 import ast
 from typing import Iterable, Iterator, Optional
 
-__all__ = ["body_reason", "unchanged_between", "tensor_uses"]
+from ..passes.call_args import bind
+
+__all__ = ["body_reason", "bound_names", "unchanged_between", "tensor_uses"]
 
 _CONTAINER_WRITES = frozenset({
     "append", "extend", "insert", "remove", "pop", "popitem", "clear", "update", "setdefault", "add",
@@ -35,9 +37,8 @@ _CONTAINER_WRITES = frozenset({
     "send", "__setitem__", "__delitem__", "__iadd__"})
 """Methods that change the object they are called on (lists, dicts, sets, deques, queues, files)."""
 
-_INDEX_WRITES = {"index_add_": 1, "index_copy_": 1, "index_fill_": 1, "scatter_": 1, "scatter_add_": 1,
-                 "scatter_reduce_": 1}
-"""In-place tensor methods that write only the rows their index argument (at this position) names."""
+_INDEX_WRITES = {"index_add_", "index_copy_", "index_fill_", "scatter_", "scatter_add_", "scatter_reduce_"}
+"""In-place tensor methods that write only where their ``index`` argument points."""
 
 _EFFECT_BUILTINS = frozenset({"print", "setattr", "delattr", "exec", "eval", "open", "input", "next",
                               "globals", "locals", "vars", "__import__", "breakpoint"})
@@ -77,6 +78,15 @@ def _method(node: ast.AST) -> Optional[tuple[ast.expr, str]]:
     return None
 
 
+def _index_argument(call: ast.Call, receiver: ast.expr, name: str) -> Optional[ast.expr]:
+    """The ``index`` argument of the method call ``receiver.name(...)``, bound by the method's
+    signature (positional or keyword); None where the call does not bind."""
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    bound = bind(name, [receiver, *call.args], {k.arg: k.value for k in call.keywords}, method=True, typed=False)
+    return None if bound is None else bound.get("index")
+
+
 def _root(node: ast.AST) -> Optional[str]:
     """The name an expression starts from: ``out`` of ``out``, ``out.view(-1)`` or ``out[0]``."""
     while True:
@@ -101,7 +111,7 @@ def _comprehension_targets(stmts: Iterable[ast.AST]) -> set[int]:
     return out
 
 
-def _bound_names(stmts: list[ast.stmt]) -> set[str]:
+def bound_names(stmts: list[ast.stmt]) -> set[str]:
     """Every name the statements bind in the function's scope."""
     inner = _comprehension_targets(stmts)
     names = {n.id for n in _walk(stmts) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
@@ -261,9 +271,7 @@ def _write_reason(node: ast.AST, body: list[ast.stmt], selected: set[str], routi
                 return None
             return f"calls {_text(node)}, which changes an object from outside the loop body"
         if name.endswith("_") and not name.endswith("__") and not name.startswith("_"):
-            position = _INDEX_WRITES.get(name)
-            index = node.args[position] if position is not None and len(node.args) > position else next(
-                (k.value for k in node.keywords if k.arg == "index"), None)
+            index = _index_argument(node, receiver, name) if name in _INDEX_WRITES else None
             if root in routing:
                 return f"calls {_text(node)}, which writes the routing its selections read"
             if index is not None and _empty_index(index, selected):
@@ -296,7 +304,7 @@ def body_reason(fn: ast.FunctionDef, loop: ast.For, body: list[ast.stmt], var: s
         why = _write_reason(node, body, selected, routing)
         if why:
             return "the loop body " + why
-    local = _bound_names(body) | {var}
+    local = bound_names(body) | {var}
     for name in sorted(local & routing):
         return f"the loop body rebinds {name}, the routing its selections read"
     for name in sorted(selected):

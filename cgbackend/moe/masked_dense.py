@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 import torch.fx
 
-from ..common.fx_utils import arg_of, fake_value
+from ..common.fx_utils import fake_value
+from ..passes.call_args import argument
 from .graph_builder import _Builder, _is, _shape
 from .records import _Skip
 
@@ -42,7 +43,7 @@ def _dense_weight(b: _Builder, w: _Weight, grid_nd: int, tok_axis: int) -> torch
         table = b.method("unsqueeze", table, -1)
     for p in w.post:
         if _is(p, "unsqueeze"):
-            d = arg_of(p, 1, "dim")
+            d = argument(p, "dim")
             if d == 0:
                 raise _Skip("the router weight is unsqueezed in front of the rows")
             table = b.method("unsqueeze", table, d if d < 0 else d + grid_nd - 1)

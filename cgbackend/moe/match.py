@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx
 
-from ..common.fx_utils import arg_of, fake_value, plain_name, sizes_equal, source_location, storage_ids
+from ..common.fx_utils import fake_value, plain_name, sizes_equal, source_location, storage_ids
+from ..passes.call_args import argument, call_of
 from ..passes.effects import mutated_args
 from ..passes.rowdep import NotRowwise, propagate_rows
 from .graph_builder import _Builder, _ancestors, _descendants, _is, _is_getitem, _shape, _strip_casts, _strip_type, _CASTS
@@ -28,7 +29,7 @@ def _selection(node: Any) -> Optional[torch.fx.Node]:
     src = node.args[0]
     if _is(src, "where") and len(src.args) == 1 and not src.kwargs:
         return src
-    if _is(src, "nonzero") and src.kwargs.get("as_tuple") is True:
+    if _is(src, "nonzero") and argument(src, "as_tuple") is True:
         return src
     return None
 
@@ -112,9 +113,15 @@ def _gather_of(node: torch.fx.Node, index: torch.fx.Node) -> Optional[tuple[torc
         if key.count(index) == 1 and all(k is None for k in key if k is not index) \
                 and key.index(index) == len(key) - 1:
             return node.args[0], len(key) - 1
-    if _is(node, "index_select") and len(node.args) >= 3 and node.args[1] == 0 and node.args[2] is index:
-        return node.args[0], 0
+    if _selects_rows(node, index):
+        return next(iter(call_of(node).args.values())), 0
     return None
+
+
+def _selects_rows(node: Any, index: torch.fx.Node) -> bool:
+    """``node`` is ``index_select(x, 0, index)`` (any spelling)."""
+    call = call_of(node) if _is(node, "index_select") else None
+    return call is not None and call.get("dim") == 0 and call.get("index") is index
 
 
 def _weight_of(node: torch.fx.Node, coords: dict[torch.fx.Node, int], forbidden: set) -> Optional[_Weight]:
@@ -184,9 +191,11 @@ def _sink_parts(node: torch.fx.Node) -> Optional[tuple[torch.fx.Node, torch.fx.N
     """(acc, index, value, in_place) of ``acc.index_add_(0, index, value)``, ``acc.index_add(...)``
     or ``acc[index] += value``."""
     if _is(node, "index_add_", "index_add"):
-        if len(node.args) < 4 or node.args[1] != 0 or node.kwargs.get("alpha", 1) != 1:
+        call = call_of(node)
+        if call is None or call.get("dim") != 0 or call.get("alpha", 1) != 1:
             return None
-        return node.args[0], node.args[2], node.args[3], plain_name(node) == "index_add_"
+        return (next(iter(call.args.values())), call.get("index"), call.get("source"),
+                plain_name(node) == "index_add_")
     if node.op == "call_function" and node.target is operator.setitem and len(node.args) == 3:
         acc, index, value = node.args
         if _is(value, "iadd", "add") and _is_getitem(value.args[0]) and value.args[0].args == (acc, index):
@@ -296,9 +305,9 @@ def _one_per_token(mask: torch.fx.Node, tok_axis: int) -> bool:
         permuted = _strip_type(mask.args[0])
         one_hot = permuted.args[0] if _is(permuted, "permute") else None
         if _is(one_hot, "one_hot") and _topk_indices(one_hot.args[0]):
-            perm = permuted.args[1] if isinstance(permuted.args[1], (list, tuple)) else permuted.args[1:]
+            perm = argument(permuted, "dims")
             # one_hot(idx [T, K]) -> [T, K, E]; permuted, indexed by expert: the remaining two axes
-            return list(perm)[1:][tok_axis] == 0
+            return perm is not None and list(perm)[1:][tok_axis] == 0
     return False
 
 
@@ -306,7 +315,7 @@ def _index_source(node: Any) -> Optional[tuple[torch.fx.Node, int]]:
     """(order, k) of ``order // k`` with order from argsort / sort indices."""
     if _is(node, "floordiv", "floor_divide") and isinstance(node.args[1], int):
         return node.args[0], node.args[1]
-    if _is(node, "div") and isinstance(node.args[1], int) and node.kwargs.get("rounding_mode") == "floor":
+    if _is(node, "div") and isinstance(node.args[1], int) and argument(node, "rounding_mode") == "floor":
         return node.args[0], node.args[1]
     return None
 
@@ -348,7 +357,7 @@ def _match_sorted(node: torch.fx.Node, order_of: dict) -> Optional[_Plan]:
     rows_first = True
     if not _is(cat, "cat", "concat"):
         cat, wnode, rows_first = wnode, cat, False
-    if not _is(cat, "cat", "concat") or (len(cat.args) > 1 and cat.args[1] != 0) or cat.kwargs.get("dim", 0) != 0:
+    if not _is(cat, "cat", "concat") or argument(cat, "dim") != 0:
         raise _Skip("the expert outputs are not concatenated along the rows")
     outs = list(cat.args[0])
     # the weight: w.reshape(-1)[order] (+ unsqueeze / casts)
@@ -358,14 +367,12 @@ def _match_sorted(node: torch.fx.Node, order_of: dict) -> Optional[_Plan]:
     table2d = _flat_source(w.table)
     # pieces: split(x[order // k], sizes)
     splits = [u for g in index.users
-              if (_is_getitem(g) and g.args[1] is index) or (_is(g, "index_select") and g.args[1] == 0
-                                                            and g.args[2] is index)
-              for u in g.users if _is(u, "split", "split_with_sizes") and (len(u.args) < 3 or u.args[2] == 0)
-              and u.kwargs.get("dim", 0) == 0]
+              if (_is_getitem(g) and g.args[1] is index) or _selects_rows(g, index)
+              for u in g.users if _is(u, "split", "split_with_sizes") and argument(u, "dim") == 0]
     if len(splits) != 1:
         raise _Skip("the tokens gathered by order // k are not split once into expert groups")
     split = splits[0]
-    grouped, sizes = split.args[0], split.args[1]
+    grouped, sizes = list(call_of(split).args.values())[:2]  # the tensor, then its sizes
     pieces = {u.args[1]: u for u in split.users if _is_getitem(u) and isinstance(u.args[1], int)}
     pieces_by_out = []
     for i, out in enumerate(outs):
@@ -423,9 +430,9 @@ def _counts_node(sizes: Any, E: int) -> Optional[torch.fx.Node]:
             counts = c
         elif c is not counts:
             return None
-    if not _is(counts, "bincount") or arg_of(counts, 2, "minlength", 0) != E:
+    if not _is(counts, "bincount") or argument(counts, "minlength", 0) != E:
         return None
-    if arg_of(counts, 1, "weights") is not None:
+    if argument(counts, "weights") is not None:
         return None
     return counts
 
@@ -437,7 +444,7 @@ def _ids_below(ids: torch.fx.Node, E: int) -> bool:
     while not _is(topk, "topk"):
         topk = topk.args[0]
     scores = topk.args[0]
-    dim = arg_of(topk, 2, "dim", -1)
+    dim = argument(topk, "dim")
     shape = _shape(scores)
     return dim in (-1, len(shape) - 1) and sizes_equal(shape[-1], E)
 

@@ -24,7 +24,7 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
 
     __cgb_cond = COND
     if __cgb_cond.dim() == 1:       # nonzero() rows are expert ids only for a 1-D condition
-        for e in range(__cgb_cond.shape[0]):
+        for e in range(min(__cgb_cond.shape[0], len(T), ...) if __cgb_compiling() else __cgb_cond.shape[0]):
             if not __cgb_compiling() and not __cgb_cond[e]:
                 continue
             ...                     # the body without its first statement
@@ -33,6 +33,9 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
 
   When the body's first statement is ``e = e[0]`` (a tensor), the body may use ``e`` only where an
   int means the same: as an index or in a comparison (``e.item()`` leaves the loop as written).
+  The traced loop runs over the ids that can select an expert: the mask's width (its classes; a
+  mask built with more classes than experts, as DBRX's ``one_hot(ids, E + 1)``, has classes no
+  expert answers to) bounded by the length of every table ``T`` the body indexes with ``e``.
 
 ``count_skip``::
 
@@ -42,8 +45,11 @@ Two forms are rewritten, each only when the syntax proves the equivalence:
             continue
         ... torch.where(IDS == e) ...   # every selection in the body compares IDS with e
 
-  ``counts`` used nowhere else, ``IDS`` a local name that nothing rebinds or writes between the
-  count and the loop (so the loop selects from the very ids that were counted). Rewritten to::
+  ``counts`` used nowhere else, the count unweighted (with ``weights=`` a zero count is a zero
+  sum, not the absence of ids: padding counted with weight 0 still selects its experts), ``IDS`` a
+  local name that nothing rebinds or writes between the count and the loop (so the loop selects
+  from the very ids that were counted). The call's arguments are bound by bincount's signature
+  (positional or keyword). Rewritten to::
 
     if not __cgb_compiling():
         counts = torch.bincount(IDS..., minlength=E).tolist()
@@ -66,6 +72,7 @@ else is left as written, with the reason recorded.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import inspect
 import textwrap
@@ -75,7 +82,8 @@ import torch
 
 from . import fold as _fold
 from .fold_syntax import FOLD, fold_loop
-from .loop_proof import body_reason, tensor_uses, unchanged_between
+from .loop_proof import body_reason, bound_names, tensor_uses, unchanged_between
+from .source_syntax import _call_name, _is_attr_call, _nonzero_arg, _zero, _hit_source, _names_in, _assignments, _nonnegative, _loads, _unpack_first, _selections, _bincount_args, _strip_flatten, _same, _LAYOUT
 
 __all__ = ["LoopRewrite", "rewrite_function"]
 
@@ -120,181 +128,48 @@ class LoopRewrite:
 
 # ----------------------------------------------------------------------------- syntax helpers
 
-def _call_name(node: ast.AST) -> str:
-    """``nonzero`` for ``x.nonzero()`` / ``torch.nonzero(x)``; '' otherwise."""
-    if isinstance(node, ast.Call):
-        f = node.func
-        if isinstance(f, ast.Attribute):
-            return f.attr
-        if isinstance(f, ast.Name):
-            return f.id
-    return ""
-
-
-def _is_attr_call(node: ast.AST, name: str) -> bool:
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
-
-
-def _nonzero_arg(node: ast.AST) -> Optional[ast.expr]:
-    """COND of ``COND.nonzero()`` or ``torch.nonzero(COND)`` (no other arguments)."""
-    if not isinstance(node, ast.Call) or _call_name(node) != "nonzero" or node.keywords:
-        return None
-    f = node.func
-    if isinstance(f, ast.Attribute) and not node.args and not (
-            isinstance(f.value, ast.Name) and f.value.id == "torch"):
-        return f.value
-    if len(node.args) == 1:
-        return node.args[0]
-    return None
-
-
-def _zero(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and node.value == 0 and not isinstance(node.value, bool)
-
-
-def _reduced(node: ast.AST, op: str) -> Optional[str]:
-    """Name M of ``M.op(...)``, ``M.op(...).op(...)`` or ``torch.op(M, ...)`` (at least one ``op``)."""
-    if _is_attr_call(node, op) and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch":
-        inner = node.args[0] if node.args else None
-        return inner.id if isinstance(inner, ast.Name) else _reduced(inner, op) if inner is not None else None
-    if not _is_attr_call(node, op):
-        return None
-    while _is_attr_call(node, op):
-        node = node.func.value
-    return node.id if isinstance(node, ast.Name) else None
-
-
-def _sum_of(node: ast.AST) -> Optional[str]:
-    return _reduced(node, "sum")
-
-
-def _hit_source(cond: ast.AST) -> Optional[tuple[str, bool]]:
-    """(M, needs_nonneg) when COND is "M[e] has a nonzero entry" for every e."""
-    if _reduced(cond, "any"):
-        return _reduced(cond, "any"), False
-    if isinstance(cond, ast.Compare) and len(cond.ops) == 1 and _zero(cond.comparators[0]) \
-            and isinstance(cond.ops[0], (ast.Gt, ast.NotEq)):
-        m = _sum_of(cond.left)
-        return (m, True) if m else None
-    if isinstance(cond, ast.Call) and _call_name(cond) in ("gt", "greater", "ne", "not_equal"):
-        f = cond.func
-        if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "torch"):
-            operands = [f.value] + list(cond.args)
-        else:
-            operands = list(cond.args)
-        if len(operands) == 2 and _zero(operands[1]):
-            m = _sum_of(operands[0])
-            return (m, True) if m else None
-    return None
-
-
-def _names_in(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-
-
-def _assignments(fn: ast.FunctionDef, name: str) -> list[ast.expr]:
-    """Values assigned to ``name`` anywhere in the function (None for other kinds of binding)."""
-    out: list[Any] = []
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Assign):
-            for t in node.targets:
-                if isinstance(t, ast.Name) and t.id == name:
-                    out.append(node.value)
-                elif isinstance(t, (ast.Tuple, ast.List)) and name in _names_in(t):
-                    out.append(None)
-        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.With, ast.NamedExpr)):
-            targets = [getattr(node, "target", None)] + [i.optional_vars for i in getattr(node, "items", [])]
-            if any(t is not None and name in _names_in(t) for t in targets):
-                out.append(None)
-    for a in fn.args.args + fn.args.kwonlyargs:
-        if a.arg == name:
-            out.append(None)
-    return out
-
-
-def _nonnegative(fn: ast.FunctionDef, name: str) -> bool:
-    """Every assignment of ``name`` is a one-hot, a comparison, or a permute/transpose of itself."""
-    values = _assignments(fn, name)
-    if not values:
-        return False
-    for v in values:
-        # through layout and type changes (permute, transpose, bool, to, ...) to what made the values
-        while isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr in _LAYOUT:
-            v = v.func.value
-        if isinstance(v, ast.Compare) or isinstance(v, ast.Name) and v.id == name:
-            continue
-        if isinstance(v, ast.Call) and _call_name(v) == "one_hot":
-            continue
-        return False
-    return True
-
-
-_LAYOUT = ("permute", "transpose", "bool", "to", "long", "int", "float", "contiguous", "reshape", "view", "flatten")
-
-
-def _loads(fn: ast.AST, name: str) -> int:
-    return sum(1 for n in ast.walk(fn) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load))
-
-
-def _unpack_first(body: list[ast.stmt], var: str) -> bool:
-    """The body starts with ``var = var[0]`` / ``var = var.item()`` / ``var = int(var)``."""
-    if not body or not isinstance(body[0], ast.Assign) or len(body[0].targets) != 1:
-        return False
-    t, v = body[0].targets[0], body[0].value
-    if not (isinstance(t, ast.Name) and t.id == var):
-        return False
-    if isinstance(v, ast.Subscript) and isinstance(v.value, ast.Name) and v.value.id == var and _zero(v.slice):
-        return True
-    if _is_attr_call(v, "item") and isinstance(v.func.value, ast.Name) and v.func.value.id == var and not v.args:
-        return True
-    return (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "int"
-            and len(v.args) == 1 and isinstance(v.args[0], ast.Name) and v.args[0].id == var)
-
-
-def _selections(body: list[ast.stmt]) -> list[tuple[ast.expr, set[str]]]:
-    """(argument, names bound) of every ``torch.where(arg)`` / ``nonzero(arg, as_tuple=True)`` /
-    ``arg.nonzero(as_tuple=True)`` assignment in the body."""
-    out = []
-    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
-        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
-            continue
-        v = node.value
-        arg = None
-        if isinstance(v, ast.Call) and _call_name(v) == "where" and len(v.args) == 1 and not v.keywords:
-            arg = v.args[0]
-        elif isinstance(v, ast.Call) and _call_name(v) == "nonzero" and any(
-                k.arg == "as_tuple" and isinstance(k.value, ast.Constant) and k.value.value is True
-                for k in v.keywords):
-            f = v.func
-            if isinstance(f, ast.Attribute) and not (isinstance(f.value, ast.Name) and f.value.id == "torch"):
-                arg = f.value
-            elif len(v.args) == 1:
-                arg = v.args[0]
-        if arg is not None:
-            out.append((arg, _names_in(node.targets[0])))
-    return out
-
-
-def _strip_flatten(node: ast.AST) -> ast.AST:
-    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
-            node.func.attr == "flatten" and not node.args
-            or node.func.attr in ("view", "reshape") and len(node.args) == 1
-            and isinstance(node.args[0], ast.UnaryOp) and isinstance(node.args[0].op, ast.USub)):
-        node = node.func.value
-    return node
-
-
-def _same(a: ast.AST, b: ast.AST) -> bool:
-    return ast.dump(a) == ast.dump(b)
-
-
-# ----------------------------------------------------------------------------- the two forms
-
 _COND = "__cgb_hit_cond_{}"
 _COMPILING = "__cgb_compiling"
 """The rewritten function's own ``torch.compiler.is_compiling`` (a closure variable): Dynamo reads
 it as True and traces the loop over every expert; run eagerly (a frame Dynamo skips, a graph
 break), the rewritten loop keeps the skip it was written with."""
+
+
+def _hittable(width: ast.expr, body: list[ast.stmt], var: str, mask: str) -> ast.expr:
+    """How many expert ids the traced loop runs: the mask's width (its classes: ``one_hot(ids,
+    num_classes=E + 1)`` has a class no id reaches), bounded while traced by the length of every
+    table the body indexes with the id (``self.experts[e]``, ``self.w1.view(shape)[e]``): an id
+    past a table's end is no expert, eager would raise before it ran one. Run eagerly, the width
+    as written."""
+    rebound = bound_names(body) | {var}
+    tables: dict[str, ast.expr] = {}
+    for node in ast.walk(ast.Module(body=body, type_ignores=[])):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Name) \
+                and node.slice.id == var and _pure(node.value) and not _names_in(node.value) & rebound \
+                and ast.unparse(node.value) != mask:
+            tables.setdefault(ast.unparse(node.value), node.value)
+    if not tables:
+        return width
+    bounded = _call("min", width, *(_call("len", t) for t in tables.values()))
+    return ast.IfExp(test=_call(_COMPILING), body=bounded, orelse=copy.deepcopy(width))
+
+
+def _pure(node: ast.expr) -> bool:
+    """Reading ``node`` again has no effect: names, attributes, constant subscripts and layout
+    methods (``view``, ``reshape``, ...) of them."""
+    if isinstance(node, (ast.Name, ast.Constant)):
+        return True
+    if isinstance(node, ast.Attribute):
+        return _pure(node.value)
+    if isinstance(node, ast.Subscript):
+        return _pure(node.value) and _pure(node.slice)
+    if isinstance(node, ast.Tuple):
+        return all(_pure(e) for e in node.elts)
+    if isinstance(node, ast.UnaryOp):
+        return _pure(node.operand)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LAYOUT:
+        return _pure(node.func.value) and all(_pure(a) for a in node.args) and not node.keywords
+    return False
 
 
 def _call(name: str, *args: ast.expr) -> ast.Call:
@@ -387,12 +262,10 @@ class _Rewriter:
         skip = ast.If(test=_eager_only(ast.UnaryOp(op=ast.Not(), operand=ast.Subscript(
             value=ast.Name(id=name, ctx=ast.Load()), slice=ast.Name(id=var, ctx=ast.Load()), ctx=ast.Load()))),
             body=[ast.Continue()], orelse=[])
-        new_loop = ast.For(
-            target=ast.Name(id=var, ctx=ast.Store()),
-            iter=_call("range", ast.Subscript(
-                value=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="shape", ctx=ast.Load()),
-                slice=ast.Constant(0), ctx=ast.Load())),
-            body=[skip] + body, orelse=[])
+        width = ast.Subscript(value=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="shape",
+                                                  ctx=ast.Load()), slice=ast.Constant(0), ctx=ast.Load())
+        new_loop = ast.For(target=ast.Name(id=var, ctx=ast.Store()),
+                           iter=_call("range", _hittable(width, body, var, m)), body=[skip] + body, orelse=[])
         old_iter = ast.Call(func=ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="nonzero",
                                                ctx=ast.Load()), args=[], keywords=[])
         old_loop = ast.For(target=loop.target, iter=old_iter, body=loop.body, orelse=[])
@@ -433,15 +306,19 @@ class _Rewriter:
             self.note(first, loop, "", f"{counts} is not assigned once from .tolist()")
             return
         bc = values[0].func.value
-        if not (isinstance(bc, ast.Call) and _call_name(bc) == "bincount" and bc.args):
+        bound = _bincount_args(bc)
+        if bound is None:
             self.note(first, loop, "", f"{counts} is not bincount(ids, ...).tolist()")
             return
         if _loads(self.fn, counts) != 1:
             self.note(first, loop, "", f"{counts} is also used outside the skip")
             return
-        ids = bc.args[0] if isinstance(bc.func, ast.Attribute) and isinstance(bc.func.value, ast.Name) \
-            and bc.func.value.id == "torch" or isinstance(bc.func, ast.Name) else bc.func.value
-        ids = _strip_flatten(ids)
+        weights = bound.get("weights")
+        if weights is not None and not (isinstance(weights, ast.Constant) and weights.value is None):
+            self.note(first, loop, "", f"{counts} counts weighted ids (weights={ast.unparse(weights)}): a zero "
+                      "count does not prove that no id selects the expert")
+            return
+        ids = _strip_flatten(next(iter(bound.args.values())))
         if not isinstance(ids, ast.Name):
             self.note(first, loop, "", f"the counted ids ({ast.unparse(ids)}) are not a local name, so the loop is "
                       "not proven to select from the ids that were counted")

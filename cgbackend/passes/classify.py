@@ -26,10 +26,11 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..config import Config
-from ..common.fx_utils import (arg_of, callee_name, class_name, compute_nodes, fake_value, iter_tensors,
+from ..common.fx_utils import (callee_name, class_name, compute_nodes, fake_value, iter_tensors,
                         module_stack, op_key, op_name, storage_ids)
 from ..frontend.marks import marked_module_reason, marked_op_reason
 from ..common.reasons import Reason, Rule, reason_for
+from .call_args import argument
 from .effects import mutated_args
 from .op_tags import tagged_dynamic_output_shape
 
@@ -170,16 +171,16 @@ def _syncing_op(node: torch.fx.Node) -> bool:
         return True
     # The rest is conditional on arguments, which a tag on the operator cannot say.
     # where(cond): composite over nonzero, and aten.where's other overloads are element-wise.
-    if name == "where" and len(node.args) == 1 and not node.kwargs:
+    if name == "where" and len(node.args) + len(node.kwargs) == 1:  # only the condition
         return True
     if name == "histc":
         # histc reads the data's min and max on the host only when its range is empty (min == max,
         # the default); with a range given (tokens per expert: min=0, max=E-1) it stays on the device.
-        lo, hi = arg_of(node, 2, "min", 0), arg_of(node, 3, "max", 0)
+        lo, hi = argument(node, "min", 0), argument(node, "max", 0)
         return not (isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and lo != hi)
     # repeat_interleave: only the tensor-repeats overload is tagged, and output_size fixes it.
-    if name == "repeat_interleave" and "output_size" not in node.kwargs:
-        repeats = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    if name == "repeat_interleave" and argument(node, "output_size") is None:
+        repeats = argument(node, "repeats")
         return isinstance(repeats, torch.fx.Node) and isinstance(fake_value(repeats), torch.Tensor)
     return _bool_index(node)  # aten.index is tagged only for masks; Dynamo records operator.getitem
 

@@ -21,7 +21,7 @@ captured in its CUDA graph) when all of these hold:
 * every user is its ``wait_tensor``, none of them marked dynamic by the user, so the collective and
   its wait are captured together: a graph cannot wait for work it did not issue, and work issued
   inside a graph cannot be waited for outside it (an event recorded in a capture);
-* the option ``capture_collectives`` is on (the default).
+* the option ``capture_collectives`` is on (off by default: config/options.py says why).
 
 A ``wait_tensor`` is static exactly when the collective it waits for is. Every other collective
 (host-read split sizes, ``c10d`` ops, DTensor's and symmetric memory's, ops not listed) stays

@@ -61,6 +61,7 @@ import torch
 import torch.fx
 
 from ..common.fx_utils import fake_value, storage_ids
+from .call_args import argument
 from .effects import Effects
 
 __all__ = ["CONVERSIONS", "Constants", "FACTORIES", "FOLDED_FUNCTIONS", "FOLDED_METHODS", "MAX_ELEMENTS",
@@ -154,7 +155,7 @@ def find_constants(gm: torch.fx.GraphModule, effects: Effects) -> Constants:
     for node in gm.graph.nodes:
         if not (_is_factory(node) or _is_conversion(node, hoisted) or _is_folded(node, hoisted)):
             continue
-        if node.kwargs.get("requires_grad") or node.kwargs.get("pin_memory"):
+        if argument(node, "requires_grad") or argument(node, "pin_memory"):
             continue
         value = fake_value(node)
         if not isinstance(value, torch.Tensor) or value.requires_grad or value.numel() > MAX_ELEMENTS:

@@ -25,7 +25,8 @@ import operator
 import torch
 import torch.fx
 
-from ..common.fx_utils import META_KEY, arg_of, callee_name, compute_nodes, fake_value, storage_ids
+from ..common.fx_utils import META_KEY, callee_name, compute_nodes, fake_value, storage_ids
+from .call_args import argument, call_of, signatures
 
 __all__ = ["Effects", "analyze_effects", "mutated_args", "is_global_state_node", "is_random_node"]
 
@@ -38,11 +39,11 @@ _INPLACE_OPERATORS = {
     operator.ilshift, operator.irshift, operator.imatmul,
 }
 
-# Functions that write some arguments in place without saying so in their name.
-# name -> (argument positions, keyword names, condition keyword that must be truthy or None)
+# Functions that write some arguments in place without saying so in their name or schema:
+# name -> (parameters written, the parameter that must be true for the write)
 _HIDDEN_WRITES = {
-    "batch_norm": ((1, 2), ("running_mean", "running_var"), "training"),
-    "instance_norm": ((1, 2), ("running_mean", "running_var"), "use_input_stats"),
+    "batch_norm": (("running_mean", "running_var"), "training"),
+    "instance_norm": (("running_mean", "running_var"), "use_input_stats"),
 }
 
 _RANDOM_NAMES = {
@@ -95,7 +96,7 @@ def is_random_node(node: torch.fx.Node) -> bool:
     if name in _RANDOM_NAMES:
         if "dropout" in name:
             # F.dropout(x, p, training=False) draws nothing.
-            training, p = arg_of(node, 2, "training", True), arg_of(node, 1, "p", 0.5)
+            training, p = argument(node, "training", True), argument(node, "p", 0.5)
             return not (training is False or p == 0 or p == 0.0)
         return True
     return False
@@ -109,43 +110,49 @@ def mutated_args(node: torch.fx.Node) -> list[torch.fx.Node]:
         return []
     target = node.target
     written: list = [node.args[i] for i in node.meta.get(META_KEY, {}).get("writes", ())]
-    if node.op == "call_method":
-        name = str(target)
-        if name.endswith("_") and not name.endswith("__") and name not in _NOT_DATA_WRITES:
-            written.append(node.args[0])
-    else:
-        if isinstance(target, torch._ops.OpOverload):
-            for i, arg in enumerate(target._schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    if i < len(node.args):
-                        written.append(node.args[i])
-                    elif arg.name in node.kwargs:
-                        written.append(node.kwargs[arg.name])
-        elif target in _INPLACE_OPERATORS or target is operator.setitem:
-            written.append(node.args[0])
-        else:
-            name = callee_name(node)
-            if name.endswith("_") and not name.endswith("__") and node.args:
-                written.append(node.args[0])
-            hidden = _HIDDEN_WRITES.get(name)
-            if hidden is not None:
-                positions, keywords, condition = hidden
-                flag = node.kwargs.get(condition)
-                if flag is None and name == "batch_norm" and len(node.args) > 5:
-                    flag = node.args[5]
-                if flag is None or flag:
-                    written.extend(node.args[p] for p in positions if p < len(node.args))
-                    written.extend(node.kwargs[k] for k in keywords if k in node.kwargs)
-    if "out" in node.kwargs:
-        written.append(node.kwargs["out"])
-    if node.kwargs.get("inplace") is True:
+    name = callee_name(node)
+    if node.op == "call_function" and (target in _INPLACE_OPERATORS or target is operator.setitem):
         written.append(node.args[0])
+    elif node.op == "call_method" or not isinstance(target, torch._ops.OpOverload):
+        if name.endswith("_") and not name.endswith("__") and name not in _NOT_DATA_WRITES and node.args:
+            written.append(node.args[0])
+    call = call_of(node) if _may_write(node, name) else None
+    if call is not None:
+        # The schema's own marks (``Tensor(a!)``: in-place overloads, ``out=``), the ``inplace``
+        # flag of torch.nn.functional's activations (``leaky_relu(x, 0.1, True)``) and the writes
+        # no schema marks, each read the way the op reads it: positional or keyword, or default.
+        written.extend(call.args[w] for w in call.written)
+        written.append(call.get("out"))
+        if call.get("inplace") is True:
+            written.append(next(iter(call.args.values())))  # the input: the signature's first parameter
+        hidden = _HIDDEN_WRITES.get(name)
+        if hidden is not None and call.get(hidden[1], True):
+            written.extend(call.get(p) for p in hidden[0])
+    elif "out" in node.kwargs or node.kwargs.get("inplace") is True:  # an op without a known signature
+        written.append(node.kwargs.get("out", node.args[0] if node.args else None))
     nodes: list[torch.fx.Node] = []
     for w in written:
         for item in (w if isinstance(w, (tuple, list)) else (w,)):
             if isinstance(item, torch.fx.Node) and item not in nodes:
                 nodes.append(item)
     return nodes
+
+
+def _may_write(node: torch.fx.Node, name: str) -> bool:
+    """Can the op of ``node`` write an argument, by its signatures (cached per op)? Binding a call
+    costs microseconds; most nodes of a graph cannot write."""
+    if name in _HIDDEN_WRITES:
+        return True
+    method = node.op == "call_method"
+    try:
+        candidates = signatures(str(node.target) if method else node.target, method)
+    except TypeError:  # an unhashable target
+        return True
+    return any(written or _WRITE_PARAMS & sig.parameters.keys() for sig, written in candidates) \
+        or not candidates
+
+
+_WRITE_PARAMS = {"inplace", "out"}
 
 
 def _touched(node: torch.fx.Node) -> set[int]:

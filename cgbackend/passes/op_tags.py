@@ -21,15 +21,16 @@ from typing import Callable, Optional
 import torch
 import torch.fx
 
-from ..common.fx_utils import arg_of, callee_name
+from ..common.fx_utils import callee_name
+from .call_args import argument
 
 __all__ = ["LATE_TAGGED", "STATIC_WHEN", "tagged_dynamic_output_shape"]
 
 _TAG = getattr(torch.Tag, "dynamic_output_shape", None)
 
 STATIC_WHEN: dict[str, tuple[Callable[[torch.fx.Node], bool], str]] = {
-    "one_hot": (lambda node: isinstance(arg_of(node, 1, "num_classes", -1), int)
-                and arg_of(node, 1, "num_classes", -1) >= 0,
+    "one_hot": (lambda node: isinstance(argument(node, "num_classes", -1), int)
+                and argument(node, "num_classes", -1) >= 0,
                 "the tag covers num_classes=-1 (classes from max(input)); with num_classes given the "
                 "size is fixed and CUDA reads nothing back (it relies on scatter's device assert)"),
 }

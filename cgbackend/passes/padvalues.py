@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from ..common.fx_utils import fake_value, plain_name
+from .call_args import call_of
 
 __all__ = ["unsafe_padding_use"]
 
@@ -40,6 +41,15 @@ def _integer(node: torch.fx.Node) -> bool:
     value = fake_value(node)
     return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex()) \
         and value.dtype != torch.bool
+
+
+def _divisor(node: torch.fx.Node):
+    """The divisor of a division: its ``other`` by the op's schema (``torch.div(a, other=b)``), the
+    second operand of a Python operator."""
+    call = call_of(node)
+    if call is not None and "other" in call:
+        return call.get("other")
+    return node.args[1] if len(node.args) > 1 else None
 
 
 def _in_index(key, tainted: set) -> bool:
@@ -67,8 +77,8 @@ def unsafe_padding_use(nodes: Iterable[torch.fx.Node], aranges: Iterable[torch.f
         if name in _INDEX_OPS:
             return node, (f"{name} reads values computed from arange over the padded size, which "
                           "hold indices past the real rows in padding rows")
-        if name in _INT_DIVISIONS and len(node.args) > 1 and node.args[1] in tainted \
-                and _integer(node.args[1]):
+        divisor = _divisor(node) if name in _INT_DIVISIONS else None
+        if isinstance(divisor, torch.fx.Node) and divisor in tainted and _integer(divisor):
             return node, (f"{name} divides by integers computed from arange over the padded size, "
                           "which padding rows change")
         tainted.add(node)

@@ -17,6 +17,7 @@ from ..moe.graph_rewrite import DispatchResult, rewrite_static_dispatch
 from .gather import GatherPlan, plan_gathers
 from .region_facts import GraphFacts, graph_facts
 from ..common.reasons import Reason
+from .scalars import DeviceScalars, device_scalars
 
 __all__ = ["Analysis", "analyze"]
 
@@ -38,6 +39,7 @@ class Analysis:
     """What the runtime needs of each static region (written inputs, ...): passes/region_facts.py."""
     gathers: GatherPlan = dataclasses.field(default_factory=GatherPlan)
     """Row gathers of dynamic regions rewritten for a cheap backward (training): passes/gather.py."""
+    scalars: DeviceScalars = dataclasses.field(default_factory=DeviceScalars)
 
     def reason_of(self, node: torch.fx.Node) -> Optional[Reason]:
         return self.partition.reason_of(node, self.classification)
@@ -46,6 +48,7 @@ class Analysis:
 def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool] = None,
             compute_device: Optional[str] = None, loops: Sequence = ()) -> Analysis:
     dispatch = rewrite_static_dispatch(gm, config.static_dispatch, loops)
+    scalars = device_scalars(gm)
     effects = analyze_effects(gm)
     classification = classify(gm, config, training=training, compute_device=compute_device)
     constants = find_constants(gm, effects)
@@ -56,4 +59,4 @@ def analyze(gm: torch.fx.GraphModule, config: Config, *, training: Optional[bool
                     schedule=schedule(part, classification, effects), dispatch=dispatch,
                     buckets=buckets(part, region_shapes, effects, config), constants=constants,
                     facts=graph_facts(gm, part, effects),
-                    gathers=plan_gathers(part, classification.training))
+                    gathers=plan_gathers(part, classification.training), scalars=scalars)

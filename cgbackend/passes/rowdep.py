@@ -26,7 +26,8 @@ import sympy
 import torch
 import torch.fx
 
-from ..common.fx_utils import arg_of, fake_value, op_name, plain_name, size_expr, sizes_equal
+from ..common.fx_utils import fake_value, op_name, plain_name, size_expr, sizes_equal
+from .call_args import Call, call_of, implicit_softmax_dim
 from .effects import is_random_node
 
 __all__ = ["NotRowwise", "propagate_rows", "rows_divide", "whole_blocks", "ROWS_IN_TUPLE", "ROW_BLOCK"]
@@ -231,36 +232,36 @@ def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
         if r >= nd - 1 or (name == "bmm" and r != 0):
             raise NotRowwise(node, "the row dimension is contracted")
         return r
+    call = _call(node)
     if name in ("layer_norm", "rms_norm", "group_norm"):
         if name == "group_norm":
             raise NotRowwise(node, "group_norm normalizes over channels and positions")
-        shape = arg_of(node, 1, "normalized_shape")
+        shape = call.get("normalized_shape")
         n = len(shape) if isinstance(shape, (list, tuple)) else 1
         if r >= nd - n or len(row_args) > 1:
             raise NotRowwise(node, "normalized over the row dimension")
         return r
     if name in _ALONG:
-        dim = arg_of(node, 1, "dim", -1) if name not in ("topk",) else arg_of(node, 2, "dim", -1)
-        if name == "normalize":
-            dim = arg_of(node, 2, "dim", 1)
-        if name in ("argsort", "sort") and dim is None:
-            dim = -1
+        dim = call.get("dim")
+        if dim is None and name in ("softmax", "log_softmax"):
+            dim = implicit_softmax_dim(nd)
         if _norm_dim(dim, nd) == r:
             raise NotRowwise(node, f"{name} runs along the row dimension")
         return ROWS_IN_TUPLE if isinstance(fake_value(node), (tuple, list)) else r
     if name in _REDUCE:
-        dim = arg_of(node, 1, "dim")
+        if isinstance(call.get("other"), torch.fx.Node):  # torch.max(a, b): element-wise
+            return _broadcast_dim(node, dims)
+        dim = call.get("dim")
         if dim is None:
             raise NotRowwise(node, f"{name} over all elements mixes rows")
         reduced = [_norm_dim(d, nd) for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
         if r in reduced:
             raise NotRowwise(node, f"{name} reduces the row dimension")
-        keep = arg_of(node, 2, "keepdim", False)
+        keep = call.get("keepdim", False)
         out = r if keep else r - sum(1 for d in reduced if d < r)
         return ROWS_IN_TUPLE if isinstance(fake_value(node), (tuple, list)) else out
     if name in ("chunk", "split", "tensor_split", "split_with_sizes", "unbind"):
-        dim = arg_of(node, 2, "dim", 0) if name != "unbind" else arg_of(node, 1, "dim", 0)
-        if _norm_dim(dim, nd) == r:
+        if _norm_dim(call.get("dim"), nd) == r:
             raise NotRowwise(node, f"{name} cuts the row dimension")
         if name == "unbind":
             raise NotRowwise(node, "unbind")  # elements lose a dimension; not needed so far
@@ -268,24 +269,23 @@ def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
     if name in ("reshape", "view", "flatten", "view_as", "reshape_as", "unflatten"):
         return _reshape_dim(node, src, r, rows)
     if name == "unsqueeze":
-        d = _norm_dim(arg_of(node, 1, "dim"), nd + 1)
+        d = _norm_dim(call.get("dim"), nd + 1)
         return r + 1 if d <= r else r
     if name == "squeeze":
-        d = arg_of(node, 1, "dim")
+        d = call.get("dim")
         if d is None:
             raise NotRowwise(node, "squeeze without a dimension may drop the rows")
-        d = _norm_dim(d, nd)
-        if d == r:
+        squeezed = [_norm_dim(x, nd) for x in (d if isinstance(d, (list, tuple)) else [d])]
+        if r in squeezed:
             raise NotRowwise(node, "squeeze of the row dimension")
-        return r - 1 if d < r else r
+        return r - sum(1 for x in squeezed if x < r and sizes_equal(_shape(src)[x], 1))
     if name in ("transpose", "swapaxes", "swapdims"):
-        a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
+        a, b = (_norm_dim(d, nd) for d in list(call.args.values())[1:3])  # dim0/dim1, axis0/axis1
         return b if r == a else a if r == b else r
     if name == "t":
         return 1 - r if nd == 2 else r
     if name == "permute":
-        perm = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
-        return [_norm_dim(p, nd) for p in perm].index(r)
+        return [_norm_dim(p, nd) for p in call.get("dims")].index(r)
     if name in ("expand", "expand_as"):
         out = _shape(node)
         k = nd - r
@@ -293,8 +293,8 @@ def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
             raise NotRowwise(node, "expand of the row dimension")
         return len(out) - k
     if name == "addmm":  # input + mat1 @ mat2 (GPT-2's Conv1D)
-        bias, mat1 = arg_of(node, 0, "input"), arg_of(node, 1, "mat1")
-        if mat1 not in dims or dims[mat1] != 0 or arg_of(node, 2, "mat2") in dims:
+        bias, mat1 = call.get("input"), call.get("mat1")
+        if mat1 not in dims or dims[mat1] != 0 or call.get("mat2") in dims:
             raise NotRowwise(node, "the rows are contracted (not the rows of the first matrix)")
         if bias in dims:
             if dims[bias] != 0 or _ndim(bias) != 2:
@@ -304,8 +304,8 @@ def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
         return 0
     if name in ("cat", "concat", "stack"):
         # torch.cat skips 1-d empty tensors (a cache before its first update).
-        tensors = [t for t in node.args[0] if not (name != "stack" and _shape(t) == (0,))]
-        dim = _norm_dim(arg_of(node, 1, "dim", 0), _ndim(tensors[0]) + (name == "stack"))
+        tensors = [t for t in call.get("tensors") if not (name != "stack" and _shape(t) == (0,))]
+        dim = _norm_dim(call.get("dim"), _ndim(tensors[0]) + (name == "stack"))
         rs = {dims.get(t) for t in tensors}
         if len(rs) != 1 or None in rs:
             raise NotRowwise(node, f"{name} of row-wise and other tensors")
@@ -324,10 +324,10 @@ def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
             raise NotRowwise(node, "row-wise embedding table")
         return r
     if name == "scaled_dot_product_attention":
-        qkv = [a for a in node.args[:3]]
+        qkv = [call.get("query"), call.get("key"), call.get("value")]
         if any(dims.get(a) != r for a in qkv) or r >= nd - 2:
             raise NotRowwise(node, "attention mixes positions along the row dimension")
-        mask = arg_of(node, 3, "attn_mask")
+        mask = call.get("attn_mask")
         if isinstance(mask, torch.fx.Node):
             mshape, k = _shape(mask), nd - r  # the rows' position counted from the right
             if mask in dims:
@@ -339,6 +339,14 @@ def _rule(node: torch.fx.Node, dims: dict, rows: Any) -> Any:
     raise NotRowwise(node, "not known to be row-wise")
 
 
+def _call(node: torch.fx.Node) -> Call:
+    """``node``'s arguments by its op's schema; an op whose signature is not known is not proven."""
+    call = call_of(node)
+    if call is None:
+        raise NotRowwise(node, "arguments not understood (no known signature)")
+    return call
+
+
 def _tuple_elem(node: torch.fx.Node, src: torch.fx.Node, dims: dict) -> int:
     """Element of a tuple made by a row-keeping op: the same row dimension as that op's input
     (values and indices of topk/sort/max keep the shape; chunk/split pieces too)."""
@@ -347,8 +355,8 @@ def _tuple_elem(node: torch.fx.Node, src: torch.fx.Node, dims: dict) -> int:
     name = plain_name(src)
     if name in _REDUCE:
         nd = _ndim(producer_rows[0][0])
-        dim = arg_of(src, 1, "dim")
-        keep = arg_of(src, 2, "keepdim", False)
+        call = _call(src)
+        dim, keep = call.get("dim"), call.get("keepdim", False)
         d = _norm_dim(dim, nd)
         return r if keep or d > r else r - 1
     return r

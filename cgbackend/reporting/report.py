@@ -186,8 +186,11 @@ class Report:
     "source": {"path", "line", "function", "code"}}``."""
     regional: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """Stacks of identical layers compiled once each (cgbackend.compile, regional.py): ``[{"path",
-    "layers", "class", "key"}]``: the layers at ``path`` share one compiled layer (one Dynamo graph,
-    one analysis), each capturing its own graphs."""
+    "layers", "class", "key", "groups"}]``: the layers at ``path`` share one compiled layer (one Dynamo
+    graph, one analysis), each capturing its own graphs; ``groups`` (``[{"layers", "why"}]``) are the
+    layers Dynamo specialises apart, each group compiled on its own (regional_calls.py);
+    ``with_model``: the stack is compiled with the rest of the model now, ``why`` says why
+    (regional_modes.py)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

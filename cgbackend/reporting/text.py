@@ -227,6 +227,11 @@ def render_text(report: Any) -> str:
         where = f"{stack['path']}.0-{stack['layers'] - 1}" if stack["path"] else f"0-{stack['layers'] - 1}"
         lines.append(f"  regional compilation: {where} ({stack['layers']} x {stack['class']}) share one compiled "
                      "layer: traced, analysed and compiled once, graphs captured per layer")
+        apart = {g["why"] for g in stack.get("groups", ()) if g["why"]}
+        if apart:
+            lines.append(f"    {len(stack['groups'])} groups compiled apart: {'; '.join(sorted(apart))}")
+        if stack.get("why"):
+            lines.append(f"    {stack['why']}")
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")

@@ -90,6 +90,8 @@ class CompiledGraph:
         self.constants = tuple(analysis.constants.nodes)
         made = make_constants(self.constants)
         self._constant_values: list = list(made.values())
+        self._device_scalars = tuple(analysis.scalars.inputs.items())
+        """Float inputs the graph reads as device values (passes/scalars.py): moved there first."""
         # A constant the graph returns is copied out on every call, like graph memory: the caller
         # may write its copy (runtime/outputs.py copies outputs lying in these storages).
         shared.register_persistent([made[n] for n in analysis.constants.returned], in_place=False)
@@ -266,6 +268,8 @@ class CompiledGraph:
 
     def _env(self, args: tuple) -> list:
         env: list = list(args)
+        for position, device in self._device_scalars:
+            env[position] = env[position].to(device, non_blocking=True)
         env.extend(self._constant_values)
         env.extend([None] * (self.n_values - len(env)))
         return env
@@ -339,6 +343,7 @@ class CompiledGraph:
             "inner": self.inner_mode,
             "constants": self.analysis.constants.to_dict(),
             "pending_forwards": self.slots.pending(),
+            "layers_sharing": self.sharing.copies,
             "gather_rewrites": {f"D{i}": n for i, n in self.gather_rewrites.items() if n},
         }
 

@@ -48,7 +48,7 @@ def owns_grads(entry: TrainEntry) -> bool:
     writes some, they are still owned, and whether they are held can be told (use counts)."""
     return (entry.bwd_graph is not None and entry.loose_from < 0 and entry.held is not None
             and entry.weights_held is not None
-            and (isinstance(entry.bwd_graph, SimulatedGraph) or loose_supported()))
+            and (loose_supported() or isinstance(entry.bwd_graph, SimulatedGraph)))
 
 
 def weight_grads(diff_in: tuple, kinds: tuple, grads: tuple) -> tuple:
@@ -72,18 +72,21 @@ def loosen_dropped(pool: PoolState, counters: Counters) -> int:
         weights = [grads[k] for k in entry.weight_grads]
         nbytes = sum({g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
                       for g in weights if g.numel()}.values())
-        if isinstance(graph, SimulatedGraph):
-            # replays of the graphs captured from now on scribble them (capture.py)
-            graph.loose = (pool.next_index, weights)
-        else:
+        if loose_supported():
             # Nothing outside holds any of them (held.free()): the new counts' baselines are clean.
             for k, alias in zip(entry.weight_grads, loose_aliases(weights)):
                 grads[k] = alias
             entry.static_grad_ins = tuple(grads)
+            # Both made before either is marked: each holds the storages' Python objects, which
+            # the other's counts include.
             entry.held = HeldStorages(entry.static_grad_ins)
-            entry.held.mark()
             entry.weights_held = HeldStorages([grads[k] for k in entry.weight_grads])
+            entry.held.mark()
             entry.weights_held.mark()
+        if isinstance(graph, SimulatedGraph):
+            # A simulated graph keeps its own outputs (the aliases read the same memory); the
+            # replays of the graphs captured from now on scribble them (capture.py).
+            graph.loose = (pool.next_index, [grads[k] for k in entry.weight_grads])
         del weights, grads
         entry.loose_from = pool.next_index
         counters.grads_loosened += 1

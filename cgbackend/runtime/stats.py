@@ -17,6 +17,12 @@ class Counters:
     trace_fallbacks: int = 0
     """cgbackend.compile calls re-traced without capture_scalar_outputs / capture_dynamic_output_shape_ops
     after Dynamo failed on a data-dependent value (the backend's ``trace_fallback`` says why)."""
+    uncompiled_calls: int = 0
+    """Calls Dynamo ran without the backend (a regional layer, or the whole compiled model, during
+    which no compiled graph of this instance ran: its function at Dynamo's recompile limit, a frame
+    whose compile failed); ``uncompiled_by`` says where, the report why (uncompiled.py)."""
+    uncompiled_by: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """uncompiled_calls by where they ran: a layer's path (``layers.8``), ``model``, or ``frame``."""
     trace_scope_missed: int = 0
     """Graphs of cgbackend.compile calls that Dynamo traced without those settings (no compile
     callback ran for them: another compile was in progress); the instance then switches them around
@@ -152,5 +158,6 @@ class Counters:
         d["inner_failures"] = list(self.inner_failures)
         d["sync_splits"] = list(self.sync_splits)
         d["handout_failures"] = list(self.handout_failures)
+        d["uncompiled_by"] = dict(self.uncompiled_by)
         return d
 

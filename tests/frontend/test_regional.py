@@ -14,6 +14,7 @@ import torch.nn as nn
 import cgbackend
 from cgbackend.models.realsize import RealConfig, RealModel
 from cgbackend.frontend.regional import find_layer_stacks
+from layer_helpers import Chain as _Chain
 
 SIM = dict(simulate_graphs=True, inner="eager")
 
@@ -32,19 +33,6 @@ class _Block(nn.Module):
 
     def forward(self, x):
         return x + torch.tanh(self.lin(x))
-
-
-class _Chain(nn.Module):
-    """Its forward runs the stack one layer after the other (``x = layer(x)``)."""
-
-    def __init__(self, layers) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 class _Indexed(nn.Module):
@@ -132,7 +120,8 @@ def test_layers_share_one_compiled_graph_and_match_eager(training):
     for module in model.modules():
         assert "forward" not in module.__dict__ or type(module).__name__ == "LoopMoE"
     report = cgbackend.report(compiled)
-    assert report.regional == [{"path": "layers", "layers": 4, "class": "Block", "key": report.regional[0]["key"]}]
+    assert report.regional == [{"path": "layers", "layers": 4, "class": "Block", "key": report.regional[0]["key"],
+                                "groups": [{"layers": [0, 1, 2, 3], "why": ""}], "with_model": False, "why": ""}]
     assert "regional compilation: layers.0-3 (4 x Block)" in report.to_text()
 
 

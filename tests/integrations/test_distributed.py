@@ -132,8 +132,16 @@ def gpu_runs():
     return run
 
 
+CAPACITY_ON_GPUS = pytest.mark.xfail(
+    strict=True, reason="seen on two H200s (fp32, default options, collectives eager): the capacity exchange "
+    "under cgbackend gives a loss 1e-2 (relative) off the same model run eagerly, where gloo with simulated "
+    "graphs (CPU, float64) matches to 1e-12; not found yet")
+"""A known defect, measured: the scenario stays in the run so that a fix shows (strict)."""
+
+
 @pytest.mark.multigpu
-@pytest.mark.parametrize("name", sorted(GPU_SCENARIOS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=CAPACITY_ON_GPUS) if n.endswith(":capacity") else n
+                                  for n in sorted(GPU_SCENARIOS)])
 def test_two_gpus_training_equals_eager_and_exits_within_30s(gpu_runs, name):
     run = gpu_runs(name)
     # fp32 with the same kernels: equal up to cuBLAS choosing other algorithms inside a capture

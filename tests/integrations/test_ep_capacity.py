@@ -131,6 +131,7 @@ def _collectives(group, x, counts):
 
 def _verdicts(group, **options) -> dict:
     gm = trace(lambda x, c: _collectives(group, x, c), torch.randn(4, 3), torch.tensor([4]))
+    options.setdefault("capture_collectives", True)  # off by default (config/options.py says why)
     classification = classify(gm, Config(**options))
     out: dict = {}
     for node, verdict in classification.verdicts.items():
@@ -155,6 +156,15 @@ def test_collectives_with_sizes_from_shapes_are_static_and_host_read_sizes_stay_
 
 
 @needs_dist
+def test_collectives_stay_eager_by_default(one_rank_group):
+    gm = trace(lambda x, c: _collectives(one_rank_group, x, c), torch.randn(4, 3), torch.tensor([4]))
+    verdicts = classify(gm, Config()).verdicts
+    found = [v for n, v in verdicts.items() if "_c10d_functional" in str(n.target)]
+    assert found and not any(v.static for v in found)
+    assert any("capture_collectives is off" in v.reason.detail for v in found)
+
+
+@needs_dist
 @pytest.mark.parametrize("options, why", [
     ({"capture_collectives": False}, "capture_collectives is off"),
     ({"dynamic_ops": ("_c10d_functional::wait_tensor",)}, "wait_tensor is marked dynamic"),
@@ -172,7 +182,7 @@ def test_report_shows_a_static_collective_inside_a_static_region(one_rank_group)
         z = funcol.all_to_all_single_autograd(y, None, None, one_rank_group)
         return torch.relu(z) + y
 
-    report = cgbackend.explain(fn, torch.randn(4, 4))
+    report = cgbackend.explain(fn, torch.randn(4, 4), options={"capture_collectives": True})
     regions = report.regions()
     assert [r.kind for r in regions] == ["static"]
     ops = {c["op"]: c["count"] for c in regions[0].collectives}
@@ -205,7 +215,7 @@ def test_each_call_issues_its_collectives_once_on_every_path(one_rank_group):
     if not hasattr(group, "_get_sequence_number_for_group"):
         pytest.skip("this torch has no collective sequence numbers")
     model = _Exchange(group).double()
-    compiled = cgbackend.compile(model, simulate_graphs=True)
+    compiled = cgbackend.compile(model, simulate_graphs=True, capture_collectives=True)
     ref = _Exchange(group).double()
     ref.load_state_dict(model.state_dict())
     x = torch.randn(4, 8, dtype=torch.float64)
@@ -346,6 +356,9 @@ def test_ranks_exit_cleanly_within_30s(two_ranks):
 # ----------------------------------------------------------------------------- two GPUs
 
 @pytest.mark.multigpu
+@pytest.mark.xfail(strict=True, reason="seen on two H200s: a rank replaying the captured capacity exchange while "
+                   "the other ran it eagerly gave gradients 0.07 off eager's; capture_collectives stays off by "
+                   "default until that is understood")
 def test_two_gpus_nccl_collectives_in_graphs_with_rank_local_fallbacks_and_overflow_checks():
     """The checks above that run graphs, on two GPUs: NCCL work captured in CUDA graphs while the
     other rank runs the same collective eagerly or captures it, and the overflow check's host read

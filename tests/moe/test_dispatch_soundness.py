@@ -186,6 +186,23 @@ class HitLoop(_MoE):
         return out.reshape(x.shape)
 
 
+class CountsWeightedIds(_MoE):
+    """Counts only the valid tokens (``weights=valid``) and skips experts that no valid token
+    reached: an expert only padding reached is skipped, and the padding rows stay zero."""
+
+    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, D)
+        w, ind = self.route(h)
+        counts = torch.bincount(ind.flatten(), weights=valid.repeat_interleave(K), minlength=self.n_experts).tolist()
+        out = torch.zeros_like(h)
+        for e in range(self.n_experts):
+            if counts[e] == 0:
+                continue
+            tok, slot = torch.where(ind == e)
+            out.index_add_(0, tok, self.experts[e](h[tok]) * w[tok, slot, None])
+        return out.reshape(x.shape)
+
+
 # ----------------------------------------------------------------------------- helpers
 
 def _skewed(model: nn.Module) -> None:
@@ -362,6 +379,61 @@ def test_experts_without_tokens_get_zero_gradients_with_one_warning():
     assert "zero gradient" in result["report"].to_text()
 
 
+def test_weighted_counts_keep_the_skip():
+    """Padding (valid = 0) routed to experts 0 and 2, which no valid token reaches: eager skips
+    them and leaves the padding rows at zero."""
+    model = _model(CountsWeightedIds)
+    with torch.no_grad():
+        model.gate.weight[0, 1], model.gate.weight[2, 1] = 50.0, 40.0
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, inner="eager", static_dispatch="masked_dense")
+    valid = torch.ones(10, dtype=torch.float64)
+    valid[8:] = 0.0
+    for x in _batches(3):
+        x[1, 3:, 0], x[1, 3:, 1] = 0.0, 4.0  # the last two tokens: padding, routed by feature 1
+        torch.testing.assert_close(compiled(x, valid), ref(x, valid), rtol=1e-9, atol=1e-9)
+    _left_as_written({"report": cgbackend.report(compiled)}, "weights=", "zero count")
+
+
+def _dbrx_experts():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.dbrx.modeling_dbrx import DbrxFFN
+    config = transformers.DbrxConfig(d_model=D, n_heads=2, n_layers=1, max_seq_len=32, vocab_size=32,
+                                     attn_config={"kv_n_heads": 1},
+                                     ffn_config={"ffn_hidden_size": FF, "moe_num_experts": E, "moe_top_k": K})
+    torch.manual_seed(0)
+    ffn = DbrxFFN(config).double()
+    for p in ffn.parameters():
+        nn.init.normal_(p, std=0.2)
+    return ffn
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["infer", "train"])
+def test_hit_loop_over_a_mask_wider_than_the_experts(training):
+    """transformers' DBRX: ``one_hot(ids, num_experts + 1)``, so the hit test has a class no expert
+    answers to; the traced loop runs over the experts only (one more id would index the expert
+    weights past their end)."""
+    ffn = _dbrx_experts().train(training)
+    ref = copy.deepcopy(ffn)
+    compiled = cgbackend.compile(ffn, simulate_graphs=True, warmup=1, inner="eager")
+    for x in _batches(3):
+        xr, xc = x.clone().requires_grad_(training), x.clone().requires_grad_(training)
+        out_c, out_r = compiled(xc), ref(xr)
+        torch.testing.assert_close(out_c, out_r, rtol=1e-9, atol=1e-9)
+        if training:
+            out_c.pow(2).sum().backward()
+            out_r.pow(2).sum().backward()
+            torch.testing.assert_close(xc.grad, xr.grad, rtol=1e-9, atol=1e-9)
+            for (name, p), q in zip(ffn.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-9, msg=name)
+                p.grad = q.grad = None
+    report = cgbackend.report(compiled)
+    assert [r["form"] for r in report.loop_rewrites] == ["hit_loop"], report.loop_rewrites
+    rewrites = [r for g in report.graphs for r in g.dispatch["rewrites"]]
+    assert len(rewrites) == E, rewrites  # one unit per expert, none for the extra class
+    assert cgbackend.stats(compiled)["trace_fallbacks"] == 0
+
+
 # ----------------------------------------------------------------------------- the proof, case by case
 
 _HEAD = """def forward(self, x):
@@ -413,3 +485,25 @@ def test_proof_of_the_loop_body(name):
     new, records = rewrite_function(namespace["forward"])
     assert len(records) == 1 and bool(records[0].form) == sound, (records, text)
     assert records[0].form or records[0].reason
+
+
+@pytest.mark.parametrize("count, sound", [
+    ("torch.bincount(ind.flatten(), minlength=4)", True),
+    ("torch.bincount(ind.flatten(), None, 4)", True),
+    ("ind.flatten().bincount(minlength=4)", True),
+    ("torch.bincount(ind.flatten(), torch.ones(8), 4)", False),
+    ("torch.bincount(ind.flatten(), weights=torch.ones(8), minlength=4)", False),
+    ("ind.flatten().bincount(torch.ones(8))", False),
+])
+def test_proof_reads_the_counts_weights_by_bincounts_signature(count, sound):
+    import linecache
+    from cgbackend.moe.source_rewrite import rewrite_function
+    text = (_HEAD.replace("torch.bincount(ind.flatten(), minlength=4)", count) + _LOOP
+            + "        out.index_add_(0, tok, h[tok])\n    return out\n")
+    filename = f"<cgbackend-proof-{count}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    namespace = {"torch": torch}
+    exec(compile(text, filename, "exec"), namespace)
+    new, records = rewrite_function(namespace["forward"])
+    assert len(records) == 1 and bool(records[0].form) == sound, (records, text)
+    assert sound or "weights=" in records[0].reason, records[0].reason

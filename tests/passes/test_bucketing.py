@@ -55,7 +55,11 @@ def test_bucketable_regions(fn):
     (lambda x: (x @ W) / x.shape[0], "as a number"),
     (lambda x: (x @ W) * (x.shape[0] - torch.arange(x.shape[0])).unsqueeze(1), "as a number"),
     (lambda x: (x @ W).add_(1).relu_() if False else x.mul_(2).relu(), "writes one of its inputs"),
-], ids=["softmax_dim0", "sum_dim0", "cumsum_dim0", "divide_by_size", "count_down_from_size", "in_place_input"])
+    (lambda x: (x @ W) / (x @ W).norm(2, 0, keepdim=True), "norm reduces the row dimension"),
+    (lambda x: F.softmax((x @ W).unsqueeze(1)).squeeze(1), "softmax runs along the row dimension"),
+    (lambda x: F.leaky_relu(x, 0.1, True) * 2, "writes one of its inputs"),
+], ids=["softmax_dim0", "sum_dim0", "cumsum_dim0", "divide_by_size", "count_down_from_size", "in_place_input",
+        "norm_p_then_dim0", "softmax_implied_dim0", "positional_inplace_flag"])
 def test_not_bucketable_regions(fn, why):
     entry = _plans(fn, torch.randn(6, 8))
     (b,) = entry.symbols.values()
