@@ -14,16 +14,27 @@ import sys as _sys
 from ._version import __version__
 
 
-def _only_version_or_help() -> bool:
-    """``python -m cgbackend --version``, ``--help`` or ``explain --help`` and nothing else. runpy imports this
-    package before it runs ``__main__``, while ``sys.argv[0]`` is still "-m"; those two commands
-    print a few lines and exit, and need neither torch (seconds to import) nor the rest of the
-    package. Every other command, and every ``import cgbackend``, loads everything."""
+def _main_arguments() -> "list[str] | None":
+    """The arguments of ``python -m cgbackend ...`` while runpy imports this package before it runs
+    ``__main__`` (``sys.argv[0]`` is still "-m" then); None for every other import."""
     argv, orig = _sys.argv, list(getattr(_sys, "orig_argv", ()))
-    asks = argv[1:] in (["--version"], ["--help"], ["-h"], ["explain", "--help"], ["explain", "-h"])
-    if argv[:1] != ["-m"] or not asks or "-m" not in orig:
+    if argv[:1] != ["-m"] or "-m" not in orig or orig[orig.index("-m") + 1:orig.index("-m") + 2] != [__name__]:
+        return None
+    return argv[1:]
+
+
+def _only_version_or_help() -> bool:
+    """``python -m cgbackend --version``, ``--help`` or ``explain --help`` and nothing else: those
+    commands print a few lines and exit, and need neither torch (seconds to import) nor the rest of
+    the package. A benchmark command on a machine without CUDA is refused here, after importing
+    torch alone (cli.refuse_benchmark_without_cuda). Every other command, and every
+    ``import cgbackend``, loads everything."""
+    args = _main_arguments()
+    if args is None:
         return False
-    return orig[orig.index("-m") + 1:orig.index("-m") + 2] == [__name__]
+    from .cli import refuse_benchmark_without_cuda  # cli.py imports no torch
+    refuse_benchmark_without_cuda(args)
+    return args in (["--version"], ["--help"], ["-h"], ["explain", "--help"], ["explain", "-h"])
 
 
 if _only_version_or_help():  # __main__.py parses the arguments (cli.py imports no torch) and exits

@@ -200,6 +200,33 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def no_cuda_line(command: str, smoke: bool) -> str:
+    """The one line a benchmark command prints on a machine without CUDA (``smoke``: the command
+    has ``--smoke``)."""
+    import torch
+    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+    hint = "--smoke runs a short CPU check of every contender, " if smoke else ""
+    return (f"cgbackend {command}: no CUDA device (torch {torch.__version__}, {build}), and the benchmark "
+            f"times CUDA graphs; {hint}--device cpu times on the CPU")
+
+
+def refuse_benchmark_without_cuda(args: Sequence[str]) -> None:
+    """``bench`` and ``serve-bench`` without ``--smoke``, ``--device`` or ``--help`` on a machine
+    without CUDA: print :func:`no_cuda_line` and exit 2, having imported torch and nothing else of
+    cgbackend (the package imports torch's compiler stack: seconds more). The benchmarks check the
+    same again after parsing their flags (bench/settings.py)."""
+    if not args or args[0] not in ("bench", "serve-bench"):
+        return
+    flags = [a.split("=", 1)[0] for a in args[1:] if a.startswith("-")]
+    if "-h" in flags or any(len(f) > 2 and ask.startswith(f) for f in flags for ask in ("--smoke", "--device", "--help")):
+        return  # argparse takes a flag's unambiguous prefix too (--dev cpu)
+    import torch
+    if torch.cuda.is_available():
+        return
+    print(no_cuda_line(args[0], smoke=args[0] == "bench"), file=sys.stderr)
+    raise SystemExit(2)
+
+
 def build_parser(prog: str = "cgbackend") -> argparse.ArgumentParser:
     from ._version import __version__
     parser = argparse.ArgumentParser(prog=prog, description="cgbackend: explain (partition report), bench (benchmark harness), serve-bench (serving loop with random batch sizes).")

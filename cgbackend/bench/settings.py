@@ -204,10 +204,8 @@ def no_cuda_refusal(command: str, args: argparse.Namespace) -> Optional[str]:
     Checked before anything heavy is imported or built."""
     if getattr(args, "smoke", False) or args.device is not None or torch.cuda.is_available():
         return None
-    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-    smoke = "--smoke runs a short CPU check of every contender, " if hasattr(args, "smoke") else ""
-    return (f"cgbackend {command}: no CUDA device (torch {torch.__version__}, {build}), and the benchmark "
-            f"times CUDA graphs; {smoke}--device cpu times on the CPU")
+    from ..cli import no_cuda_line
+    return no_cuda_line(command, smoke=hasattr(args, "smoke"))
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
