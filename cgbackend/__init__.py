@@ -27,12 +27,12 @@ def _only_version_or_help() -> bool:
     """``python -m cgbackend --version``, ``--help`` or ``explain --help`` and nothing else: those
     commands print a few lines and exit, and need neither torch (seconds to import) nor the rest of
     the package. A benchmark command on a machine without CUDA is refused here, after importing
-    torch alone (cli.refuse_benchmark_without_cuda). Every other command, and every
+    torch alone (common/machine.py). Every other command, and every
     ``import cgbackend``, loads everything."""
     args = _main_arguments()
     if args is None:
         return False
-    from .cli import refuse_benchmark_without_cuda  # cli.py imports no torch
+    from .common.machine import refuse_benchmark_without_cuda  # imports torch only when it refuses
     refuse_benchmark_without_cuda(args)
     return args in (["--version"], ["--help"], ["-h"], ["explain", "--help"], ["explain", "-h"])
 

@@ -106,8 +106,8 @@ def _check_device(device: str) -> None:
     except (RuntimeError, ValueError):
         raise CLIError(f"--device {device!r} is not a device (e.g. cpu, cuda, cuda:1)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        raise CLIError(f"--device {device}: no CUDA device is available (torch {torch.__version__}, {build}); "
+        from .common.machine import torch_build
+        raise CLIError(f"--device {device}: no CUDA device is available ({torch_build()}); "
                        "drop --device to trace on the CPU (the report is the same)")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
@@ -198,33 +198,6 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(f"wrote {args.html}", file=sys.stderr)
     print(report.to_json() if args.json else report.to_text())
     return 0
-
-
-def no_cuda_line(command: str, smoke: bool) -> str:
-    """The one line a benchmark command prints on a machine without CUDA (``smoke``: the command
-    has ``--smoke``)."""
-    import torch
-    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-    hint = "--smoke runs a short CPU check of every contender, " if smoke else ""
-    return (f"cgbackend {command}: no CUDA device (torch {torch.__version__}, {build}), and the benchmark "
-            f"times CUDA graphs; {hint}--device cpu times on the CPU")
-
-
-def refuse_benchmark_without_cuda(args: Sequence[str]) -> None:
-    """``bench`` and ``serve-bench`` without ``--smoke``, ``--device`` or ``--help`` on a machine
-    without CUDA: print :func:`no_cuda_line` and exit 2, having imported torch and nothing else of
-    cgbackend (the package imports torch's compiler stack: seconds more). The benchmarks check the
-    same again after parsing their flags (bench/settings.py)."""
-    if not args or args[0] not in ("bench", "serve-bench"):
-        return
-    flags = [a.split("=", 1)[0] for a in args[1:] if a.startswith("-")]
-    if "-h" in flags or any(len(f) > 2 and ask.startswith(f) for f in flags for ask in ("--smoke", "--device", "--help")):
-        return  # argparse takes a flag's unambiguous prefix too (--dev cpu)
-    import torch
-    if torch.cuda.is_available():
-        return
-    print(no_cuda_line(args[0], smoke=args[0] == "bench"), file=sys.stderr)
-    raise SystemExit(2)
 
 
 def build_parser(prog: str = "cgbackend") -> argparse.ArgumentParser:

@@ -204,7 +204,7 @@ def no_cuda_refusal(command: str, args: argparse.Namespace) -> Optional[str]:
     Checked before anything heavy is imported or built."""
     if getattr(args, "smoke", False) or args.device is not None or torch.cuda.is_available():
         return None
-    from ..cli import no_cuda_line
+    from ..common.machine import no_cuda_line
     return no_cuda_line(command, smoke=hasattr(args, "smoke"))
 
 
