@@ -259,6 +259,15 @@ def test_the_readme_carries_no_figure_outside_its_tables():
     assert not figures, figures
 
 
+def test_the_readme_states_the_suites_measured_time_and_the_machines_load():
+    """The Test section says how long the suite took on a fresh clone, on which machine and under
+    what load (a time measured on a busy machine says little without it)."""
+    section = (ROOT / "README.md").read_text().split("\n## Test\n", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"\b\d+ min \d+ s\b", section) and "fresh clone" in section, section
+    assert re.search(r"\d-core", section) and "load average" in section, section
+    assert not re.search(r"\b[A-Z]{3,}_[A-Z_]{3,}\b", section), section  # no placeholder left
+
+
 def test_compile_time_figures_name_model_depth_and_machine():
     """A compile time quoted anywhere in the README and the user docs says which model, at which depth,
     on which machine: figures measured on different models, depths and machines differ."""
