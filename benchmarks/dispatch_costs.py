@@ -251,22 +251,10 @@ def crossover(tokens: list[int]) -> list[dict]:
 _NAMES = {"masked_dense": "masked dense", "grouped": "grouped", "small_batch": "small batch", "dynamic": "loop"}
 
 
-def table(doc: dict, compact: bool = False) -> str:
+def table(doc: dict) -> str:
     """The crossover table in Markdown: every form's ms per row with the fastest and the cost
-    model's pick, or (``compact``, for the README) small batch against grouped by token count."""
+    model's pick (docs/static-dispatch.md)."""
     rows = doc["rows"]
-    if compact:
-        tokens = sorted({r["tokens"] for r in rows})
-        out = ["| experts, top-k | " + " | ".join(f"{t} tok." for t in tokens) + " |",
-               "|---" * (len(tokens) + 1) + "|"]
-        for E, k in dict.fromkeys((r["experts"], r["k"]) for r in rows):
-            cells = []
-            for t in tokens:
-                r = next(r for r in rows if (r["experts"], r["k"], r["tokens"]) == (E, k, t))
-                cell = f"{r['small_batch_ms']:.3f} / {r['grouped_ms']:.3f}"
-                cells.append(f"**{cell}**" if r["small_batch_ms"] < r["grouped_ms"] else cell)
-            out.append(f"| {E}, top-{k} | " + " | ".join(cells) + " |")
-        return "\n".join(out)
     forms = ("small_batch", "grouped", "masked_dense", "dynamic")
     out = ["| experts | top-k | tokens | " + " | ".join(_NAMES[f] for f in forms) + " | fastest | cost model picks |",
            "|---" * (len(forms) + 5) + "|"]

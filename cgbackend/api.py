@@ -11,6 +11,7 @@ import torch
 from .backend import CGBackend
 from .by_name import by_name_backends, find_backend, reset_default_backend
 from .config import Config
+from .config.suggest import check_callable
 from .frontend.prepare import prepare_for_compile
 from .frontend.regional import regional_overrides
 from .frontend.tracing import CompileScope, data_dependent_failure, dynamic_ops_config
@@ -105,6 +106,7 @@ def compile(model: Any, *, dynamic: Optional[bool] = None, fullgraph: bool = Fal
     and cgbackend.report() accept it. With static dispatch, the dispatch loops it rewrites live on
     the returned wrapper: ``model`` and its modules keep their own methods (moe/loop_forwards.py).
     """
+    check_callable(model, "cgbackend.compile")
     config = Config.from_options(options)
     prepared = prepare_for_compile(model, config, fullgraph=fullgraph)  # frontend/prepare.py
     instance = CGBackend(config, prepared=prepared)

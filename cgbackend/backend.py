@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from .passes.pipeline import Analysis, analyze
-from .reporting.breaks import break_text, source_of_stack
+from .reporting.breaks import break_text, code_of_stack, source_of_stack
 from .common import progress
 from .config import Config
 from .reporting.dryrun import DryRun
@@ -31,6 +31,7 @@ from .frontend.tracing import is_data_dependent, trace_scope_missed
 from .reporting.coverage import runtime_launches
 from .reporting.hints import build_hints
 from .frontend.prepare import Prepared
+from .moe.loop_forwards import mark_traced
 from .moe.report_notes import annotate_report
 from .runtime.region_timer import RegionTimer
 from .reporting.report import Report, build_report, graph_report, summarize
@@ -42,6 +43,7 @@ from .runtime.release import finalizer, release_graphs
 from .runtime.shared import RuntimeShared
 from .runtime.stats import Counters
 from .common.reasons import EagerReason
+from .common.wording import count
 from .frontend.uncompiled import UncompiledCalls
 from .reporting import structured
 
@@ -55,8 +57,9 @@ def graph_break_info(gm: torch.fx.GraphModule) -> Optional[dict[str, str]]:
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is None or not getattr(reason, "graph_break", False):
         return None
-    source = source_of_stack(getattr(reason, "user_stack", None))
-    return {"reason": break_text(str(getattr(reason, "reason", ""))), "source": source}
+    stack = getattr(reason, "user_stack", None)
+    return {"reason": break_text(str(getattr(reason, "reason", ""))), "source": source_of_stack(stack),
+            "code": code_of_stack(stack)}
 
 
 def _function_of(gm: torch.fx.GraphModule) -> str:
@@ -189,6 +192,7 @@ class CGBackend:
         with self._lock:
             index = len(self._graphs)
             started = time.perf_counter()
+            mark_traced(gm, self.loops)  # which rewritten loops the model ran (the report, the gradient notice)
             analysis = analyze(gm, self.config, loops=self.loops)
             analysed_s = time.perf_counter() - started
             break_info = graph_break_info(gm)
@@ -202,9 +206,9 @@ class CGBackend:
         part = analysis.partition
         ops = sum(1 for r in part.regions for n in r.nodes if n.op.startswith("call_"))
         static_ops = sum(1 for r in part.static_regions() for n in r.nodes if n.op.startswith("call_"))
-        log.info("cgbackend: graph %d: %d ops, %d static regions (%.0f%% of ops), %d dynamic regions%s",
-                 index, ops, len(part.static_regions()), 100.0 * static_ops / max(ops, 1),
-                 len(part.dynamic_regions()),
+        log.info("cgbackend: graph %d: %s, %s (%.0f%% of ops), %s%s",
+                 index, count(ops, "op"), count(len(part.static_regions()), "static region"),
+                 100.0 * static_ops / max(ops, 1), count(len(part.dynamic_regions()), "dynamic region"),
                  f" [{compiled.blocked}]" if compiled.blocked else "")
         progress.log.log(progress.level(analysed_s + (traced_s or 0.0)),
                          "cgbackend: graph %d: %sanalysed by cgbackend in %.1f s; its static regions compile and "

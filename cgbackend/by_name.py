@@ -16,6 +16,7 @@ import torch.fx
 
 from .backend import CGBackend
 from .config import ConfigError
+from .config.suggest import torch_compile_argument
 
 __all__ = ["backend_of_wrapper", "by_name_backends", "default_backend", "dynamo_entry",
            "is_compile_wrapper", "register", "reset_default_backend"]
@@ -92,11 +93,6 @@ def _compile_wrapper() -> Any:
     return None
 
 
-_MODE_MESSAGE = ("cgbackend takes no mode= (mode={mode!r} selects Inductor's presets); pass cgbackend "
-                 "options instead, e.g. torch.compile(model, backend=\"cgbackend\", "
-                 "options={{\"warmup\": 3}}), or use cgbackend.compile(model, warmup=3)")
-
-
 def dynamo_entry(gm: torch.fx.GraphModule, example_inputs: list, *, options: Optional[dict] = None,
                  mode: Optional[str] = None) -> Callable[..., Any]:
     """What ``torch.compile(model, backend="cgbackend", options={...})`` calls (the
@@ -104,7 +100,7 @@ def dynamo_entry(gm: torch.fx.GraphModule, example_inputs: list, *, options: Opt
     ones raise ConfigError listing the valid ones); ``mode`` is rejected. torch.compile is lazy, so
     both errors surface at the first call, where Dynamo compiles."""
     if mode is not None:
-        raise ConfigError(_MODE_MESSAGE.format(mode=mode))
+        raise ConfigError(torch_compile_argument("mode", mode))
     if options is not None and not isinstance(options, dict):
         raise ConfigError(f"cgbackend options must be a dict of option names to values, got {options!r}")
     options = dict(options or {})

@@ -106,8 +106,8 @@ def _check_device(device: str) -> None:
     except (RuntimeError, ValueError):
         raise CLIError(f"--device {device!r} is not a device (e.g. cpu, cuda, cuda:1)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        raise CLIError(f"--device {device}: no CUDA device is available (torch {torch.__version__}, {build}); "
+        from .common.machine import torch_build
+        raise CLIError(f"--device {device}: no CUDA device is available ({torch_build()}); "
                        "drop --device to trace on the CPU (the report is the same)")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")

@@ -155,8 +155,8 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
     p.add_argument("--timing", choices=("alternate", "sequential"),
                    help="alternate (default): a case's contenders are compiled, warmed up and judged one "
                         "after the other and kept, then timed in 5 alternating blocks; sequential: each is "
-                        "timed alone right after its warm-up and dropped (less memory held; decode rows "
-                        "are always sequential)")
+                        "timed alone right after its warm-up and dropped (less memory held); decode rows "
+                        "follow it too: their timed rounds alternate by the same rule")
     p.add_argument("--share-weights", action="store_true", default=None,
                    help="inference: all contenders share one device copy of the weights (default for models "
                         "that set it, such as moe-128e-deep)")
@@ -204,10 +204,8 @@ def no_cuda_refusal(command: str, args: argparse.Namespace) -> Optional[str]:
     Checked before anything heavy is imported or built."""
     if getattr(args, "smoke", False) or args.device is not None or torch.cuda.is_available():
         return None
-    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-    smoke = "--smoke runs a short CPU check of every contender, " if hasattr(args, "smoke") else ""
-    return (f"cgbackend {command}: no CUDA device (torch {torch.__version__}, {build}), and the benchmark "
-            f"times CUDA graphs; {smoke}--device cpu times on the CPU")
+    from ..common.machine import no_cuda_line
+    return no_cuda_line(command, smoke=hasattr(args, "smoke"))
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:

@@ -13,7 +13,7 @@ import os
 from typing import Any, Mapping
 
 from .dispatch_mode import DispatchMode
-from .suggest import did_you_mean
+from .suggest import did_you_mean, torch_compile_argument
 
 __all__ = ["BOOL_OR_PATH", "Config", "ConfigError", "DispatchMode", "ENV_PREFIX", "parse_value"]
 
@@ -219,6 +219,10 @@ class Config:
         options = dict(options or {})
         valid = cls.field_names()
         unknown = sorted(set(options) - set(valid))
+        for name in unknown:  # mode="reduce-overhead", options={...}: torch.compile's, given to cgbackend
+            tailored = torch_compile_argument(name, options[name])
+            if tailored:
+                raise ConfigError(tailored)
         if unknown:
             raise ConfigError(
                 f"unknown cgbackend option(s) {', '.join(u + did_you_mean(u, valid) for u in unknown)}; "

@@ -20,12 +20,13 @@ of the ``NothingCapturedWarning`` family).
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from ..common.notices import UncompiledCallsWarning
+from ..common.user_code import warn
+from ..common.wording import count
 
 __all__ = ["UncompiledCalls", "recompile_limit"]
 
@@ -87,11 +88,11 @@ class UncompiledCalls:
         if self.warned:
             return
         self.warned = True
-        warnings.warn(f"cgbackend: {message}", UncompiledCallsWarning, stacklevel=3)
+        warn(f"cgbackend: {message}", UncompiledCallsWarning)  # at the user's call, not cgbackend's frame
 
     def notes(self) -> list[str]:
         """The report's lines: each place calls ran uncompiled, how many, and why."""
-        out = [f"{self.counters.uncompiled_by.get(where, 0)} call(s) of {where} ran without cgbackend "
+        out = [f"{count(self.counters.uncompiled_by.get(where, 0), 'call')} of {where} ran without cgbackend "
                f"(uncompiled): {why}" for where, why in self.reasons.items()]
         out += [f"{name} reached Dynamo's recompile limit ({what}): later calls that match none of its graphs "
                 "run without cgbackend" for name, what in self.limits.items()]

@@ -25,6 +25,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..common.wording import count
+
 __all__ = ["WarmUp", "warm_up"]
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ class WarmUp:
     def __str__(self) -> str:
         lines = [f"size {r['size']:>6}: {r['graphs']} graph(s), {r['pool_bytes'] / 2**20:.1f} MiB, "
                  f"{r['seconds']:.2f} s" for r in self.sizes]
-        lines.append(f"warm-up: {len(self.sizes)} sizes, {self.graphs} graphs, "
+        lines.append(f"warm-up: {count(len(self.sizes), 'size')}, {count(self.graphs, 'graph')}, "
                      f"{self.pool_bytes / 2**20:.1f} MiB of graph memory, {self.seconds:.2f} s")
         return "\n".join(lines)
 
@@ -94,8 +96,8 @@ def warm_up(compiled: Any, make_inputs: Callable[[int], Any], sizes: Sequence[in
                  size, i + 1, len(checked), row["graphs"], row["pool_bytes"] / 2**20, row["seconds"])
     done = WarmUp(rows, time.perf_counter() - start, sum(r["graphs"] for r in rows),
                   sum(r["pool_bytes"] for r in rows))
-    log.info("cgbackend: warm-up done: %d sizes, %d graphs, %.1f MiB of graph memory, %.2f s",
-             len(rows), done.graphs, done.pool_bytes / 2**20, done.seconds)
+    log.info("cgbackend: warm-up done: %s, %s, %.1f MiB of graph memory, %.2f s",
+             count(len(rows), "size"), count(done.graphs, "graph"), done.pool_bytes / 2**20, done.seconds)
     return done
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from ..common.fx_utils import fake_value, plain_name
+from ..passes.label import DISPATCH_FORM
 from ..passes.rowdep import ROW_BLOCK
 from .records import _Skip
 
@@ -82,6 +83,8 @@ class _Builder:
             raise _Skip("the graph carries no fake tensors to check the rewrite's shapes")
 
     def _meta(self, node: torch.fx.Node, like: Optional[torch.fx.Node]) -> None:
+        if like is None:  # the form's own routing and combining, not a copy of the user's op
+            node.meta[DISPATCH_FORM] = True
         like = like or self.anchor
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
             if key in like.meta:

@@ -21,18 +21,19 @@ without tokens then have a zero gradient where eager leaves ``None`` (see docs/d
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import types
-import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from . import fold as _fold
+from ..common.user_code import warn
 from ..config.dispatch_mode import DispatchMode
 from .source_rewrite import LoopRewrite, rewrite_function
 
-__all__ = ["LoopForwards", "survey", "UNROUTED_GRADS_WARNING"]
+__all__ = ["LoopForwards", "mark_traced", "survey", "UNROUTED_GRADS_WARNING"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,34 @@ UNROUTED_GRADS_WARNING = (
     "runs on no rows, so its parameters may get a zero gradient where eager leaves .grad None "
     "(an optimizer then applies weight decay and moment updates to them, as it does under a grouped-GEMM "
     "MoE). This is warned once per compiled model.")
+
+_FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def mark_traced(gm: torch.fx.GraphModule, loops: Sequence[LoopRewrite]) -> None:
+    """Record on each of ``loops`` whether ``gm`` (a graph Dynamo handed over) has a node from its
+    lines; a loop found in one graph stays found."""
+    pending = [loop for loop in loops if loop.form and not loop.traced and loop.filename]
+    if not pending:
+        return
+    for loop in pending:
+        loop.traced = False
+    for node in gm.graph.nodes:
+        for m in _FRAME_RE.finditer(node.meta.get("stack_trace") or ""):
+            for loop in pending:
+                if not loop.traced and loop.holds(m.group("file"), int(m.group("line"))):
+                    loop.traced = True
+
+
+def _own_expert_modules(module: torch.nn.Module) -> bool:
+    """Does ``module`` hold its experts as modules of their own: a ModuleList or ModuleDict (at any
+    depth) of at least two modules that have parameters?"""
+    for child in module.modules():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            members = list(child.values() if isinstance(child, torch.nn.ModuleDict) else child)
+            if len(members) >= 2 and all(any(True for _ in m.parameters()) for m in members):
+                return True
+    return False
 
 
 def _eager_experts_forward(cls: type) -> Optional[Callable]:
@@ -145,6 +174,8 @@ class LoopForwards:
         cache: dict[Any, Optional[Callable]] = {}
         folds: dict[int, list[torch.nn.Module]] = {}  # fold key -> the modules that run its loop
         folded: dict[Any, list[int]] = {}
+        runners: dict[Any, list[torch.nn.Module]] = {}  # rewritten function -> the modules that run it
+        records_of: dict[Any, list[LoopRewrite]] = {}
         for module, cls, fn, eager in _forwards(model):
             if "forward" in module.__dict__:
                 continue
@@ -154,12 +185,18 @@ class LoopForwards:
                     new = _experts_dispatch(new, cls.forward)
                 cache[fn] = new
                 self.records.extend(recs)
+                records_of[fn] = recs
                 folded[fn] = [r.fold_key for r in recs if r.fold_key]
             if cache[fn] is not None:
                 self._dicts.append(module.__dict__)
                 self._bound.append(types.MethodType(cache[fn], module))
                 for key in folded[fn]:
                     folds.setdefault(key, []).append(module)
+                runners.setdefault(fn, []).append(module)
+        for fn, modules in runners.items():  # experts stored stacked get a gradient in eager too
+            own = any(_own_expert_modules(m) for m in modules)
+            for r in records_of[fn]:
+                r.own_expert_params = own
         for r in self.records:
             if r.fold_key:
                 _enable_fold(r, folds.get(r.fold_key, []), mode.builds_grouped)
@@ -171,7 +208,8 @@ class LoopForwards:
         self._lock = threading.Lock()
         self._depth = 0
         self._installed: list[dict] = []
-        self._warned = not any(r.form for r in self.records)  # only skipping loops change gradients
+        self._warned = not any(r.form and r.own_expert_params for r in self.records)
+        """Only rewritten skip-loops over experts with parameters of their own change gradients."""
 
     def __bool__(self) -> bool:
         return bool(self._dicts)
@@ -205,17 +243,26 @@ class LoopForwards:
         experts without tokens was given, the outputs carry a hook that gives it at their backward."""
         with self:
             out = fn(*args)
-        if not self._warned and torch.is_grad_enabled():
+        if not self._warned and torch.is_grad_enabled() and self._changed_gradients():
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._warn_once)
         return out
 
+    def _changing(self) -> list[LoopRewrite]:
+        """The rewritten loops that change gradients: traced (run by a compiled call), over experts
+        with parameters of their own."""
+        return [r for r in self.records if r.form and r.own_expert_params and r.traced]
+
+    def _changed_gradients(self) -> bool:
+        return bool(self._changing())
+
     def _warn_once(self, grad: torch.Tensor) -> None:
         if self._warned:
             return
         self._warned = True
-        where = ", ".join(r.source for r in self.records if r.form)
-        message = UNROUTED_GRADS_WARNING.format(where=where)
-        log.warning("%s", message)
-        warnings.warn(message, UserWarning, stacklevel=2)
+        loops = self._changing()
+        message = UNROUTED_GRADS_WARNING.format(where=", ".join(r.source for r in loops))
+        log.info("%s", message)  # one notice: the warning (a log line too would print it twice)
+        # At the user's backward call; from autograd's own thread, at the first such loop.
+        warn(message, UserWarning, fallback=(loops[0].filename, loops[0].lines[0]) if loops else None)

@@ -19,7 +19,8 @@ def annotate_report(report: Any, loops: Sequence, relayouts: Sequence) -> None:
                 kept[s["loop"]] = kept.get(s["loop"], 0) + 1
     report.loop_rewrites = [dict(r.to_dict(), kept_skips=kept.get(r.source, 0)) if r.form else r.to_dict()
                             for r in loops]
-    if any(r.form for r in loops) and report.summary.get("dispatch_rewrites"):
+    if any(r.form and r.traced is not False and r.own_expert_params for r in loops) \
+            and report.summary.get("dispatch_rewrites"):
         report.summary["unrouted_expert_grads"] = "zero"
         report.notes.append("experts that receive no token get a zero gradient where eager leaves .grad None: "
                             "static dispatch runs the experts of a rewritten dispatch loop also on no rows "

@@ -105,10 +105,21 @@ class LoopRewrite:
     filename: str = dataclasses.field(default="", repr=False)
     lines: tuple[int, int] = dataclasses.field(default=(0, 0), repr=False)
     """The loop's file and first and last line: where the graph's nodes of its body come from."""
+    traced: Optional[bool] = dataclasses.field(default=None, repr=False)
+    """Whether a graph Dynamo handed cgbackend has nodes from the loop's lines (loop_forwards.mark_traced):
+    False where the model took another path (transformers' grouped_mm experts next to their eager
+    loop); None before any graph was seen."""
+    own_expert_params: bool = dataclasses.field(default=True, repr=False)
+    """Whether the modules that run the loop hold each expert as a module of its own (a ModuleList of
+    modules with parameters): eager then leaves an expert without tokens with ``.grad`` None. False
+    where the experts' weights are stacked in one parameter, which gets a gradient either way."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"function": self.function, "source": self.source, "form": self.form, "reason": self.reason,
-                "fold": _fold.REASONS.get(self.fold_key) or self.fold}
+        out = {"function": self.function, "source": self.source, "form": self.form, "reason": self.reason,
+               "fold": _fold.REASONS.get(self.fold_key) or self.fold}
+        if self.traced is not None:
+            out["traced"] = self.traced
+        return out
 
     def holds(self, filename: str, line: int) -> bool:
         """Whether ``filename:line`` lies in the loop."""

@@ -9,11 +9,12 @@ Per node, the first signal wins: the op itself (embedding, norms, attention
 kernels), then the module stack from the innermost module outwards (path
 component and class name: ``self_attn`` -> attention, ``gate``/``router`` ->
 router, ``experts`` -> experts, ``*moe*`` -> preprocess if static else
-moe_dispatch, ``mlp``/``ffn`` -> mlp, ``*norm*`` -> norm, ``embed*`` -> embedding).
-A region's role is the most significant role among its nodes (attention, mlp,
-experts, router, preprocess, embedding, norm, other, in that order); a dynamic
-region that dispatches to experts is ``moe_dispatch``. ``region_role_ops``
-keeps the whole composition.
+moe_dispatch, ``mlp``/``ffn`` -> mlp, ``*norm*`` -> norm, ``embed*`` -> embedding; a class name
+by its end: ``Qwen3MoeAttention`` is attention). The routing and combining that static dispatch's
+forms add (``DISPATCH_FORM``) are moe_dispatch, static as they are.
+A region's role is what it mostly does: the role of more than half of its ops, else ``mixed``
+(the report then gives each role's share); a dynamic region that dispatches to experts is
+``moe_dispatch``. ``region_role_ops`` keeps the whole composition.
 Heuristic by design: the role only names things for people, nothing at
 runtime depends on it.
 """
@@ -32,10 +33,17 @@ from ..integrations.opaque import opaque_info
 from .effects import Effects
 from .partition import Partition, Region
 
-__all__ = ["ROLES", "Labels", "label", "node_role"]
+__all__ = ["DISPATCH_FORM", "MIXED", "ROLES", "Labels", "label", "node_role", "region_role"]
 
 ROLES = ("attention", "router", "preprocess", "moe_dispatch", "experts", "mlp", "norm",
          "embedding", "other")
+
+DISPATCH_FORM = "cgbackend_dispatch_form"
+"""Meta key of the nodes static dispatch's forms add to route tokens to experts and combine their
+results (moe/graph_builder.py): role ``moe_dispatch``, static as they are."""
+
+MIXED = "mixed"
+"""The role of a region in which no role has more than half of the ops."""
 
 _NORM_OPS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm",
              "native_layer_norm", "fused_rms_norm"}
@@ -53,14 +61,17 @@ _COMPONENT_RULES: tuple[tuple[re.Pattern, str], ...] = (
     (re.compile(r"embed|^wte$|^wpe$|^tok_emb|^pos_emb"), "embedding"),
     (re.compile(r"mlp|ffn|feed_?forward|^fc\d*$|^dense$"), "mlp"),
 )
+# A class name says what the module is at its end: "Qwen3MoeAttention" is attention (its family's name
+# "Qwen3Moe" says nothing about it), "Qwen3MoeDecoderLayer" is none of these, "MixtralSparseMoeBlock" an MoE.
+_CLASS_END = r"(block|layer|module)?$"
 _CLASS_RULES: tuple[tuple[re.Pattern, str], ...] = (
-    (re.compile(r"router|topkgate|gating", re.I), "router"),
-    (re.compile(r"experts?$|expertmlp", re.I), "experts"),
-    (re.compile(r"moe|sparse", re.I), "moe"),
-    (re.compile(r"attention|attn", re.I), "attention"),
-    (re.compile(r"norm", re.I), "norm"),
-    (re.compile(r"embedding", re.I), "embedding"),
-    (re.compile(r"mlp|feedforward|ffn", re.I), "mlp"),
+    (re.compile(r"(router|topkgate|gating)" + _CLASS_END, re.I), "router"),
+    (re.compile(r"(experts?|expertmlp)" + _CLASS_END, re.I), "experts"),
+    (re.compile(r"(moe|sparsemoe|mixtureofexperts)" + _CLASS_END, re.I), "moe"),
+    (re.compile(r"(attention|attn)" + _CLASS_END, re.I), "attention"),
+    (re.compile(r"norm" + _CLASS_END, re.I), "norm"),
+    (re.compile(r"embeddings?" + _CLASS_END, re.I), "embedding"),
+    (re.compile(r"(mlp|feedforward|ffn)" + _CLASS_END, re.I), "mlp"),
 )
 
 
@@ -80,11 +91,6 @@ def _last_named_component(path: str) -> str:
     return ""
 
 
-_REGION_PRIORITY = ("attention", "mlp", "experts", "moe_dispatch", "router", "preprocess", "embedding",
-                    "norm", "other")
-# In a static region a combine step after the experts matters less than what surrounds it.
-_STATIC_REGION_PRIORITY = tuple(r for r in _REGION_PRIORITY if r not in ("moe_dispatch", "other")) + (
-    "moe_dispatch", "other")
 _PRIORITY = ("router", "experts", "moe", "attention", "norm", "embedding", "mlp")
 
 
@@ -105,6 +111,8 @@ def _module_signal(path: str, cls) -> Optional[str]:
 
 def _role_and_scope(node: torch.fx.Node, static: bool) -> tuple[str, str]:
     """(role, path of the module that decided it)."""
+    if node.meta.get(DISPATCH_FORM):
+        return "moe_dispatch", ""
     info = opaque_info(node)
     if info is not None and info.module is not None:
         role = info.family.role(info.module)
@@ -130,15 +138,15 @@ def node_role(node: torch.fx.Node, static: bool) -> str:
     return _role_and_scope(node, static)[0]
 
 
-def _region_role(region: Region, roles: dict[torch.fx.Node, str]) -> tuple[str, dict[str, int]]:
+def region_role(region: Region, roles: dict[torch.fx.Node, str]) -> tuple[str, dict[str, int]]:
+    """(the region's role, its ops per role), from its nodes' ``roles``."""
     ops: collections.Counter = collections.Counter(roles[node] for node in region.nodes)
     if not region.is_static and (ops["moe_dispatch"] or (ops["experts"] and len(ops) > 1)):
         return "moe_dispatch", dict(ops)
-    priority = _REGION_PRIORITY if not region.is_static else _STATIC_REGION_PRIORITY
-    for role in priority:
-        if ops[role]:
-            return role, dict(ops)
-    return "other", dict(ops)
+    if not ops:
+        return "other", {}
+    role, count = max(ops.items(), key=lambda kv: kv[1])
+    return (role if 2 * count > sum(ops.values()) else MIXED), dict(ops)
 
 
 def label(gm: torch.fx.GraphModule, partition: Partition, effects: Optional[Effects] = None) -> Labels:
@@ -168,5 +176,5 @@ def label(gm: torch.fx.GraphModule, partition: Partition, effects: Optional[Effe
     region_roles: dict[int, str] = {}
     region_role_ops: dict[int, dict[str, int]] = {}
     for region in partition.regions:
-        region_roles[region.index], region_role_ops[region.index] = _region_role(region, roles)
+        region_roles[region.index], region_role_ops[region.index] = region_role(region, roles)
     return Labels(node_roles=roles, region_roles=region_roles, region_role_ops=region_role_ops)

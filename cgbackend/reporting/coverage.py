@@ -1,4 +1,5 @@
-"""Launch coverage: which of an eager call's kernel launches run inside CUDA graphs.
+"""Launch coverage: of the kernel launches one call through cgbackend makes, the share that runs
+inside CUDA graphs (the rest run in dynamic regions or in code Dynamo left uncompiled).
 
 ``static_op_fraction`` counts the ops Dynamo traced; it says nothing about code Dynamo left
 uncompiled (after a graph break that skipped the rest of a frame, every op there runs eagerly,
@@ -12,7 +13,9 @@ outside any graph). Launch coverage counts what runs:
   innermost source line of the user's code. Each op weighs: on CUDA tensors, the launches it
   really made (kernel launches, memcpy, memset), measured by ``torch.profiler`` around both calls
   (launch_profile.py; ``launches.weights`` is "profiled"); on CPU tensors, or where the profiler
-  fails (a note says why), one launch per op ("one per op").
+  fails (a note says why), one launch per op ("one per op"). The eager call's launches are
+  reported beside the figure: they differ from the compiled call's where the graphs run another
+  form (static dispatch), so they are never its denominator.
 * **runtime** (``cgbackend.report(compiled)``): from the counters, each region's calls (graph
   replays of static regions versus eager calls of any region) weighted by its estimated kernels
   per call (passes/launch_estimate.py), over the calls after warm-up: the eager warm-up calls before capture
@@ -27,8 +30,6 @@ dispatch mode stops Dynamo from running compiled code, and the measurement is sk
 from __future__ import annotations
 
 import collections
-import linecache
-import os
 import sys
 from typing import Any, Callable, Optional
 
@@ -37,12 +38,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .launch_profile import OP_RANGE, REGION_RANGE, Attribution, LaunchProfiler, op_range
 from ..common.reasons import EagerReason
+from ..common.user_code import frame_source, user_frame
 
 __all__ = ["LaunchCounter", "Launches", "Tally", "counting_supported", "launches_op", "measure_launches",
-           "runtime_launches", "launch_text"]
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+           "runtime_launches"]
 
 _NO_KERNEL = frozenset({
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "empty_permuted",
@@ -87,24 +86,8 @@ def launches_op(func: Any) -> bool:
 
 def _user_frame() -> tuple[str, str]:
     """``(source, code)`` of the innermost frame outside torch and cgbackend."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (filename.startswith(_TORCH_DIR) or filename.startswith(_OWN_DIR)
-                or filename.startswith("<")):
-            base = filename.replace("\\", "/").rsplit("/", 1)[-1]
-            code = linecache.getline(filename, frame.f_lineno).strip()
-            return f"{base}:{frame.f_lineno} in {_function_name(frame.f_code.co_name)}", code
-        frame = frame.f_back
-    return "?", ""
-
-
-def _function_name(name: str) -> str:
-    """The user's function behind Dynamo's resume functions (``torch_dynamo_resume_in_f_at_12``)."""
-    prefix = "torch_dynamo_resume_in_"
-    if name.startswith(prefix) and "_at_" in name:
-        return name[len(prefix):].rsplit("_at_", 1)[0]
-    return name
+    frame, _ = user_frame(sys._getframe(2))
+    return frame_source(frame) if frame is not None else ("?", "")
 
 
 class LaunchCounter(TorchDispatchMode):
@@ -244,13 +227,12 @@ class Launches:
         self.tally = counter.tally(profiles[1] if profiles is not None else None)
 
     def coverage(self) -> float:
-        """1 - (launches still outside graphs per call) / (an eager call's launches): what runs in
-        dynamic regions or uncompiled code counts against it; constants made once per compiled graph
-        (passes/constants.py) are launched by no call and count for it."""
-        if self.eager <= 0:
-            return 0.0
-        outside = self.tally.dynamic + self.tally.uncompiled
-        return round(max(0.0, min(1.0 - outside / self.eager, 1.0)), 4)
+        """Of the launches the call through cgbackend made, the share inside graphs (static regions);
+        the rest ran in dynamic regions or uncompiled code. Both counts come from that one call, so
+        the figure and the counts the report gives beside it agree by construction (an eager call's
+        launches differ where the graphs run another form, and are given apart, figures.py)."""
+        total = self.tally.total
+        return round(self.tally.static / total, 4) if total > 0 else 0.0
 
     def to_summary(self) -> dict[str, Any]:
         c = self.tally
@@ -354,37 +336,3 @@ def runtime_launches(graphs: list, compiled: list, broke: bool) -> dict[str, Any
                      "uncompiled_sources": [], "upper_bound": bool(broke),
                      "calls": calls, "warmup_calls": warmups},
     }
-
-
-def launch_text(summary: dict[str, Any]) -> list[str]:
-    """The report's ``launch coverage`` lines."""
-    cov = summary.get("launch_coverage")
-    info = summary.get("launches")
-    if info is None:
-        return []
-    if cov is None:
-        if info.get("basis") == "runtime" and info.get("warmup_calls"):
-            return [f"  launch coverage: no call after warm-up yet ({info['warmup_calls']} warm-up call(s) "
-                    "left out)"]
-        return ["  launch coverage: not measured"]
-    if info["basis"] == "measured":
-        weights = ("launches per op measured by torch.profiler" if info.get("weights") == "profiled"
-                   else "one launch per dispatched op")
-        placed = (f"{info['in_graphs']} of the {info['eager_call']} launches of an eager call run inside graphs"
-                  if info["in_graphs"] + info["in_dynamic_regions"] + info["uncompiled"] <= info["eager_call"]
-                  else f"the compiled call dispatches {info['in_graphs']} ops inside graphs, where an eager "
-                       f"call launches {info['eager_call']} (the graphs run a rewritten form)")
-        lines = [f"  launch coverage: {cov:.3f} (measured, {weights}: {placed}; {info['in_dynamic_regions']} "
-                 f"in dynamic regions, {info['uncompiled']} in uncompiled code)"]
-        for src in info["uncompiled_sources"][:6]:
-            ops = ", ".join(f"{op} x{n}" for op, n in src["ops"].items())
-            lines.append(f"{'':<4}uncompiled: {src['launches']} launches at {src['source']} ({ops})")
-            if src["code"]:
-                lines.append(f"{'':<8}`{src['code']}`")
-        return lines
-    bound = ("; an upper bound: Dynamo broke the graph, and launches outside compiled graphs are not "
-             "seen at runtime (cgbackend.explain measures them)") if info["upper_bound"] else ""
-    calls = info.get("calls")
-    after = (f" of the {calls} call(s) after warm-up" if calls is not None else "")
-    return [f"  launch coverage: {cov:.3f} (runtime: {info['in_graphs']} of {info['with_cgbackend']} "
-            f"estimated launches{after} ran in graph replays{bound})"]

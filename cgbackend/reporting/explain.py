@@ -14,12 +14,13 @@ from ..frontend.tracing import data_dependent_failure, dynamic_ops_config
 from ..backend import CGBackend
 from .breaks import break_text, frame_skipped, skipped_frame_source
 from ..config import Config
+from ..config.suggest import check_callable
 from .coverage import measure_launches
 from .launch_profile import LaunchProfiler
 from .hints import build_hints
 from .report import Report
 from .structured import emit_report
-from .trace_errors import quiet_meta_failures, tracing_failure
+from .trace_errors import eager_failure, quiet_meta_failures, tracing_failure
 
 __all__ = ["ExplainError", "call_inputs", "explain", "tracing_failure"]
 
@@ -69,12 +70,12 @@ def _mode_reason(training: Optional[bool], traced: set[bool]) -> dict[str, Any]:
         why = ("training=True (CLI: --training): traced with grad mode on; where parameters or inputs "
                "require grad, each static region gets a forward and a backward graph")
     elif training is False:
-        why = ("training=False (the CLI's default): traced under torch.no_grad(), inference graphs "
+        why = ("training=False (CLI: without --training): traced under torch.no_grad(), inference graphs "
                "only; training=True (CLI: --training) traces for training")
     elif torch.is_grad_enabled():
         why = ("grad mode was on (the default) and inputs or parameters require grad, so autograd "
                "records the graph: cgbackend captures a forward and a backward graph per region. "
-               "Pass training=False (CLI: the default) or call under torch.no_grad() for inference")
+               "Pass training=False (CLI: without --training) or call under torch.no_grad() for inference")
     else:
         why = "grad mode was off (torch.no_grad()): inference graphs only. Pass training=True for training"
     if mode == "inference" and torch.is_grad_enabled() and training is None:
@@ -115,6 +116,7 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     zeroes the counters of every cgbackend instance). The model's buffers (batch-norm statistics)
     and the RNG state are restored afterwards; loops rewritten for static dispatch are restored too.
     """
+    check_callable(model, "cgbackend.explain")
     args, kwargs = call_inputs(model, args, kwargs)
     report = _explain(model, args, kwargs, options, trace_dynamic_ops and not by_name, training,
                       count_launches, by_name)
@@ -173,7 +175,13 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
 
     def eager() -> Any:
         """The model as the user wrote it (without cgbackend's loop rewrites), for the launch count."""
-        return model(*args, **kwargs)
+        try:
+            return model(*args, **kwargs)
+        except Exception as exc:  # Dynamo traced what eager rejects (a NumPy array for a tensor)
+            error = ExplainError(f"the model raised when called eagerly on these inputs, so there is nothing "
+                                 f"to compile: {eager_failure(exc)}")
+            error.torch_error = exc
+            raise error from None
 
     def traced(fn: Any) -> Any:
         """``fn`` called with the rewritten forwards in place."""
@@ -289,6 +297,8 @@ def _measure(eager: Any, compiled: Any, args: tuple, kwargs: dict, instance: CGB
         launches, skipped = measure_launches(eager,
                                              lambda: compiled(*args, **kwargs), instance.shared,
                                              reset=lambda: _restore(buffers), profiler=profiler)
+    except ExplainError:
+        raise
     except Exception as exc:  # the report stands without it; say why it is missing
         return None, f"launch coverage not measured: {type(exc).__name__}: {_first_line(exc)}"
     if len(instance.kept_analyses()) != graphs:

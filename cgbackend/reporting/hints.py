@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch.fx
 
 from ..config import Config, DispatchMode
+from ..common.wording import count
 from ..common.fx_utils import copy_module, source_frame, source_location, user_function
 
 __all__ = ["MEMORY_HINT_BYTES", "build_hints", "hint_option", "hints_text", "option_cli", "option_python",
@@ -137,7 +138,7 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
     summary = report.summary
     launches = summary.get("launches") or {}
     by_region = launches.get("by_region") or {}
-    # as launch_coverage: 1 - (launches left outside graphs) / (an eager call's launches)
+    # as launch_coverage: 1 - (launches left outside graphs) / (the call's launches)
     outside = total = 0.0
     for g, fraction in zip(report.graphs, fractions):
         n = sum(by_region.get(r.id, r.est_kernels if not by_region else 0) for r in g.regions)
@@ -148,7 +149,7 @@ def _static_dispatch_hint(report: Any, analyses: list, config: Config) -> Option
     measured = launches.get("basis") == "measured"
     if measured:
         outside += launches.get("uncompiled") or 0
-        total = max(total + (launches.get("uncompiled") or 0), launches.get("eager_call") or 0)
+        total += launches.get("uncompiled") or 0
     estimate = 1.0 - outside / total if total else 0.0
     now = summary.get("launch_coverage")
     now_text = f", now {100 * now:.0f}%" if now is not None else ""
@@ -194,7 +195,7 @@ def _loop_hints(report: Any, analyses: list, loops: list) -> list[dict[str, Any]
         if not (_DATA_DEPENDENT.search(reason) or _DATA_DEPENDENT_ITER.search(match.group("iter"))):
             continue
         seen.add(source)
-        cost = f" ({uncompiled} launches of a call ran uncompiled)" if uncompiled else ""
+        cost = f" ({count(uncompiled, 'launch')} of a call ran uncompiled)" if uncompiled else ""
         what = (f"this graph break comes from iterating a data-dependent tensor at {source} (`{code}`): "
                 f"Dynamo cannot unroll a loop whose length only the device knows, so the rest of the frame "
                 f"runs uncompiled{cost}. ")

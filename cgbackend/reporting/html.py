@@ -35,6 +35,9 @@ from typing import Any, Optional
 
 from .entry import entry_text
 from .hints import hint_option, option_cli, option_python, source_text
+from ..common.wording import count
+from .figures import summary_figures
+from .text import roles_text
 
 __all__ = ["render_html"]
 
@@ -153,7 +156,8 @@ def _split_text(parts: dict[str, Any]) -> str:
 
 def _tooltip(region: Any, weight: float, unit: str, timing: Optional[dict[str, Any]],
              counters: Optional[dict[str, Any]]) -> str:
-    lines = [f"{region.id}: {region.kind}, role {region.role}, {region.ops} ops, {weight:g} ({unit})"]
+    lines = [f"{region.id}: {region.kind}, role {region.role}, {region.ops} ops, {weight:g} ({unit})",
+             f"roles (ops, share): {roles_text(region.roles)}"]
     if timing:
         lines.append("time: " + _split_text(timing))
     if counters:
@@ -172,26 +176,10 @@ def _tooltip(region: Any, weight: float, unit: str, timing: Optional[dict[str, A
 
 def _summary_rows(report: Any) -> list[tuple[str, str]]:
     s = report.summary
-    rows = [("graphs / graph breaks", f"{s['graphs']} / {s['graph_breaks']}"
-             + (f" (Dynamo graphs run {s['graph_runs_per_call']} times per call)"
-                if s.get("graph_runs_per_call", s["graphs"]) != s["graphs"] else "")),
+    rows = [("graphs / graph breaks", f"{s['graphs']} / {s['graph_breaks']}"),
             ("ops (static fraction)", f"{s['ops']} ({s['static_op_fraction']:.3f})"),
             ("static / dynamic regions", f"{s['static_regions']} / {s['dynamic_regions']}"),
-            ("kernel launches per call (estimated)",
-             f"{s['est_kernels_eager']} all eager -> {s['est_launches_graphed']} with graphs")]
-    cov = s.get("launch_coverage")
-    info = s.get("launches") or {}
-    if cov is not None:
-        if info.get("basis") == "measured":
-            weights = "profiled launches per op" if info.get("weights") == "profiled" else "one launch per op"
-            detail = (f"measured, {weights}: {info['in_graphs']} of {info['eager_call']} launches of an eager "
-                      f"call in graphs, {info['in_dynamic_regions']} in dynamic regions, {info['uncompiled']} uncompiled")
-        else:
-            after = f" of the {info['calls']} calls after warm-up" if info.get("calls") is not None else ""
-            detail = f"runtime: {info['in_graphs']} of {info['with_cgbackend']} estimated launches{after} in replays"
-            if info.get("upper_bound"):
-                detail += " (upper bound: code outside compiled graphs not seen)"
-        rows.insert(2, ("launch coverage", f"{cov:.3f} ({detail})"))
+            *summary_figures(s)]  # the text report's figures, in its words (figures.py)
     totals: dict[str, float] = {}
     for parts in _timing(report).values():
         for how, t in parts.items():
@@ -269,10 +257,10 @@ def _timeline(report: Any, weights: dict[str, float], unit: str, timing: dict[st
         return sum(ops * per_op.get(source, 1.0) for source, ops in item["parts"])
 
     total = sum(weight(item) for item in sequence) or 1.0
-    caption = (f"{len(sequence)} steps of one call as explain ran it: a graph that runs several times per call "
-               "(a layer's graph once per layer) appears once per run, uncompiled code where it ran"
+    caption = (f"{count(len(sequence), 'step')} of one call as explain ran it: a graph that runs several times "
+               "per call (a layer's graph once per layer) appears once per run, uncompiled code where it ran"
                if measured else
-               f"{len(report.graphs)} graph(s) in the order Dynamo compiled them, each once (the order of one "
+               f"{count(len(report.graphs), 'graph')} in the order Dynamo compiled them, each once (the order of one "
                "call was not measured: cgbackend.explain measures it)")
     out = ['<section id="timeline"><h2>Regions in the order they run in one call</h2>',
            '<div class="legend"><span><i class="swatch static"></i>static (CUDA graph)</span>'
@@ -329,7 +317,7 @@ def _table(report: Any, weights: dict[str, float], unit: str, timing: dict[str, 
     out = ['<section id="details"><h2>Regions</h2><div class="scroll"><table id="regions">',
            f"<tr>{''.join(head)}</tr>"]
     for r in report.regions():
-        cells = [f"<td>{_e(r.id)}</td><td>{_e(r.kind)}</td><td>{_e(r.role)}</td>"]
+        cells = [f"<td>{_e(r.id)}</td><td>{_e(r.kind)}</td><td title=\"{_e(roles_text(r.roles))}\">{_e(r.role)}</td>"]
         if timing:
             parts = timing.get(r.id, {})
             cells.append("".join(f'<td class="num">{parts[how]["total_ms"]:.3f}</td>' if how in parts

@@ -28,7 +28,9 @@ size symbols: ``{symbol: {"bucketable", "padded", "why", "op", "source", "code"}
 symbol keys graphs on capture sizes, the others on exact values), ``memory`` (static regions: the
 estimated pool bytes of one captured graph, per capture size where bucketed: ``[{"size", "bytes",
 "peak_bytes", "output_bytes", "copied_input_bytes", "unknown_values", "traced"}]``,
-memory_estimate.py; ``summary["est_graph_bytes"]`` adds each region's largest over a call).
+memory_estimate.py; ``summary["est_graph_bytes"]`` adds each region's largest over a call:
+``est_graphs`` graphs, one per static region and run of its Dynamo graph, the largest
+``est_graph_bytes_largest`` bytes).
 
 Regions also have ``opaque`` (module calls Dynamo cannot trace, made one node each: ``{"module",
 "kind", "node", "graphed", "why"}``); the report has ``opaque_modules`` (``{"wrapped",
@@ -37,8 +39,8 @@ Regions also have ``opaque`` (module calls Dynamo cannot trace, made one node ea
 ``summary`` also has ``symbolic_regions`` (static regions with size symbols) and
 ``bucketed_regions`` (those that pad one), ``dispatch_rewrites`` and ``dispatch_left_dynamic``.
 
-``summary`` also has ``launch_coverage`` (0..1, the fraction of an eager call's kernel launches
-that run inside graphs; null when not measured) and ``launches`` (coverage.py): ``{"basis":
+``summary`` also has ``launch_coverage`` (0..1, of the launches of a call through cgbackend, the
+fraction that runs inside graphs: ``in_graphs / with_cgbackend``; null when not measured) and ``launches`` (coverage.py): ``{"basis":
 "measured" | "runtime", "weights", "eager_call", "with_cgbackend", "in_graphs",
 "in_dynamic_regions", "uncompiled", "dispatched_ops", "by_region": {region id: launches},
 "uncompiled_sources": [{"source", "code", "launches", "ops": {op: count}}], "upper_bound",
@@ -302,6 +304,15 @@ def _memory_of(analysis: Analysis, region: Any) -> list[dict[str, Any]]:
         return []
 
 
+def _static_of(graph: GraphReport) -> list[RegionReport]:
+    return [r for r in graph.regions if r.kind == "static"]
+
+
+def _largest_graph(region: RegionReport) -> int:
+    """Estimated bytes of the region's largest graph (its largest capture size), 0 without an estimate."""
+    return max((m["bytes"] for m in region.memory), default=0)
+
+
 def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> dict[str, Any]:
     ops = sum(g.ops for g in graphs)
     static_ops = sum(g.static_ops for g in graphs)
@@ -337,8 +348,9 @@ def summarize(graphs: list[GraphReport], graph_breaks: list[dict[str, str]]) -> 
         "est_kernels_eager": kernels_static + kernels_dynamic,
         "est_launches_graphed": launches + kernels_dynamic,
         "opaque_calls_graphed": sum(len(r.opaque) for r in static_regions),
-        "est_graph_bytes": sum(g.runs_per_call * max((m["bytes"] for m in r.memory), default=0)
-                               for g in graphs for r in g.regions if r.kind == "static"),
+        "est_graph_bytes": sum(g.runs_per_call * _largest_graph(r) for g in graphs for r in _static_of(g)),
+        "est_graphs": sum(g.runs_per_call for g in graphs for r in _static_of(g) if _largest_graph(r)),
+        "est_graph_bytes_largest": max((_largest_graph(r) for g in graphs for r in _static_of(g)), default=0),
         "opaque_calls_eager": sum(len(r.opaque) for r in dynamic_regions),
         "static_kernel_fraction": round(kernels_static / (kernels_static + kernels_dynamic), 4)
         if kernels_static + kernels_dynamic else 0.0,

@@ -9,12 +9,13 @@ from typing import Any
 from ..common.reasons import EagerReason, Rule
 from ..runtime.memory import released_kinds
 from ..runtime.region_timer import timing_text
-from .coverage import launch_text
+from ..common.wording import count
+from .figures import summary_figures
 from .entry import entry_text
 from .hints import hints_text
 from .memory_estimate import memory_text
 
-__all__ = ["render_text"]
+__all__ = ["render_text", "roles_text"]
 
 
 def _io_text(items: list[dict[str, str]], limit: int = 2) -> str:
@@ -26,6 +27,12 @@ def _io_text(items: list[dict[str, str]], limit: int = 2) -> str:
     if rest > 0:
         text += f"{', ' if shown else ''}+{rest}"
     return text
+
+
+def roles_text(roles: dict[str, int]) -> str:
+    """"attention 84 (35%), experts 60 (25%)": each role's ops and share, most first."""
+    total = sum(roles.values()) or 1
+    return ", ".join(f"{k} {v} ({100 * v / total:.0f}%)" for k, v in sorted(roles.items(), key=lambda kv: -kv[1]))
 
 
 def _paths_text(paths: list[str], limit: int = 3) -> str:
@@ -52,6 +59,17 @@ def _buckets_text(buckets: dict[str, dict[str, Any]]) -> list[str]:
             why.append(f"{name} not bucketable: {b['why']}{where}")
     lines = [f"{'':<10}graphs keyed on: {', '.join(parts)}"]
     lines.extend(f"{'':<12}{w}" for w in why)
+    return lines
+
+
+def _uncompiled_text(summary: dict[str, Any]) -> list[str]:
+    """The lines under the launch coverage: where a call ran uncompiled code (explain's measurement)."""
+    lines = []
+    for src in ((summary.get("launches") or {}).get("uncompiled_sources") or [])[:6]:
+        ops = ", ".join(f"{op} x{n}" for op, n in src["ops"].items())
+        lines.append(f"{'':<4}uncompiled: {count(src['launches'], 'launch')} at {src['source']} ({ops})")
+        if src["code"]:
+            lines.append(f"{'':<8}`{src['code']}`")
     return lines
 
 
@@ -115,6 +133,10 @@ def _opaque_modules_text(opaque: dict[str, Any], summary: dict[str, Any]) -> lis
 def _loop_rewrites_text(loops: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in loops:
+        if r["form"] and r.get("traced") is False:  # nothing of the rewritten loop is in a graph
+            lines.append(f"  dispatch loop at {r['source']}: rewritten, but no graph Dynamo traced runs it (the "
+                         "model's experts took another path, such as grouped_mm, or the code ran uncompiled)")
+            continue
         fold = r.get("fold", "")
         if fold:
             lines.append(f"  dispatch loop at {r['source']}: " + (
@@ -171,7 +193,7 @@ def _derived_text(derived: list[dict[str, Any]]) -> str:
     total = sum(ops.values())
     costly = sorted((op for op in ops if kernels[op] > 0), key=lambda op: (-kernels[op], -ops[op]))
     free = sorted((op for op in ops if kernels[op] == 0), key=lambda op: -ops[op])
-    text = f"+ {total} ops that follow from those"
+    text = f"+ {count(total, 'op')} that follow{'s' if total == 1 else ''} from those"
     if costly:
         text += (f", ~{sum(kernels.values())} kernels: "
                  + ", ".join(f"{op} x{ops[op]} (~{kernels[op]})" for op in costly[:4])
@@ -191,18 +213,11 @@ def render_text(report: Any) -> str:
         f"  graphs: {s['graphs']}   graph breaks: {s['graph_breaks']}   ops: {s['ops']}",
         f"  static_op_fraction: {s['static_op_fraction']:.3f} (kernels ~{s['static_kernel_fraction']:.3f})"
         f"   static regions: {s['static_regions']}   dynamic regions: {s['dynamic_regions']}",
-        f"  kernel launches per call (estimated): {s['est_kernels_eager']} all eager -> "
-        f"{s['est_launches_graphed']} with graphs ({s['graph_launches_per_call']} graph launches + "
-        f"{s['est_launches_graphed'] - s['graph_launches_per_call']} eager)"
-        + (f"; Dynamo graphs run {s['graph_runs_per_call']} times per call"
-           if s['graph_runs_per_call'] != s['graphs'] else ""),
     ]
-    if s.get("est_graph_bytes"):
-        lines.append(f"  graph memory (estimate, before capture): at most {s['est_graph_bytes'] / 2**20:.1f} MiB "
-                     "for one graph of each static region (each at its largest capture size)")
     if report.traced_as:
         lines.append(f"  traced as {report.traced_as['mode']}: {report.traced_as['why']}")
-    lines.extend(launch_text(s))
+    lines.extend(f"  {label}: {text}" for label, text in summary_figures(s))
+    lines.extend(_uncompiled_text(s))
     for note in report.notes:
         lines.append(f"  note: {note}")
     lines.extend(hints_text(report.hints))
@@ -220,6 +235,8 @@ def render_text(report: Any) -> str:
     for brk in report.graph_breaks:
         where = f" at {brk['source']}" if brk.get("source") else ""
         lines.append(f"  graph break{where}: {brk['reason']}")
+        if brk.get("code"):
+            lines.append(f"{'':<4}`{brk['code']}`")
     explained: set[str] = set()  # rules whose meaning the text has given (once each)
     for g in report.graphs:
         mode = "training" if g.training else "inference"
@@ -239,8 +256,7 @@ def render_text(report: Any) -> str:
         for r in g.regions:
             lines.append(f"  {r.id.split('.')[-1]:<8}{r.kind:<9}{r.role:<14}{r.ops:>5}{r.est_kernels:>7}  "
                          f"{_io_text(r.inputs)} -> {_io_text(r.outputs)}")
-            composition = ", ".join(f"{k} {v}" for k, v in sorted(r.roles.items(), key=lambda kv: -kv[1]))
-            lines.append(f"{'':<10}roles: {composition}")
+            lines.append(f"{'':<10}roles (ops, share): {roles_text(r.roles)}")
             lines.append(f"{'':<10}modules: {_paths_text(r.module_paths)}")
             if r.symbols:
                 syms = ", ".join(f"{k}({v})" for k, v in r.symbols.items())

@@ -14,37 +14,17 @@ from __future__ import annotations
 import contextlib
 import linecache
 import logging
-import os
 import re
-import sysconfig
 from typing import Any, Iterator, Optional
 
 from ..common.fx_utils import user_function
+from ..common.user_code import is_user_file
 from .breaks import break_text
 
-__all__ = ["quiet_meta_failures", "tracing_failure", "user_frame"]
+__all__ = ["eager_failure", "quiet_meta_failures", "tracing_failure", "user_frame"]
 
 _USER_CODE_BLOCK = re.compile(r"(?:from user code|User stack):\s*\n(?P<block>(?:[ \t]+.*\n?)+)")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
-
-
-def _library_dirs() -> tuple[str, tuple[str, ...]]:
-    """(cgbackend's reference models, the folders whose frames are never the user's)."""
-    import torch
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cgbackend/
-    dirs = (os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"], package)
-    norm = lambda d: os.path.normcase(os.path.abspath(d))  # noqa: E731
-    return norm(os.path.join(package, "models")), tuple(norm(d) for d in dirs)
-
-
-def _is_user_file(path: str, library: tuple[str, tuple[str, ...]]) -> bool:
-    if not path or path.startswith("<"):  # <frozen ...>, <eval_with_key>.N (FX's generated code)
-        return False
-    models, dirs = library
-    path = os.path.normcase(os.path.abspath(path))
-    if path.startswith(models + os.sep):  # the demo and reference models are a user's models
-        return True
-    return not any(path == d or path.startswith(d + os.sep) for d in dirs)
 
 
 def _frame(path: str, line: int, name: str) -> dict[str, Any]:
@@ -65,11 +45,10 @@ def user_frame(exc: BaseException) -> Optional[dict[str, Any]]:
     """``{"path", "line", "function", "code"}`` of the user's line the error comes from: the last
     user frame of Dynamo's ``from user code:`` block, else the innermost user frame of a
     traceback in the exception chain; None when every frame is torch's or cgbackend's."""
-    library = _library_dirs()
     chain = _chain(exc)
     for e in chain:
         for block in _USER_CODE_BLOCK.finditer(str(e)):
-            frames = [m for m in _FRAME.finditer(block.group("block")) if _is_user_file(m.group("file"), library)]
+            frames = [m for m in _FRAME.finditer(block.group("block")) if is_user_file(m.group("file"))]
             if frames:
                 last = frames[-1]
                 return _frame(last.group("file"), int(last.group("line")), last.group("name"))
@@ -78,7 +57,7 @@ def user_frame(exc: BaseException) -> Optional[dict[str, Any]]:
         tb = e.__traceback__
         while tb is not None:
             code = tb.tb_frame.f_code
-            if _is_user_file(code.co_filename, library):
+            if is_user_file(code.co_filename):
                 found = _frame(code.co_filename, tb.tb_lineno, code.co_name)
             tb = tb.tb_next
         if found is not None:
@@ -86,18 +65,27 @@ def user_frame(exc: BaseException) -> Optional[dict[str, Any]]:
     return None
 
 
+def _where(exc: BaseException) -> str:
+    """" at file.py:LINE in function (`code`)" of the user's line ``exc`` comes from, or ""."""
+    frame = user_frame(exc)
+    if frame is None:
+        return ""
+    base = frame["path"].replace("\\", "/").rsplit("/", 1)[-1]
+    return f" at {base}:{frame['line']} in {frame['function']}" + (f" (`{frame['code']}`)" if frame["code"] else "")
+
+
+def eager_failure(exc: BaseException) -> str:
+    """One line for an error the model raised when run eagerly: its type, first line and the user's line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}{_where(exc)}"
+
+
 def tracing_failure(exc: BaseException) -> str:
     """One line for a failed trace: the root error (the innermost of the exception chain, where
     Dynamo's own wrapper hides it), the user's line it comes from and what to try."""
     chain = _chain(exc)
     root = chain[-1]
-    frame = user_frame(exc)
-    where = ""
-    if frame is not None:
-        base = frame["path"].replace("\\", "/").rsplit("/", 1)[-1]
-        where = f" at {base}:{frame['line']} in {frame['function']}"
-        if frame["code"]:
-            where += f" (`{frame['code']}`)"
+    where = _where(exc)
     message = str(root)
     lines = message.strip().splitlines()
     text = break_text(message) if "Explanation:" in message else (lines[0] if lines else "")

@@ -14,13 +14,14 @@ same line at INFO. The check costs one integer comparison per call of a compiled
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from ..common.notices import NothingCapturedWarning
 from ..common.reasons import EagerReason
+from ..common.machine import torch_build
+from ..common.user_code import warn
 
 __all__ = ["CaptureWatch", "settle_call"]
 
@@ -56,8 +57,7 @@ def _no_cuda(graph: Any) -> str:
     if torch.cuda.is_available():
         return (f"graph {graph.index} computes on {device} tensors and CUDA graphs replay device work "
                 "only: move the model and its inputs to a CUDA device")
-    build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-    return (f"this machine has no CUDA device (torch {torch.__version__}, {build}) and CUDA graphs need "
+    return (f"this machine has no CUDA device ({torch_build()}) and CUDA graphs need "
             "one; simulate_graphs=True tests cgbackend's runtime on CPU")
 
 
@@ -130,7 +130,7 @@ class CaptureWatch:
         self.warned = True
         message = f"cgbackend: nothing was captured as a CUDA graph, every call runs eagerly: {reason}"
         log.info("%s", message)
-        warnings.warn(message, NothingCapturedWarning, stacklevel=2)
+        warn(message, NothingCapturedWarning)  # at the user's call, not at this file
 
     def reset(self) -> None:
         self.warned = False

@@ -37,6 +37,7 @@ from .shared import RuntimeShared
 from .split import Step, build_region_module
 from .static_grads import reclaim_all
 from ..common.reasons import EagerReason
+from ..common.wording import count
 from .syncsplit import count_split, split_step
 from .warmup import SyncHit
 
@@ -331,8 +332,8 @@ class CompiledGraph:
         eager = [f"{r.name} ({r.state.disabled}: {r.state.disabled_detail})" for r in self.runners
                  if r.state.disabled]
         pool_mib = self.shared.counters.pool_bytes / 2**20
-        log.info("cgbackend: graph %d: %d static regions, %d graphs captured in %.2f s, pool %.1f MiB%s",
-                 self.index, len(self.runners), graphs, seconds, pool_mib,
+        log.info("cgbackend: graph %d: %s, %s captured in %.2f s, pool %.1f MiB%s",
+                 self.index, count(len(self.runners), "static region"), count(graphs, "graph"), seconds, pool_mib,
                  f"; eager: {', '.join(eager)}" if eager else "")
 
     def runtime_summary(self) -> dict[str, Any]:

@@ -150,6 +150,26 @@ def test_version(run_main, capsys):
     assert capsys.readouterr().out.strip() == f"cgbackend {cgbackend.__version__}"
 
 
+@pytest.mark.parametrize("args, first", [(["--version"], "cgbackend "), (["--help"], "usage: python -m cgbackend"),
+                                         (["explain", "--help"], "usage: python -m cgbackend explain")])
+def test_version_and_help_import_no_torch_and_take_well_under_a_second(args, first):
+    """``python -m cgbackend --version`` / ``--help`` print before torch is imported (the package
+    loads only its version for them): the child's CPU time, which load on the machine does not
+    inflate the way it does wall time, stays far below torch's import alone (2 s and more)."""
+    import resource
+    import subprocess
+    import sys
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "cgbackend", *args],
+                          capture_output=True, text=True, timeout=60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert proc.returncode == 0 and proc.stdout.startswith(first), proc.stdout[:200] + proc.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
+    assert cpu < 0.8, f"{cpu:.2f} s of CPU"
+
+
 def _all_options(parser: argparse.ArgumentParser):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

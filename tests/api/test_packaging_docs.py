@@ -149,19 +149,22 @@ def test_readme_demo_excerpt_is_what_the_demo_prints(monkeypatch, capsys):
 
 
 def readme_usage_blocks() -> list[str]:
-    """The ```python blocks of the README's "Use" section, in order."""
+    """The ```python blocks of the README's "Your model" section, in order."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Use\n", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("\n## Your model\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)\n```", section, re.S)
 
 
 def test_readme_usage_runs_as_written():
-    """The README's usage code, run as it is on a small model: every call it shows works."""
+    """The README's usage code, run as it is on a small model: every call it shows works, and each
+    name it binds is bound once."""
     import torch
 
     from log_helpers import records_of
     blocks = readme_usage_blocks()
     assert blocks and len((ROOT / "README.md").read_text().splitlines()) <= 220
+    bound = [m.group(1) for block in blocks for m in re.finditer(r"^(\w+) = ", block, re.M)]
+    assert len(bound) == len(set(bound)), bound
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4)).eval()
     inputs = (torch.randn(2, 8),)
@@ -170,9 +173,10 @@ def test_readme_usage_runs_as_written():
         for block in blocks:
             exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
     assert isinstance(namespace["report"], cgbackend.Report) and namespace["report"].summary["graphs"] == 1
-    assert torch.equal(namespace["out"], model(*inputs))
+    assert torch.equal(namespace["out"], model(*inputs)) and torch.equal(namespace["out_by_name"], model(*inputs))
     assert len(shown) == 1 and shown[0].getMessage().startswith("cgbackend dry run: graph 0")
     assert cgbackend.stats(namespace["compiled"])["graph_calls"] == 1
+    assert namespace["counters"]["graph_calls"] == 1
 
 
 def _shown_equal(text: str, value: float) -> bool:
@@ -181,33 +185,111 @@ def _shown_equal(text: str, value: float) -> bool:
     return abs(float(text) - value) <= 0.5 * 10 ** -decimals + 1e-12
 
 
-def test_readme_results_table_quotes_latest_json():
-    """Each row of the README's results table is a row of benchmarks/results/latest.json, with its
-    median and ratios as rounded there, and the text names the device and date of that file's runs
-    (RESULTS.md, rendered from it, names each run's command)."""
+_COLUMNS = {"median ms": "median_ms", "x eager": "ratio_to_eager", "x reduce-overhead": "ratio_to_reduce_overhead",
+            "x grouped": "ratio_to_grouped", "compile s": "compile_s"}
+"""The README's figure columns and the fields of latest.json's rows they quote."""
+
+
+def _readme_tables(section: str) -> list[tuple[list[str], list[list[str]]]]:
+    """(header, rows of cells) of each Markdown table in ``section``."""
+    tables, lines = [], section.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("| model ") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            header = [c.strip() for c in line.strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("| "):
+                    break
+                rows.append([c.strip().strip("`") for c in row.strip("|").split("|")])
+            tables.append((header, rows))
+    return tables
+
+
+def test_readme_results_tables_quote_latest_json_with_their_runs():
+    """Each row of the README's results tables is a row of benchmarks/results/latest.json: its figures
+    as rounded there, its depth as the model has it, and its run named by GPU and date (RESULTS.md,
+    rendered from the same file, names each run's command)."""
     readme = (ROOT / "README.md").read_text()
     results = json.loads((ROOT / "benchmarks" / "results" / "latest.json").read_text())
+    runs = results["meta"]["runs"]
     section = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
-    runs = results["meta"].get("runs") or [results["meta"]]
-    for run in runs:
-        assert run["device"] in section and run["date"][:10] in section, run
     rows = {(r["model"], r["mode"], r["contender"], r.get("tokens")): r for r in results["rows"]}
-    lines = section.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| model "))
-    table = lines[start + 2:]
-    quoted = table[:next((i for i, line in enumerate(table) if not line.startswith("| ")), len(table))]
-    assert quoted
-    for line in quoted:
-        cells = [c.strip().strip("`") for c in line.strip("|").split("|")]
-        model, mode, tokens, contender, median, x_eager, x_ro, x_grouped = cells
-        row = rows.get((model, mode, contender, None if tokens == "-" else int(tokens)))
-        assert row is not None, f"README quotes a row latest.json does not hold: {line}"
-        for text, key in ((median, "median_ms"), (x_eager, "ratio_to_eager"),
-                          (x_ro, "ratio_to_reduce_overhead"), (x_grouped, "ratio_to_grouped")):
-            if text == "-":
-                assert row.get(key) is None, (line, key, row.get(key))
-            else:
-                assert _shown_equal(text, row[key]), (line, key, row[key])
+    tables = _readme_tables(section)
+    assert len(tables) == 2 and all(rows_ for _, rows_ in tables)
+    assert "compile s" in tables[1][0]
+    for header, cells_of in tables:
+        assert {"model", "layers", "mode", "tokens", "contender", "run"} <= set(header), header
+        for cells in cells_of:
+            cell = dict(zip(header, cells))
+            key = (cell["model"], cell["mode"], cell["contender"], None if cell["tokens"] == "-" else int(cell["tokens"]))
+            row = rows.get(key)
+            assert row is not None, f"README quotes a row latest.json does not hold: {cells}"
+            run = runs[row["run"]]
+            gpu, date = cell["run"].split()
+            assert gpu in run["device"].split() and date == run["date"][:10], (cells, run["device"], run["date"])
+            assert int(cell["layers"]) == _layers_of(cell["model"]), cells
+            for column, key_ in _COLUMNS.items():
+                if column not in cell:
+                    continue
+                if cell[column] == "-":
+                    assert row.get(key_) is None, (cells, key_, row.get(key_))
+                else:
+                    assert _shown_equal(cell[column], row[key_]), (cells, key_, row[key_])
+
+
+def _layers_of(model: str) -> int:
+    """The depth of a benchmark model as its registry entry builds it: the reference models' size, or
+    the "N layers" of its description."""
+    from cgbackend.bench.models import MODELS
+    from cgbackend.models import SIZES
+    spec = MODELS[model]
+    if spec.family == "reference":
+        return SIZES["bench"]["n_layers"]
+    return int(re.search(r"(\d+) layers", spec.description).group(1))
+
+
+def test_the_readme_carries_no_figure_outside_its_tables():
+    """The README links its measurements: a time or a ratio appears in its tables (checked against
+    latest.json above), not in its prose; the one exception is the test suite's own time."""
+    readme = (ROOT / "README.md").read_text()
+    prose = re.sub(r"```.*?```", "", readme, flags=re.S)
+    prose = "\n".join(line for line in prose.splitlines() if not line.startswith("|"))
+    prose = prose.split("\n## Test\n", 1)[0] + prose.split("\n## Test\n", 1)[1].split("\n## ", 1)[1]
+    figures = re.findall(r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?: ?(?:ms|s|us)|x|%)(?![\w-])", prose)
+    assert not figures, figures
+
+
+def test_the_readme_states_the_suites_measured_time_and_the_machines_load():
+    """The Test section says how long the suite took on a fresh clone, on which machine and under
+    what load (a time measured on a busy machine says little without it)."""
+    section = (ROOT / "README.md").read_text().split("\n## Test\n", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"\b\d+ min \d+ s\b", section) and "fresh clone" in section, section
+    assert re.search(r"\d-core", section) and "load average" in section, section
+    assert not re.search(r"\b[A-Z]{3,}_[A-Z_]{3,}\b", section), section  # no placeholder left
+
+
+def test_compile_time_figures_name_model_depth_and_machine():
+    """A compile time quoted anywhere in the README and the user docs says which model, at which depth,
+    on which machine: figures measured on different models, depths and machines differ."""
+    pages = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
+             *(p for p in (ROOT / "docs").glob("*.md") if p.name != "design.md")]
+    seconds = re.compile(r"\b\d+(?:\.\d+)? s\b")
+    machine = re.compile(r"H100|H200|A100|\d-core CPU|CPU")
+    depth = re.compile(r"\b\d+ layers?\b|\bone (?:MoE )?layer\b|\| layers \|")  # or a table's column
+    model = re.compile(r"`?(moe-128e|moe|dense|hf-[\w-]+|MoE)")
+    function = re.compile(r"one-line function")  # a compile of no model: no depth to name
+    bad = []
+    for page in pages:
+        for paragraph in re.split(r"\n\s*\n", page.read_text()):
+            if paragraph.startswith("```"):
+                continue
+            sentences = re.split(r"(?<=[.;])\s+", paragraph)
+            if not any("compil" in t.lower() and seconds.search(t) for t in sentences):
+                continue
+            named = function.search(paragraph) or (depth.search(paragraph) and model.search(paragraph))
+            if not (machine.search(paragraph) and named):
+                bad.append(f"{page.relative_to(ROOT)}: {paragraph[:160]}")
+    assert not bad, bad
 
 
 def test_results_md_is_rendered_from_latest_json():
@@ -234,3 +316,42 @@ def test_docs_have_no_issue_or_run_numbers():
     pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "benchmarks").glob("*.md")]
     hits = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in pages for m in pattern.finditer(p.read_text())]
     assert not hits, hits
+
+
+def test_design_layout_table_names_every_module():
+    """docs/design.md's Layout table is the map of the package: every module is named in its folder's row."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    table = design.split("## Layout", 1)[1].split("\n\n**", 1)[0]
+    rows = {m.group(1): line for line in table.splitlines()
+            if (m := re.match(r"\| `cgbackend/([a-z_]*)/?`", line))}
+    missing = []
+    for path in sorted((ROOT / "cgbackend").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        folder = path.parent.relative_to(ROOT / "cgbackend").as_posix()
+        folder = "" if folder == "." else folder
+        if f"`{path.name}`" not in rows.get(folder, ""):
+            missing.append(path.relative_to(ROOT).as_posix())
+    assert not missing, f"docs/design.md's Layout table does not name: {missing}"
+
+
+def test_benchmarks_readme_names_every_model_and_flag():
+    """Every model the bench registers and every flag it takes is described in benchmarks/README.md."""
+    from cgbackend.bench.models import MODELS
+    from cgbackend.bench.settings import build_parser
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    assert not [name for name in MODELS if f"`{name}`" not in text]
+    flags = [f for action in build_parser()._actions for f in action.option_strings if f.startswith("--")]
+    assert not [f for f in flags if f not in ("--help", "--verbose") and f not in text]
+
+
+def test_the_glossary_explains_the_words_the_report_uses():
+    from cgbackend.passes.label import MIXED, ROLES
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    words = [*ROLES, MIXED, "static region", "dynamic region", "graph break", "uncompiled code", "launch coverage",
+             "graph launch", "kernel launches per call (estimated from the traced ops)",
+             "graph memory (estimated before capture)", "capture size", "hand-off", "handout graph", "dropless",
+             "masked dense", "grouped", "small batch", "folded", "step-floor", "ok 1.00x64", "compile s"]
+    assert not [w for w in words if f"`{w}`" not in glossary and f"**{w}**" not in glossary and w not in glossary]
+    for page in ("README.md", "docs/usage.md"):
+        assert "glossary.md" in (ROOT / page).read_text(), page

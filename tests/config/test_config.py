@@ -82,6 +82,32 @@ def test_a_command_line_typo_suggests_the_closest_option():
         _parse_options(["static_dispach=auto"])
 
 
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: cgbackend.compile(torch.nn.Linear(2, 2), mode="reduce-overhead"), id="cgbackend.compile"),
+    pytest.param(lambda: cgbackend.backend(mode="max-autotune"), id="cgbackend.backend"),
+    pytest.param(lambda: Config.from_options({"mode": "reduce-overhead"}, environ={}), id="Config"),
+])
+def test_torch_compiles_mode_gets_the_message_it_gets_by_name(make):
+    """mode= is torch.compile's: wherever cgbackend options go, the same tailored message as by name,
+    not a bare "unknown option"."""
+    with pytest.raises(ConfigError) as info:
+        make()
+    text = str(info.value)
+    assert "mode=" in text and "Inductor" in text and "cgbackend.compile(model, warmup=3)" in text
+    assert "unknown" not in text
+
+
+def test_options_given_as_a_dict_say_keywords():
+    with pytest.raises(ConfigError, match="take them as keywords"):
+        cgbackend.compile(torch.nn.Linear(2, 2), options={"warmup": 3})
+
+
+@pytest.mark.parametrize("entry", [cgbackend.compile, cgbackend.explain])
+def test_something_not_callable_is_a_type_error_naming_it(entry):
+    with pytest.raises(TypeError, match=r"takes an nn.Module or a function to compile, got str: 'model.py'"):
+        entry("model.py")
+
+
 def test_several_unknown_options_are_all_named():
     with pytest.raises(ConfigError) as info:
         Config.from_options({"bogus": 1, "warmpu": 2, "warmup": 1}, environ={})

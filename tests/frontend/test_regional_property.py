@@ -152,17 +152,44 @@ def _no_guard_latency_probe(monkeypatch):
         monkeypatch.setattr(guards, "profile_guard_manager", lambda *args: 0.0)
 
 
-def _run(cases: int, seed: int) -> None:
+def _cases(count: int, seed: int) -> list[Case]:
     rng = random.Random(seed)
-    for i in range(cases):
+    return [_case(rng, seed * 100_000 + i) for i in range(count)]
+
+
+def _run(cases: list[Case]) -> None:
+    for case in cases:
         torch._dynamo.reset()
-        _compare(_case(rng, seed * 100_000 + i))
+        _compare(case)
+
+
+def _kinds(case: Case) -> set[str]:
+    """What a case exercises, for the check that a short run still exercises everything."""
+    kinds = {"train" if case.training else "infer", "sequential" if case.sequential else "chain",
+             f"act{case.act}"}
+    kinds |= {"per-layer idx"} if len(set(case.idx)) > 1 else set()
+    kinds |= {"in-place on input"} if any(case.act_input) else set()
+    kinds |= {"input grad"} if case.input_grad else set()
+    kinds |= {"scales differ"} if len(set(case.scales)) > 1 else set()
+    kinds |= {f"hook {kind} {'before' if before else 'between'}" for _, _, kind, before in case.hooks}
+    return kinds
+
+
+DEFAULT_CASES = 40
+"""The default run's cases: enough that every feature the generator has appears (the test checks
+it); 1000 more run under the slow marker."""
 
 
 def test_random_layer_stacks_match_eager():
-    _run(200, seed=0)
+    cases = _cases(DEFAULT_CASES, seed=0)
+    seen = set().union(*map(_kinds, cases))
+    every = ({"train", "infer", "sequential", "chain", "per-layer idx", "in-place on input", "input grad",
+              "scales differ"} | {f"act{i}" for i in range(len(ACTIVATIONS))}
+             | {f"hook {k} {w}" for k in ("fwd", "pre", "probe") for w in ("before", "between")})
+    assert every <= seen, every - seen  # the short run still tries every feature the generator has
+    _run(cases)
 
 
 @pytest.mark.slow
 def test_random_layer_stacks_match_eager_many():
-    _run(1000, seed=1)
+    _run(_cases(1000, seed=1))

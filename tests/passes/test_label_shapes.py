@@ -113,10 +113,30 @@ def test_expert_linears_have_role_experts(moe):
 
 
 def test_region_roles_of_moe(moe):
+    """A region's role is what more than half of its ops do, else "mixed": the static region before
+    each dispatch holds a layer's attention and its router's post-processing in near equal parts."""
     roles = [(r.kind, moe.labels.region_roles[r.index]) for r in moe.partition.regions]
-    assert roles[:4] == [("static", "attention"), ("dynamic", "moe_dispatch"),
-                         ("static", "attention"), ("dynamic", "moe_dispatch")]
+    assert roles[:4] == [("static", "mixed"), ("dynamic", "moe_dispatch"),
+                         ("static", "mixed"), ("dynamic", "moe_dispatch")]
     assert roles[4][0] == "static"
+    first = moe.labels.region_role_ops[moe.partition.regions[0].index]
+    assert first["attention"] >= 10 and first["preprocess"] >= 10
+    assert 2 * max(first.values()) <= sum(first.values())
+
+
+@pytest.mark.parametrize("composition, expected", [
+    ({"attention": 2, "preprocess": 158, "experts": 60}, "preprocess"),
+    ({"attention": 84, "experts": 60, "norm": 56, "router": 14}, "mixed"),
+    ({"attention": 30, "mlp": 8, "norm": 5, "embedding": 2, "other": 6}, "attention"),
+    ({"attention": 5, "mlp": 5}, "mixed"),  # half is not most
+])
+def test_region_role_is_what_most_of_its_ops_do(composition, expected):
+    from cgbackend.passes.label import region_role
+    from cgbackend.passes.partition import Region
+    nodes = [object() for _ in range(sum(composition.values()))]
+    roles = dict(zip(nodes, (r for r, n in composition.items() for _ in range(n))))
+    region = Region(index=0, kind="static", nodes=nodes)
+    assert region_role(region, roles) == (expected, composition)
 
 
 def test_embedding_nodes(moe):
@@ -182,6 +202,22 @@ class GPT2MLP(Leaf):
     pass
 
 
+class Qwen3MoeAttention(Leaf):
+    pass
+
+
+class Qwen3MoeDecoderLayer(Leaf):
+    pass
+
+
+class Qwen3MoeSparseMoeBlock(Leaf):
+    pass
+
+
+class Qwen3MoeExperts(Leaf):
+    pass
+
+
 class Indexed(nn.ModuleList):
     """A ModuleList that calls its element ``index`` (numeric path components, like layers.0)."""
 
@@ -231,6 +267,11 @@ def nested(path: str, leaf: nn.Module) -> nn.Module:
     ("moe.experts.3", Leaf, "experts"),
     ("moe.gate", Leaf, "router"),
     ("layers.0.self_attn.q_proj", Leaf, "attention"),
+    # a class name says what the module is at its end, not in its model family's prefix
+    ("self_attn", Qwen3MoeAttention, "attention"),
+    ("layers.0", Qwen3MoeDecoderLayer, "other"),
+    ("mlp", Qwen3MoeSparseMoeBlock, "preprocess"),
+    ("mlp.experts", Qwen3MoeExperts, "experts"),
 ])
 def test_role_from_module_names(path, leaf_cls, expected):
     analysis = analyze(trace(nested(path, leaf_cls()), torch.randn(3)), Config(min_region_ops=1))

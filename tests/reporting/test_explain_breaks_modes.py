@@ -54,6 +54,36 @@ def test_break_in_a_loop_is_listed_with_full_reason_and_line(capsys):
     assert any("skipped the frame" in n for n in report.notes)
 
 
+class BranchesOnData(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:
+            h = h * 2
+        return h.relu()
+
+
+def test_a_branch_on_tensor_data_is_explained_at_the_users_line():
+    """Dynamo ends the graph with only ``generic_jump TensorVariable()``: the report says what it
+    means and what to do, with the user's line and code."""
+    report = cgbackend.explain(BranchesOnData(), torch.randn(2, 4), training=False)
+    brk = next(b for b in report.graph_breaks if b.get("code"))
+    assert brk["code"] == "if h.sum() > 0:" and brk["source"].startswith(FILE + ":")
+    assert brk["reason"].startswith("a Python branch on a tensor's value")
+    assert "torch.where" in brk["reason"] and "torch.cond" in brk["reason"]
+    text = report.to_text()
+    assert f"graph break at {brk['source']}: a Python branch" in text and "`if h.sum() > 0:`" in text
+
+
+def test_training_false_from_python_is_not_called_the_clis_default():
+    report = cgbackend.explain(nn.Linear(4, 4), torch.randn(2, 4), training=False)
+    why = report.traced_as["why"]
+    assert why.startswith("training=False (CLI: without --training)") and "default" not in why
+
+
 @pytest.mark.parametrize("trace_dynamic_ops", [False, True])
 def test_counts_agree_with_torch_dynamo_explain(trace_dynamic_ops):
     x = torch.randn(5)

@@ -162,3 +162,10 @@ def test_ops_that_follow_list_the_costly_ones_first(moe_report):
     assert "getitem" not in free and "aten._assert_scalar x8" in free and "linear" not in free
     d1 = next(r for r in moe_report.regions() if r.id == "g0.D1")
     assert sum(x["est_kernels"] for x in d1.reasons) <= d1.est_kernels
+
+
+def test_inputs_eager_rejects_are_an_error_not_a_report():
+    """Dynamo traces a NumPy array as a tensor; the model itself rejects it: explain says so."""
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    with pytest.raises(ExplainError, match=r"raised when called eagerly on these inputs.*TypeError.*numpy"):
+        cgbackend.explain(mlp, torch.randn(2, 4).numpy())

@@ -68,7 +68,7 @@ def test_report_summary(moe_json):
 def test_report_regions(moe_json):
     regions = regions_of(moe_json)
     assert [(r["kind"], r["role"]) for r in regions][:4] == [
-        ("static", "attention"), ("dynamic", "moe_dispatch"), ("static", "attention"), ("dynamic", "moe_dispatch")]
+        ("static", "mixed"), ("dynamic", "moe_dispatch"), ("static", "mixed"), ("dynamic", "moe_dispatch")]
     assert [r["id"] for r in regions] == ["g0.S0", "g0.D1", "g0.S2", "g0.D3", "g0.S4"]
     for r in regions:
         assert set(r) >= {"id", "kind", "role", "roles", "ops", "est_kernels", "module_paths", "inputs", "outputs",

@@ -45,6 +45,18 @@ def test_cpu_tensors_warn_once_after_warm_up():
     assert issubclass(cgbackend.NothingCapturedWarning, cgbackend.CGBackendWarning)
 
 
+def test_the_warning_names_the_users_call():
+    """Not capture_watch.py: the line of the user's code that made the call."""
+    compiled = cgbackend.compile(_mlp(), capture=False, warmup=1)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(3):
+            compiled(torch.randn(2, 4))  # the line the warning names
+    (w,) = [w for w in caught if issubclass(w.category, cgbackend.NothingCapturedWarning)]
+    assert w.filename == __file__
+    assert "the line the warning names" in open(__file__).read().splitlines()[w.lineno - 1]
+
+
 def test_capture_off_names_the_option():
     compiled = cgbackend.compile(_mlp(), capture=False, warmup=1)
     per_call = _calls(compiled, [(torch.randn(2, 4),)] * 3)
