@@ -223,9 +223,17 @@ with torch.no_grad():
     eager_need = torch.cuda.max_memory_allocated() - base
     refs = [model(x).cpu() for x in xs[1:]]  # references before memory gets tight
     fresh()
-    # Room for an eager call and 8 MiB, not for a capture: its input copy alone is 32 MiB on top
-    # of a pool about as large as the eager need.
+    # Room for an eager call and 8 MiB. Whether a capture fits next to that depends on what
+    # Inductor fuses on this GPU (on an H200 the fused region's capture fit), so the capture also
+    # asks for more than the limit leaves: a real out-of-memory error inside a CUDA capture.
     limit = torch.cuda.memory_allocated() + eager_need + 8 * 2**20
+    capture = cgbackend.runtime.capture.Capturer.capture
+    def hungry_capture(self, fn, *args, **kwargs):
+        def run():
+            torch.empty(2 * limit, dtype=torch.uint8, device="cuda")
+            return fn()
+        return capture(self, run, *args, **kwargs)
+    cgbackend.runtime.capture.Capturer.capture = hungry_capture
     torch.cuda.set_per_process_memory_fraction(limit / total)
     try:
         outs = [compiled(x).cpu() for x in xs[1:]]
