@@ -167,7 +167,7 @@ class Report:
     traced_as: dict[str, Any] = dataclasses.field(default_factory=dict)
     """explain only: ``{"mode": "inference" | "training" | "mixed" | "none", "why"}``."""
     traced_via: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """explain only: whose partition the report shows, ``{"entry": "compile" | "by_name",
+    """explain only: whose partition the report shows, ``{"entry": "compile" | "by_name", "calls",
     "trace_dynamic_ops", "other": {"entry", "graphs", "graph_breaks"} | null, "other_may_differ"}``:
     ``cgbackend.compile(model)`` or ``torch.compile(model, backend="cgbackend")``, and the other
     entry point's counts where explain traced it too (``compare=True``; entry.py renders it)."""
