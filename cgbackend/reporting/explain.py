@@ -185,7 +185,7 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
     try:
         with grad, torch.random.fork_rng(devices=devices), quiet_meta_failures(), isolated:
             if by_name:
-                instance = CGBackend(quiet, keep_analyses=True, warn_nothing_captured=False)
+                instance = CGBackend(quiet, keep_analyses=True, warn_nothing_captured=False, by_name=True)
                 compiled = torch.compile(model, backend=instance)
             else:
                 compiled, instance = compile_model(model, quiet, keep_analyses=True, warn_nothing_captured=False,

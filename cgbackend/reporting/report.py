@@ -62,7 +62,8 @@ either may be null.
 region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``recaptured``
 (captured again to replay after newer graphs), ``pool_bytes`` (growth
 of reserved memory while its held graphs were captured), ``bucketed`` (the padded symbol),
-``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``; with the option
+``thrashing``, ``shapes_vary`` (why it stopped capturing per shape: runtime/churn.py),
+``replays``, ``eager_calls`` by reason, ``disabled``; with the option
 ``profile``, ``timing``: ``{region name: {"replay" | "eager": {"calls", "total_ms", "mean_ms"}}}``
 (runtime/region_timer.py).
 """

@@ -80,6 +80,8 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
             lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")
         if r.get("thrashing"):
             lines.append(f"{'':<8}graph cache stopped evicting: {r['thrashing']}")
+        if r.get("shapes_vary"):
+            lines.append(f"{'':<8}shapes vary at every call: {r['shapes_vary']}")
         inner = r.get("inner") or {}
         if inner.get("reason"):
             lines.append(f"{'':<8}eager's kernels, not Inductor's: {inner['reason']} ({inner['detail']})")
