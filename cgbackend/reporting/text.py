@@ -148,6 +148,9 @@ def _dispatch_text(dispatch: dict[str, Any]) -> list[str]:
         lines.append(f"  static dispatch {state}: {pattern}{how} at {source or '?'}"
                      f"{f' ({path})' if path else ''}{count}")
         lines.append(f"{'':<10}{why}")
+        cuda = (items[0].get("figures") or {}).get("on_cuda")
+        if cuda and (cuda["form"] or "dynamic") != (form or "dynamic"):
+            lines.append(f"{'':<10}on a CUDA device the form would be {cuda['form'] or 'dynamic'}: {cuda['why']}")
     return lines
 
 
