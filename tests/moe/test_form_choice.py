@@ -89,7 +89,7 @@ def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypat
 
     real, seen = cost.choose_layer_form, []
 
-    def on_cuda(layer, mode, device_type, itemsize, native=True, needs_grad=True):
+    def on_cuda(layer, mode, device_type, itemsize, native=True, needs_grad=True, native_on_cuda=None):
         out = real(layer, mode, "cuda", itemsize, native, needs_grad)
         seen.append((needs_grad, out[0]))
         return out
