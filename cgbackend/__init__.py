@@ -44,7 +44,8 @@ else:
     from .backend import CGBackend
     from .by_name import register as _register_backend
     from .common.logs import register as _register_logs
-    from .common.notices import CGBackendWarning, NothingCapturedWarning, UncompiledCallsWarning
+    from .common.notices import CGBackendWarning, MoELoopOutsideGraphWarning, NothingCapturedWarning,
+                                         UncompiledCallsWarning
     from .common.reasons import Reason, Rule
     from .config import Config, ConfigError
     from .frontend.marks import mark_dynamic
@@ -57,6 +58,7 @@ else:
     _register_logs()  # TORCH_LOGS="+cgbackend", torch._logging.set_logs(cgbackend=...) (common/logs.py)
     _register_backend()  # torch.compile(backend="cgbackend") without installed metadata (by_name.py)
 
-    __all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "NothingCapturedWarning",
+    __all__ = ["CGBackend", "CGBackendWarning", "Config", "ConfigError", "ExplainError", "MoELoopOutsideGraphWarning",
+               "NothingCapturedWarning",
                "Reason", "Report", "Rule", "backend", "compile", "explain", "find_backend", "mark_dynamic", "prepare",
                "report", "reset", "stats", "summary", "UncompiledCallsWarning", "warm_up", "WarmUp", "__version__"]

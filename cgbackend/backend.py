@@ -46,6 +46,7 @@ from .common.reasons import EagerReason
 from .common.wording import count
 from .frontend.uncompiled import UncompiledCalls
 from .reporting import structured
+from .reporting.left_out import LeftOutLoops
 
 __all__ = ["CGBackend"]
 
@@ -79,12 +80,15 @@ class CGBackend:
     """A cgbackend instance; pass it as ``torch.compile(model, backend=instance)``."""
 
     def __init__(self, config: Optional[Config] = None, *, prepared: Optional[Prepared] = None,
-                 keep_analyses: bool = False, warn_nothing_captured: bool = True, **options: Any) -> None:
+                 keep_analyses: bool = False, warn_nothing_captured: bool = True, by_name: bool = False,
+                 **options: Any) -> None:
         """``config`` or keyword ``options`` (not both). ``prepared``: what ``cgbackend.compile`` or
         ``explain`` did to the model before Dynamo traced it (frontend/prepare.py). ``keep_analyses``:
         keep every graph's analysis for :meth:`build_report` (explain). ``warn_nothing_captured``:
         False leaves out the warning that the model ran with nothing captured (explain captures
-        nothing by design)."""
+        nothing by design), and the warning that MoE loops stay outside the graphs. ``by_name``: made
+        for ``torch.compile(model, backend="cgbackend")`` (or explain's trace of it): graph breaks
+        that leave MoE dispatch loops outside the graphs are recorded (reporting/left_out.py)."""
         if config is not None and options:
             raise TypeError("CGBackend takes either a Config or keyword options, not both")
         self.config = config if config is not None else Config.from_options(options)
@@ -117,6 +121,8 @@ class CGBackend:
         around each compile (tracing.CompileScope), after a compile ran without them."""
         self.uncompiled = UncompiledCalls(self.shared.counters)
         """Calls Dynamo ran without this instance: counted, explained, warned once (frontend/uncompiled.py)."""
+        self.left_out = LeftOutLoops(warn=warn_nothing_captured) if by_name else None
+        """By name: MoE dispatch loops graph breaks leave outside the graphs (reporting/left_out.py)."""
         self.dry_run = DryRun(self.config.dryrun)
         """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"
@@ -221,6 +227,8 @@ class CGBackend:
                                config=self.config.to_dict()), "cgbackend_partition_report")
         self.shared.capture_watch.on_compile(compiled)
         self.uncompiled.on_compile(_function_of(gm))
+        if self.left_out is not None:
+            self.left_out.on_compile(gm)
         if self.config.dryrun:
             self.dry_run.show(analysis, index, break_info, self.config)  # dryrun.py
         if compiled.blocked == EagerReason.NO_CUDA and self.config.strict:
@@ -316,6 +324,8 @@ class CGBackend:
         if self.trace_fallback is not None:
             report.notes.append(self.trace_fallback)
         report.notes.extend(self.uncompiled.notes())
+        if self.left_out is not None:
+            report.notes.extend(self.left_out.notes())
         missed = self.shared.counters.trace_scope_missed
         if missed:
             report.notes.append(f"{missed} graph(s) traced without capture_scalar_outputs / "

@@ -33,7 +33,7 @@ class _ByName:
         self.by_options: dict[str, CGBackend] = {}
 
     def make(self, options: dict[str, Any]) -> CGBackend:
-        instance = CGBackend(**options)
+        instance = CGBackend(by_name=True, **options)
         with self.lock:
             self.instances = [r for r in self.instances if r() is not None]
             self.instances.append(weakref.ref(instance))

@@ -108,7 +108,8 @@ def _check_device(device: str) -> None:
     if dev.type == "cuda" and not torch.cuda.is_available():
         from .common.machine import torch_build
         raise CLIError(f"--device {device}: no CUDA device is available ({torch_build()}); "
-                       "drop --device to trace on the CPU (the report is the same)")
+                       "drop --device to trace on the CPU (the report then names the dispatch forms a GPU run "
+                       "would choose differently)")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise CLIError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
@@ -159,6 +160,19 @@ class _quiet_torch_logs:
             logging.disable(self._previous)
 
 
+def _to_device(model: Any, call_args: tuple, call_kwargs: dict, device: str) -> tuple[Any, tuple, dict]:
+    """The factory's model and inputs on ``device`` (tensors inside lists, tuples and dicts too)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def move(v: Any) -> Any:
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    if isinstance(model, torch.nn.Module):
+        model = model.to(device)
+    return model, tree_map(move, tuple(call_args)), tree_map(move, dict(call_kwargs))
+
+
 def _cmd_explain(args: argparse.Namespace) -> int:
     import torch
     from .reporting.explain import ExplainError, explain
@@ -180,6 +194,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         except Exception as exc:
             raise CLIError(f"the factory {args.target} raised {type(exc).__name__}: {_one_line(exc)}") from None
         model, call_args, call_kwargs = _split_inputs(made)
+        if args.device != "cpu":  # traced where the run will be: the device's forms and partition
+            model, call_args, call_kwargs = _to_device(model, call_args, call_kwargs, args.device)
     for spec in args.dynamic or ():
         name, tensor, dim = _dynamic_target(spec, call_args, call_kwargs)
         torch._dynamo.mark_dynamic(tensor, dim)
@@ -225,7 +241,10 @@ def build_parser(prog: str = "cgbackend") -> argparse.ArgumentParser:
     ex.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                     help="also trace the other entry point (without counting launches) and give its graph "
                          "and break counts in the report's first line (default on)")
-    ex.add_argument("--device", default="cpu", help="device for --demo models (default cpu)")
+    ex.add_argument("--device", default="cpu",
+                    help="device the model and inputs are traced on (default cpu); --device cuda traces as "
+                         "the GPU run will (the dispatch forms the cost model picks there, host tensors kept "
+                         "out of graphs); an error where CUDA is not available")
     ex.add_argument("--option", action="append", metavar="KEY=VALUE",
                     help="a cgbackend option (see cgbackend.Config), repeatable")
     ex.add_argument("--dynamic", action="append", metavar="[NAME:]DIM",

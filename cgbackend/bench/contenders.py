@@ -92,6 +92,11 @@ def _cgbackend(**options: Any) -> Callable[[nn.Module], Callable[..., Any]]:
     return make
 
 
+def _cgbackend_by_name(model: nn.Module) -> Callable[..., Any]:
+    import cgbackend  # noqa: F401  (registers the name where the entry point is not installed)
+    return torch.compile(model, backend="cgbackend")
+
+
 def _cgbackend_stats(compiled: Any) -> Optional[dict]:
     """cgbackend's counters, and ``dispatch_forms``: how many dispatch units static dispatch
     rewrote into each form, how many it declined (the report says why), and the first rewrite's
@@ -159,6 +164,9 @@ for _c in (
     Contender("cgbackend-static-dispatch-inductor", _cgbackend(static_dispatch="auto", inner="inductor"),
               stock=False, backend_stats=_cgbackend_stats,
               description='cgbackend.compile(model, static_dispatch="auto", inner="inductor")'),
+    Contender("cgbackend-by-name", _cgbackend_by_name, stock=False, backend_stats=_cgbackend_stats,
+              description='torch.compile(model, backend="cgbackend") (Dynamo\'s default settings: graph breaks '
+                          'at data-dependent ops, no source rewrites, no layer stacks)'),
     Contender("cgbackend-small-batch", _cgbackend(static_dispatch="small_batch"), stock=False,
               backend_stats=_cgbackend_stats,
               description='cgbackend.compile(model, static_dispatch="small_batch") (the MoE layers in the '

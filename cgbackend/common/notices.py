@@ -3,7 +3,7 @@ captured is worth a warning, not an error: its results are right, only slow)."""
 
 from __future__ import annotations
 
-__all__ = ["CGBackendWarning", "NothingCapturedWarning", "UncompiledCallsWarning"]
+__all__ = ["CGBackendWarning", "MoELoopOutsideGraphWarning", "NothingCapturedWarning", "UncompiledCallsWarning"]
 
 
 class CGBackendWarning(UserWarning):
@@ -20,3 +20,10 @@ class UncompiledCallsWarning(NothingCapturedWarning):
     function at Dynamo's recompile limit, a frame whose compile failed. Their results are eager's;
     ``cgbackend.stats()["uncompiled_calls"]`` counts them and the report names where and why
     (uncompiled.py). Once per backend instance."""
+
+
+class MoELoopOutsideGraphWarning(CGBackendWarning):
+    """Used by name (``torch.compile(model, backend="cgbackend")``), Dynamo broke the graph at a
+    data-dependent op of an MoE dispatch loop that ``cgbackend.compile(model)`` would rewrite into
+    static code: the loop runs eagerly, outside the graphs. The message names the loop's file and
+    line (reporting/left_out.py). Once per backend instance."""

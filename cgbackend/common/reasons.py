@@ -135,6 +135,7 @@ class EagerReason:
     SPLIT_AT_SYNC = "split_at_host_sync"
     GRAPH_LIMIT = "graph_limit"
     CACHE_THRASH = "graph_cache_thrashing"
+    SHAPES_VARY = "shapes_vary_every_call"
     PENDING_FORWARDS = "pending_forwards_limit"
     PRODUCER_EAGER = "producer_ran_eagerly"
     REPLAY_ORDER = "replay_order_hazard"
@@ -163,6 +164,10 @@ class EagerReason:
                  "graph_cache=\"keep\")",
         CACHE_THRASH: "the region's signatures churned through its graph cache (it evicted twice "
                   "max_graphs_per_region graphs), so it stopped evicting and runs new signatures eagerly",
+        SHAPES_VARY: "the region's input shapes changed at every call it could not replay (several in a row, "
+                     "none seen before): it stopped capturing a graph per shape and runs its compiled code "
+                     "(Inductor's, or eager's kernels where the inner compiler is eager) without a graph; "
+                     "graphs it already holds still replay",
     PENDING_FORWARDS: "max_pending_forwards forwards are waiting for their backward",
         PRODUCER_EAGER: "an input usually handed over by the previous graph came from eager code",
         REPLAY_ORDER: "replaying this older graph could overwrite memory a newer graph still needs "

@@ -1,8 +1,9 @@
 """What cgbackend does to a model before Dynamo traces it, in one place for every door.
 
-``cgbackend.compile`` (:func:`prepare_for_compile`) and ``cgbackend.explain``
-(:func:`prepare_for_explain`) prepare the model here; by name (``torch.compile(model,
-backend="cgbackend")``, and ``explain(..., by_name=True)``) the model is traced as it is.
+``cgbackend.compile`` and ``cgbackend.explain`` both prepare the model with
+:func:`prepare_for_compile` (through compile_model.py), so the report shows the graphs the run
+gets; by name (``torch.compile(model, backend="cgbackend")``, and ``explain(..., by_name=True)``)
+the model is traced as it is.
 
 * Opaque modules (option ``opaque_modules``, integrations/opaque.py): modules Dynamo cannot trace
   but cgbackend knows (Transformer Engine's) become one graph call each.
@@ -36,7 +37,7 @@ from ..moe.loop_forwards import LoopForwards
 from ..moe.prepare import prepare_dispatch
 from .regional import LayerStack, find_layer_stacks
 
-__all__ = ["Prepared", "prepare_for_compile", "prepare_for_explain"]
+__all__ = ["Prepared", "prepare_for_compile"]
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +83,6 @@ def prepare_for_compile(model: Any, config: Config, *, fullgraph: bool = False) 
     if prepared.forwards is None:
         prepared.survey_target = weakref.ref(model)  # surveyed for the report's hints, when one is asked for
     prepared.fsdp = fsdp_param_policy(model)  # FSDP2's parameters: read in place, or copied
-    return prepared
-
-
-def prepare_for_explain(model: Any, config: Config, *, by_name: bool) -> Prepared:
-    """``cgbackend.explain``'s preparation: what ``cgbackend.compile`` does that changes the traced
-    graphs (opaque modules, the loops' source rewrite), undone afterwards; nothing by name."""
-    if by_name or not isinstance(model, torch.nn.Module):
-        return Prepared()
-    prepared = Prepared()
-    if config.opaque_modules:
-        prepared.opaque = opaque.install(model)
-    prepared.forwards, _ = prepare_dispatch(model, config.static_dispatch, lay_out_experts=False)
     return prepared
 
 

@@ -192,12 +192,17 @@ def estimate(tokens: int, experts: int, k: int, flops_per_row: int, weight_bytes
 
 def choose_layer_form(layer: Any, mode: DispatchMode, device_type: str, itemsize: int,
                       native: bool = True, needs_grad: bool = True,
-                      device_name: Optional[str] = None) -> tuple[Optional[str], str, dict]:
+                      device_name: Optional[str] = None,
+                      native_on_cuda: Optional[bool] = None) -> tuple[Optional[str], str, dict]:
     """Form for a layer of where-loop units that can take the grouped form (grouped.Layer).
     ``native``: torch._grouped_mm applies (else "auto" does not pick grouped: its stand-in gathers a
     weight matrix per row, fine for tests, not for speed). ``needs_grad``: the layer's output needs
     a gradient (then "auto" does not weigh the small-batch form). ``device_name``: the GPU whose
-    constants apply (default: the current CUDA device's)."""
+    constants apply (default: the current CUDA device's).
+
+    Off CUDA, "auto" leaves the layer to the per-unit rule, and ``figures["on_cuda"]`` says what a
+    CUDA run of the same layer would choose (``native_on_cuda``: whether torch._grouped_mm would
+    apply there; default ``native``), so a report traced on the CPU shows where a GPU run differs."""
     n, k = layer.experts, layer.k
     weight_bytes = n * (layer.flops_per_row // 2) * itemsize
     tokens = _hint(layer.tokens)
@@ -211,6 +216,10 @@ def choose_layer_form(layer: Any, mode: DispatchMode, device_type: str, itemsize
     if mode is DispatchMode.MASKED_DENSE:
         return requested, f"{requested} requested (static_dispatch={requested!r})", figures
     if device_type != "cuda" or tokens is None:
+        if device_type != "cuda" and tokens is not None:
+            on_cuda = native if native_on_cuda is None else native_on_cuda
+            form, why, cuda_figures = choose_layer_form(layer, mode, "cuda", itemsize, on_cuda, needs_grad)
+            figures["on_cuda"] = {"form": form, "why": why, "estimate_us": cuda_figures.get("estimate_us")}
         return None, "", figures  # the per-unit rule decides (choose_form)
     est = estimate(tokens, n, k, layer.flops_per_row, weight_bytes, layer.stack_bytes,
                    small_batch=not needs_grad, device_name=device_name)

@@ -90,9 +90,10 @@ def _grouped_layers(gm: torch.fx.GraphModule, mode: DispatchMode, result: Dispat
     for layer in layers:
         form, why, figures, native = layer_form(layer, mode)
         if form not in GROUPED_FORMS:
-            if form is not None:
-                for p in layer.plans:
-                    decided[p.sink] = (None if form == "dynamic" else form, why, figures)
+            for p in layer.plans:
+                # Off CUDA (form None) the per-unit rule decides, with what a GPU would choose.
+                decided[p.sink] = ((None if form == "dynamic" else form, why, figures) if form is not None
+                                   else choose_form(p, mode) + (figures,))
             continue
         try:
             dead: set = set()

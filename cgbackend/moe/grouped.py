@@ -275,8 +275,9 @@ def find_layers(plans: list[_Plan], order: dict) -> tuple[list[Layer], list[tupl
 
 # ----------------------------------------------------------------------------- building
 
-def _native(x: Any, w_dtype: torch.dtype, out_features: Any) -> bool:
-    return (hasattr(torch, "_grouped_mm") and getattr(x, "is_cuda", False) and x.dtype == torch.bfloat16
+def _native(x: Any, w_dtype: torch.dtype, out_features: Any, on_cuda: bool = False) -> bool:
+    """``on_cuda``: as if ``x`` were a CUDA tensor (the choice a GPU run makes, for a CPU trace)."""
+    return (hasattr(torch, "_grouped_mm") and (on_cuda or getattr(x, "is_cuda", False)) and x.dtype == torch.bfloat16
             and w_dtype == torch.bfloat16 and int(x.shape[-1]) % 8 == 0 and int(out_features) % 8 == 0)
 
 
@@ -285,12 +286,13 @@ def grouped_mm_supported(x: Any, w: Any) -> bool:
     return _native(x, w.dtype, w.shape[-1])
 
 
-def layer_is_native(layer: Layer) -> bool:
-    """Every grouped product of the layer takes ``torch._grouped_mm`` (else its stand-in)."""
+def layer_is_native(layer: Layer, on_cuda: bool = False) -> bool:
+    """Every grouped product of the layer takes ``torch._grouped_mm`` (else its stand-in); ``on_cuda``:
+    would on a CUDA device."""
     for lin in layer.linears:
         w = fake_value(lin.weights[0])
         out_features = w.shape[0] if lin.kind == "linear" else w.shape[-1]
-        if not _native(fake_value(lin.node.args[0]), w.dtype, out_features):
+        if not _native(fake_value(lin.node.args[0]), w.dtype, out_features, on_cuda):
             return False
     return True
 
@@ -314,7 +316,8 @@ def layer_form(layer: Layer, mode: DispatchMode) -> tuple[Optional[str], str, di
     value = fake_value(layer.units[0].rows.out)
     native = layer_is_native(layer)
     form, why, figures = choose_layer_form(layer, mode, value.device.type, value.element_size(), native,
-                                           value.requires_grad, device_name=current_device_name(value.device))
+                                           value.requires_grad, device_name=current_device_name(value.device),
+                                           native_on_cuda=layer_is_native(layer, on_cuda=True))
     return form, why, figures, native
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["annotate_report"]
+__all__ = ["annotate_report", "on_cuda_differs"]
 
 
 def annotate_report(report: Any, loops: Sequence, relayouts: Sequence) -> None:
@@ -27,3 +27,23 @@ def annotate_report(report: Any, loops: Sequence, relayouts: Sequence) -> None:
                             "(as grouped-GEMM MoE layers do); warned once at the first backward")
     for r in relayouts:
         report.notes.append(r.describe())
+    differ = on_cuda_differs(report)
+    if differ:
+        shown = ", ".join(f"{n} x {here} -> {there}" for (here, there), n in sorted(differ.items()))
+        report.notes.append(f"traced off CUDA: on a CUDA device the cost model would choose other forms for "
+                            f"{sum(differ.values())} dispatch unit(s) ({shown}), and the partition there may "
+                            "differ; explain --device cuda (Python: inputs and model on a CUDA device) traces "
+                            "as the GPU run will")
+
+
+def on_cuda_differs(report: Any) -> dict[tuple[str, str], int]:
+    """(form here, form on CUDA) -> how many rewritten dispatch units of ``report`` would take another
+    form on a CUDA device (form_choice.choose_layer_form's ``on_cuda`` figure)."""
+    differ: dict[tuple[str, str], int] = {}
+    for g in report.graphs:
+        for r in g.dispatch.get("rewrites", ()):
+            cuda = (r.get("figures") or {}).get("on_cuda")
+            if cuda and (cuda["form"] or "dynamic") != r["form"]:
+                key = (r["form"], cuda["form"] or "dynamic")
+                differ[key] = differ.get(key, 0) + 1
+    return differ

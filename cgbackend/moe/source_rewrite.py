@@ -85,7 +85,7 @@ from .fold_syntax import FOLD, fold_loop
 from .loop_proof import body_reason, bound_names, tensor_uses, unchanged_between
 from .source_syntax import _call_name, _is_attr_call, _nonzero_arg, _zero, _hit_source, _names_in, _assignments, _nonnegative, _loads, _unpack_first, _selections, _bincount_args, _strip_flatten, _same, _LAYOUT
 
-__all__ = ["LoopRewrite", "rewrite_function"]
+__all__ = ["LoopRewrite", "loop_records", "rewrite_function"]
 
 
 
@@ -408,6 +408,19 @@ def _closed_over(fdef: ast.FunctionDef) -> ast.Module:
     return ast.Module(body=[maker], type_ignores=[])
 
 
+def loop_records(fdef: ast.FunctionDef, filename: str, name: str) -> list[LoopRewrite]:
+    """A record per dispatch loop of ``fdef`` (the function ``name`` of ``filename``, at its lines in
+    the file): rewritten (``form``) or why not. Rewrites ``fdef`` in place."""
+    short = filename.replace("\\", "/").rsplit("/", 1)[-1]
+    rw = _Rewriter(fdef, lambda node: f"{short}:{getattr(node, 'lineno', '?')} in {fdef.name}")
+    rw.run()
+    records = [LoopRewrite(name, s, form=f, reason=r, filename=filename, lines=(loop.lineno, loop.end_lineno))
+               for s, loop, f, r in rw.records]
+    for rec, (_, loop, _, _) in zip(records, rw.records):
+        rec.fold, rec.fold_key, rec.fold_reads = rw.folds.get(id(loop), ("", 0, ()))
+    return records
+
+
 def rewrite_function(fn: Callable, is_compiling: Callable[[], bool] = torch.compiler.is_compiling
                      ) -> tuple[Optional[Callable], list[LoopRewrite]]:
     """The rewritten function (None when nothing was rewritten) and a record per loop looked at.
@@ -437,14 +450,8 @@ def rewrite_function(fn: Callable, is_compiling: Callable[[], bool] = torch.comp
         return None, []
     ast.increment_lineno(tree, start - 1)
     filename = code.co_filename
-    short = filename.replace("\\", "/").rsplit("/", 1)[-1]
     private = _private_name(fdef)
-    rw = _Rewriter(fdef, lambda node: f"{short}:{getattr(node, 'lineno', '?')} in {fdef.name}")
-    rw.run()
-    records = [LoopRewrite(name, s, form=f, reason=r, filename=filename, lines=(loop.lineno, loop.end_lineno))
-               for s, loop, f, r in rw.records]
-    for rec, (_, loop, _, _) in zip(records, rw.records):
-        rec.fold, rec.fold_key, rec.fold_reads = rw.folds.get(id(loop), ("", 0, ()))
+    records = loop_records(fdef, filename, name)
     if not any(r.form or r.fold_key for r in records):
         return None, records
     refusal = ("the function has a closure (super() or free variables)" if fn.__closure__ else

@@ -8,9 +8,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..frontend.prepare import prepare_for_explain
+from ..frontend.compile_model import compile_model
 from ..moe.loop_forwards import survey
-from ..frontend.tracing import data_dependent_failure, dynamic_ops_config
 from ..backend import CGBackend
 from .breaks import break_text, frame_skipped, skipped_frame_source
 from ..config import Config
@@ -18,6 +17,7 @@ from ..config.suggest import check_callable
 from .coverage import measure_launches
 from .launch_profile import LaunchProfiler
 from .hints import build_hints
+from .isolation import Isolated
 from .report import Report
 from .structured import emit_report
 from .trace_errors import eager_failure, quiet_meta_failures, tracing_failure
@@ -38,9 +38,11 @@ def _first_line(text: str) -> str:
 
 
 def call_inputs(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``explain(model, inputs)`` with ``inputs`` a tuple or list of positional inputs, as the CLI's
-    factories return them: unpacked where the model's signature takes them one by one (a model
-    whose one parameter takes a tuple gets it as it is)."""
+    """``explain(model, inputs)`` with ``inputs`` a tuple of positional inputs (any values: tensors,
+    lists, dicts), as the CLI's factories return them: unpacked where the model's signature takes
+    them one by one (a model whose one parameter takes a tuple gets it as it is). A lone list is
+    unpacked only where its items are tensors the signature takes one by one and the list itself
+    does not fit (as before: ``explain(model, [x, mask])``); a model taking a list gets it whole."""
     if kwargs or len(args) != 1 or not isinstance(args[0], (tuple, list)) or not args[0]:
         return args, kwargs
     unpacked = tuple(args[0])
@@ -52,12 +54,14 @@ def call_inputs(model: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         signature.bind(*unpacked)
     except TypeError:
         return args, kwargs
+    if isinstance(args[0], tuple):
+        return unpacked, kwargs
     try:
         signature.bind(args[0])
     except TypeError:
         return unpacked, kwargs
-    # Both bind (forward(self, x, mask=None) and two inputs): the tensors are the inputs, a tuple of
-    # them is not one input.
+    # Both bind (forward(self, x, mask=None) and a list of two inputs): tensors are the inputs, a
+    # list of them is not one input.
     return (unpacked, kwargs) if all(isinstance(a, torch.Tensor) for a in unpacked) else (args, kwargs)
 
 
@@ -112,8 +116,10 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
     launches it made: launch_profile.py); False runs it only once and leaves ``launch_coverage`` out.
     Returns a :class:`cgbackend.Report` (``help(cgbackend.Report)``). The module is
     ``cgbackend.reporting.explain``.
-    Like torch._dynamo.explain, this resets Dynamo's caches before and after tracing (which also
-    zeroes the counters of every cgbackend instance). The model's buffers (batch-norm statistics)
+    Models compiled before are left alone: the model is compiled with an instance of its own, whose
+    Dynamo cache entries are invalidated afterwards (no ``torch._dynamo.reset()``: isolation.py).
+    Static dispatch lays the experts' parameters out as ``cgbackend.compile`` does (the same
+    Parameter objects and values, in one block each). The model's buffers (batch-norm statistics)
     and the RNG state are restored afterwards; loops rewritten for static dispatch are restored too.
     """
     check_callable(model, "cgbackend.explain")
@@ -126,7 +132,8 @@ def explain(model: Any, *args: Any, options: Optional[dict[str, Any]] = None,
         shown = _explain(model, args, kwargs, options, by_name, training, False, not by_name)
         other = {"entry": "compile" if by_name else "by_name", "graphs": shown.summary["graphs"],
                  "graph_breaks": shown.summary["graph_breaks"]}
-    report.traced_via = {"entry": "by_name" if by_name else "compile", "trace_dynamic_ops":
+    report.traced_via = {"entry": "by_name" if by_name else "compile", "calls": report.traced_via["calls"],
+                         "trace_dynamic_ops":
                          trace_dynamic_ops and not by_name, "other": other, "other_may_differ": may_differ}
     emit_report(report, "cgbackend_explain_report")
     return report
@@ -150,28 +157,28 @@ def other_may_differ(report: Report, by_name: bool) -> bool:
 
 def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, Any]],
              trace_dynamic_ops: bool, training: Optional[bool], count_launches: bool, by_name: bool) -> Report:
-    """One trace of ``explain``; ``by_name`` leaves out what only cgbackend.compile does to the model
-    (opaque modules, the dispatch loops' source rewrite)."""
+    """One trace of ``explain``: the model compiled as ``cgbackend.compile`` compiles it
+    (frontend/compile_model.py: the same preparation, layer stacks and Dynamo settings) or, by name,
+    as ``torch.compile(model, backend="cgbackend")`` does, with an instance that captures nothing,
+    called until a call compiles no new graph (the stacks' mode settles at the second call,
+    regional_modes.py). Its Dynamo cache entries are invalidated afterwards (isolation.py)."""
     config = Config.from_options(options or {})
-    prepared = prepare_for_explain(model, config, by_name=by_name)  # frontend/prepare.py
-    forwards = prepared.forwards  # on the modules only while traced
     # explain is the report: nothing captured, and capturing nothing is its point, not a warning
-    instance = CGBackend(config.replace(capture=False, dryrun=False), prepared=prepared, keep_analyses=True,
-                         warn_nothing_captured=False)
+    quiet = config.replace(capture=False, dryrun=False)
     counters = torch._dynamo.utils.counters
-    torch._dynamo.reset()
     before = dict(counters["graph_break"])
     before_unsupported = dict(counters["unimplemented"])
-    scope = dynamic_ops_config() if trace_dynamic_ops else contextlib.nullcontext()
     grad = (contextlib.nullcontext() if training is None
             else torch.enable_grad() if training else torch.no_grad())
-    # Tracing runs the model once: leave no trace of it (batch-norm statistics, counters, RNG).
+    # Tracing runs the model: leave no trace of it (batch-norm statistics, counters, RNG).
     buffers = ([(b, b.detach().clone()) for b in model.buffers()]
                if isinstance(model, torch.nn.Module) else [])
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.is_cuda})
     analyses: list = []
     calls: dict[int, int] = {}
+    runs = 0
     launches, skipped, after, after_unsupported = None, None, None, None
+    isolated = Isolated()
 
     def eager() -> Any:
         """The model as the user wrote it (without cgbackend's loop rewrites), for the launch count."""
@@ -183,41 +190,22 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
             error.torch_error = exc
             raise error from None
 
-    def traced(fn: Any) -> Any:
-        """``fn`` called with the rewritten forwards in place."""
-        if not forwards:
-            return fn
-
-        def call(*a: Any, **k: Any) -> Any:
-            with forwards:
-                return fn(*a, **k)
-        return call
-
     try:
-        with grad, torch.random.fork_rng(devices=devices), quiet_meta_failures():
-            compiled = traced(torch.compile(model, backend=instance))
-            try:
-                with scope:
-                    compiled(*args, **kwargs)
-            except Exception as exc:
-                cause = data_dependent_failure(exc) if trace_dynamic_ops else None
-                if cause is None:
-                    raise
-                # as cgbackend.compile does: trace as plain torch.compile, with a graph break there
-                instance.note_trace_fallback(cause)
-                instance.forget_analyses()
-                torch._dynamo.reset()
-                scope = contextlib.nullcontext()
-                compiled = traced(torch.compile(model, backend=instance))
-                compiled(*args, **kwargs)
+        with grad, torch.random.fork_rng(devices=devices), quiet_meta_failures(), isolated:
+            if by_name:
+                instance = CGBackend(quiet, keep_analyses=True, warn_nothing_captured=False, by_name=True)
+                compiled = torch.compile(model, backend=instance)
+            else:
+                compiled, instance = compile_model(model, quiet, keep_analyses=True, warn_nothing_captured=False,
+                                                   trace_dynamic_ops=trace_dynamic_ops)
+            isolated.instances.append(instance)
+            calls, runs = _settle(compiled, args, kwargs, instance, buffers)
             analyses = instance.kept_analyses()
-            calls = {i: g.calls for i, g in enumerate(instance.compiled_graphs())}
             after = dict(counters["graph_break"])
             after_unsupported = dict(counters["unimplemented"])
             if count_launches:
-                with scope:
-                    launches, skipped = _measure(eager, compiled, args, kwargs, instance, buffers,
-                                                 launch_profiler(analyses, args, kwargs))
+                launches, skipped = _measure(eager, compiled, args, kwargs, instance, buffers,
+                                             launch_profiler(analyses, args, kwargs))
     except ExplainError:
         raise
     except Exception as exc:
@@ -228,7 +216,6 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
         if after is None:
             after = dict(counters["graph_break"])
             after_unsupported = dict(counters["unimplemented"])
-        torch._dynamo.reset()
         _restore(buffers)
 
     breaks = [b for b in (br for _, br in analyses) if b]
@@ -258,15 +245,43 @@ def _explain(model: Any, args: tuple, kwargs: dict, options: Optional[dict[str, 
         notes.append("Dynamo produced no graph: the whole model ran eagerly (see graph breaks)")
     if skipped:
         notes.append(skipped)
+    notes.extend(isolated.notes)
+    if runs > 2:
+        notes.append(f"the model was called {runs} times: a call compiled new graphs (a stack of layers compiled "
+                     "with the model from its second call on, a recompile), and the report shows every graph "
+                     "compiled, its per-call figures from the last call; cgbackend.stats() after as many calls of "
+                     "cgbackend.compile(model) counts the same graphs and regions")
     report = instance.build_report(breaks, notes, analyses=analyses, calls=calls)
     report.config = config.to_dict()
     report.traced_as = _mode_reason(training, {a.classification.training for a, _ in analyses})
     if launches is not None:
         report.summary.update(launches.to_summary())
+    report.traced_via = {"calls": runs}
     loops = (survey(model) if (not config.static_dispatch.enabled or by_name)
              and isinstance(model, torch.nn.Module) else instance.loops)
     report.hints = build_hints(report, [a for a, _ in analyses], config, loops)
     return report
+
+
+_MAX_RUNS = 3
+"""Calls of the model explain makes at most until one compiles no new graph."""
+
+
+def _settle(compiled: Any, args: tuple, kwargs: dict, instance: CGBackend, buffers: list) -> tuple[dict[int, int], int]:
+    """Call ``compiled`` (each call from the buffers' state before tracing) until a call compiles
+    no new graph, at most ``_MAX_RUNS`` times; returns how often each graph ran in the last call,
+    and the number of calls."""
+    runs = 0
+    while True:
+        runs += 1
+        graphs = len(instance.kept_analyses())
+        before = {g.index: g.calls for g in instance.compiled_graphs()}
+        _restore(buffers)
+        compiled(*args, **kwargs)
+        calls = {g.index: g.calls - before.get(g.index, 0) for g in instance.compiled_graphs()}
+        if runs >= _MAX_RUNS or (runs > 1 and len(instance.kept_analyses()) == graphs):
+            _restore(buffers)
+            return calls, runs
 
 
 def _restore(buffers: list) -> None:

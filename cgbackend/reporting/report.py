@@ -64,7 +64,8 @@ either may be null.
 region, ``graphs`` (captured, evicted ones included), ``held``, ``evicted``, ``recaptured``
 (captured again to replay after newer graphs), ``pool_bytes`` (growth
 of reserved memory while its held graphs were captured), ``bucketed`` (the padded symbol),
-``thrashing``, ``replays``, ``eager_calls`` by reason, ``disabled``; with the option
+``thrashing``, ``shapes_vary`` (why it stopped capturing per shape: runtime/churn.py),
+``replays``, ``eager_calls`` by reason, ``disabled``; with the option
 ``profile``, ``timing``: ``{region name: {"replay" | "eager": {"calls", "total_ms", "mean_ms"}}}``
 (runtime/region_timer.py).
 """
@@ -169,7 +170,7 @@ class Report:
     traced_as: dict[str, Any] = dataclasses.field(default_factory=dict)
     """explain only: ``{"mode": "inference" | "training" | "mixed" | "none", "why"}``."""
     traced_via: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """explain only: whose partition the report shows, ``{"entry": "compile" | "by_name",
+    """explain only: whose partition the report shows, ``{"entry": "compile" | "by_name", "calls",
     "trace_dynamic_ops", "other": {"entry", "graphs", "graph_breaks"} | null, "other_may_differ"}``:
     ``cgbackend.compile(model)`` or ``torch.compile(model, backend="cgbackend")``, and the other
     entry point's counts where explain traced it too (``compare=True``; entry.py renders it)."""

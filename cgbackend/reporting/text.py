@@ -98,6 +98,8 @@ def _runtime_text(runtime: dict[str, Any]) -> list[str]:
             lines.append(f"{'':<8}runs eagerly for good: {r['disabled']} ({r['disabled_detail']})")
         if r.get("thrashing"):
             lines.append(f"{'':<8}graph cache stopped evicting: {r['thrashing']}")
+        if r.get("shapes_vary"):
+            lines.append(f"{'':<8}shapes vary at every call: {r['shapes_vary']}")
         inner = r.get("inner") or {}
         if inner.get("reason"):
             lines.append(f"{'':<8}eager's kernels, not Inductor's: {inner['reason']} ({inner['detail']})")
@@ -168,6 +170,9 @@ def _dispatch_text(dispatch: dict[str, Any]) -> list[str]:
         lines.append(f"  static dispatch {state}: {pattern}{how} at {source or '?'}"
                      f"{f' ({path})' if path else ''}{count}")
         lines.append(f"{'':<10}{why}")
+        cuda = (items[0].get("figures") or {}).get("on_cuda")
+        if cuda and (cuda["form"] or "dynamic") != (form or "dynamic"):
+            lines.append(f"{'':<10}on a CUDA device the form would be {cuda['form'] or 'dynamic'}: {cuda['why']}")
     return lines
 
 

@@ -358,7 +358,7 @@ class CompiledGraph:
                 "captured_sizes": sorted({e.size for e in entries.values() if e.size is not None}),
                 "memory": {k: v for k, v in memory.items() if k != "by_size"},
                 "memory_by_size": memory["by_size"],
-                "thrashing": r.cache.thrashing,
+                "thrashing": r.cache.thrashing, "shapes_vary": r.cache.churn.varying,
                 "replays": counts.replays, "eager_calls": dict(counts.eager_calls),
                 "handout_graphs": sum(len(e.caller_graphs or ()) for e in entries.values()),
                 "disabled": state.disabled, "disabled_detail": state.disabled_detail,

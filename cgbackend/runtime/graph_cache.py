@@ -25,6 +25,7 @@ import torch
 
 from ..common.fx_utils import iter_tensors
 from .capture import SimulatedGraph
+from .churn import ShapeChurn
 from .entries import Entry, Pad, TrainEntry, freeze
 from .params import ParamAddresses
 from .shared import RuntimeShared
@@ -72,6 +73,8 @@ class GraphCache:
         """Graphs captured again because a newer graph's live outputs blocked their replay."""
         self.thrashing: Optional[str] = None
         """Set when the region stopped evicting (its signatures churn through the cache)."""
+        self.churn = ShapeChurn()
+        """Whether the region's shapes change at every call, so it stops capturing (churn.py)."""
 
     # ------------------------------------------------------------------ keys
 

@@ -151,6 +151,9 @@ class RegionRunner:
             if pad is None and not grad_path:
                 self.fast.note(entry, ins)
             return self._run_entry(entry, ins, call, False, pad)
+        if not grad_path and cache.churn.note(shape_key if key is None else key, cache.sharing.copies,
+                                                 self.counts.replays):
+            return self._shapes_vary(ins)
         warm = cache.warm.get(shape_key, 0)
         if warm < self.config.warmup:
             return self._warm_up(ins, call, grad_path, shape_key, warm)
@@ -171,6 +174,16 @@ class RegionRunner:
         if pad is None and not grad_path:
             self.fast.note(made, ins)
         return self._run_entry(made, ins, call, True, pad)
+
+    def _shapes_vary(self, ins: list) -> Any:
+        """A call of a region whose signatures churn (churn.py): its code without a graph (compiled
+        at its first warm-up call), counted; strict forbids it."""
+        if self.config.strict:
+            raise RuntimeError(f"cgbackend: region {self.name} sees a new input signature at nearly every call "
+                               f"({self.cache.churn.varying}); strict=True forbids running it without a graph")
+        if self.counts.eager_calls.get(EagerReason.SHAPES_VARY) is None:
+            log.info("cgbackend: region %s: %s", self.name, self.cache.churn.varying)
+        return self._eager(ins, EagerReason.SHAPES_VARY)
 
     def _warm_up(self, ins: list, call: Any, grad_path: bool, shape_key: tuple, warm: int) -> Any:
         cache = self.cache

@@ -252,3 +252,9 @@ def test_bench_names_where_it_writes_on_stdout(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"results will be written to {out}" in printed and f"results: {out}" in printed
     assert out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is about a machine without CUDA")
+def test_device_cuda_for_a_factory_without_cuda_is_one_line(run_main, factories):
+    line = one_line(*run_main("explain", f"{factories}:mismatch", "--device", "cuda"))
+    assert "--device cuda" in line and "no CUDA device" in line

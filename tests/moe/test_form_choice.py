@@ -90,7 +90,8 @@ def test_the_pass_tells_the_cost_model_whether_a_layer_needs_gradients(monkeypat
 
     real, seen = cost.choose_layer_form, []
 
-    def on_cuda(layer, mode, device_type, itemsize, native=True, needs_grad=True, device_name=None):
+    def on_cuda(layer, mode, device_type, itemsize, native=True, needs_grad=True, device_name=None,
+                native_on_cuda=None):
         out = real(layer, mode, "cuda", itemsize, native, needs_grad, device_name=device_name)
         seen.append((needs_grad, out[0]))
         return out

@@ -67,7 +67,7 @@ def moe_report():
 
 def test_the_report_says_how_the_other_entry_point_differs(moe_report):
     report = moe_report
-    assert report.traced_via == {"entry": "compile", "trace_dynamic_ops": True, "other": None,
+    assert report.traced_via == {"entry": "compile", "calls": 2, "trace_dynamic_ops": True, "other": None,
                                  "other_may_differ": True}
     first = report.to_text().splitlines()[1]
     assert first.startswith("  shows: cgbackend.compile(model) (data-dependent ops traced into the graph): "
