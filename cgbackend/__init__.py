@@ -44,8 +44,8 @@ else:
     from .backend import CGBackend
     from .by_name import register as _register_backend
     from .common.logs import register as _register_logs
-    from .common.notices import CGBackendWarning, MoELoopOutsideGraphWarning, NothingCapturedWarning,
-                                         UncompiledCallsWarning
+    from .common.notices import (CGBackendWarning, MoELoopOutsideGraphWarning, NothingCapturedWarning,
+                                 UncompiledCallsWarning)
     from .common.reasons import Reason, Rule
     from .config import Config, ConfigError
     from .frontend.marks import mark_dynamic
