@@ -105,7 +105,8 @@ class CGBackend:
         # (read there). Each layer of a stack holds its own graphs of the shared code.
         self.shared = RuntimeShared(self.config, counters=counters, mirror=CounterMirror(counters),
                                     watch=self.timer, capture_watch=capture_watch,
-                                    layer_copies=max((len(s.layers) for s in self.prepared.stacks), default=1))
+                                    layer_copies=max((len(s.layers) for s in self.prepared.stacks), default=1),
+                                    watch_churn=by_name)
         if self.prepared.volatile_params is not None:
             self.set_volatile_params(self.prepared.volatile_params)
         self._graphs: list[weakref.ReferenceType[CompiledGraph]] = []

@@ -18,7 +18,11 @@ size is one signature, seen ``warmup`` times before its capture and replayed aft
 ``cgbackend.warm_up`` (each size called ``warmup`` + 1 times: one call in four is new). What it does: a
 region whose unpadded sizes keep changing, such as a by-name decode over a growing cache, or a
 served region that cannot pad (passes/bucket.py) over more sizes than its first calls repeat.
-Training calls are not watched (their signatures carry call slots and layers).
+Training calls are not watched (their signatures carry call slots and layers). Only instances made
+by name watch (RuntimeShared.watch_churn): ``cgbackend.compile`` rewrites the dispatch loops, and a
+served region of it keeps capturing the sizes that come back (seen on an H200: an MoE served with
+static dispatch off stopped capturing after 32 calls of random batch sizes, and its repeats then
+ran without graphs).
 """
 
 from __future__ import annotations

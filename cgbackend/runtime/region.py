@@ -151,8 +151,8 @@ class RegionRunner:
             if pad is None and not grad_path:
                 self.fast.note(entry, ins)
             return self._run_entry(entry, ins, call, False, pad)
-        if not grad_path and cache.churn.note(shape_key if key is None else key, cache.sharing.copies,
-                                                 self.counts.replays):
+        if (not grad_path and self.shared.watch_churn
+                and cache.churn.note(shape_key if key is None else key, cache.sharing.copies, self.counts.replays)):
             return self._shapes_vary(ins)
         warm = cache.warm.get(shape_key, 0)
         if warm < self.config.warmup:

@@ -54,6 +54,11 @@ class RuntimeShared:
     ``cgbackend.compile``, before the first call): the bounds that count a region's graphs, warm-up
     signatures and call slots scale by it, since each layer's parameters are a signature of their
     own."""
+    watch_churn: bool = False
+    """Whether regions whose input signatures change at nearly every call stop capturing per
+    signature (runtime/churn.py; owner: CGBackend, at construction: by name only, where Dynamo's
+    breaks at MoE dispatch leave regions that see each expert's token count. cgbackend.compile
+    rewrites those loops, and its served regions keep capturing sizes that come back)."""
     pools: PoolSet = dataclasses.field(init=False)
     """The graph memory pools by device and call slot (runtime/pool.py; owner: the recorders, which
     capture into them)."""

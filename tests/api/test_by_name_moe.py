@@ -138,3 +138,22 @@ def test_a_new_size_every_call_is_churn():
     churn = ShapeChurn()
     verdicts = [churn.note((n,), 1, 0) for n in range(VARY_CALLS + 4)]
     assert verdicts.index(True) == VARY_CALLS - 1 and churn.varying
+
+
+def test_cgbackend_compile_keeps_capturing_sizes_that_come_back():
+    """Only by name do regions stop capturing at churn: ``cgbackend.compile`` with the loop as written
+    (static dispatch off) over random batch sizes (1 to 40) keeps capturing the experts' token counts, which
+    come back, and replays them (a served MoE stopped capturing after 32 calls when every instance
+    watched churn)."""
+    torch.manual_seed(0)
+    model = Net().eval()
+    compiled = cgbackend.compile(model, simulate_graphs=True, static_dispatch="off", capture_sizes=())
+    rng = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for i in range(60):
+            n = int(torch.randint(1, 41, (1,), generator=rng))
+            x = torch.randn(n, 32, generator=torch.Generator().manual_seed(i))
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    st = cgbackend.stats(compiled)
+    assert st["eager_calls"].get("shapes_vary_every_call", 0) == 0, st["eager_calls"]
+    assert st["replays"] > 0 and st["graphs_captured"] > 0
