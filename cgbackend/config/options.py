@@ -114,10 +114,9 @@ class Config:
     """Let a static region hold the functional all-to-all and all-reduce (and their waits) whose
     sizes are fixed by shapes, such as an expert-parallel exchange with a fixed capacity: NCCL work
     captured in the region's CUDA graph (passes/collectives.py). Collectives with host-read sizes
-    run eagerly whatever this says. Off by default: on two H200s, graphs holding the fixed-capacity
-    exchange computed a loss 4e-3 (relative, fp32) off eager's, and ranks capturing at different
-    calls gave gradients 0.07 off (docs/distributed.md); off, every collective runs eagerly between
-    graphs."""
+    run eagerly whatever this says. Off by default, every collective running eagerly between
+    graphs: measured wrong on two H200s before torch 2.11's wait inside an autograd.Function was
+    classified, equal to eager there since, and not yet shown to pay (docs/distributed.md)."""
 
     static_dispatch: DispatchMode = DispatchMode.AUTO
     """Rewrite data-dependent MoE dispatch loops into static, sync-free code so the whole layer is

@@ -486,10 +486,6 @@ def test_ranks_exit_cleanly_within_30s(two_ranks):
 # ----------------------------------------------------------------------------- two GPUs
 
 @pytest.mark.multigpu
-@pytest.mark.xfail(strict=True, reason="seen on two H200s (torch 2.11): a rank replaying the captured capacity "
-                   "exchange while the other ran it eagerly gave gradients 0.07 off eager's, measured while torch "
-                   "2.11's all-to-all left its wait in the graphs without the collective (passes/collectives.py); "
-                   "not measured since: remove once it passes there")
 def test_two_gpus_nccl_collectives_in_graphs_with_rank_local_fallbacks_and_overflow_checks():
     """The checks above that run graphs, on two GPUs: NCCL work captured in CUDA graphs while the
     other rank runs the same collective eagerly or captures it, and the overflow check's host read
