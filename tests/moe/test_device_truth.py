@@ -5,6 +5,8 @@ reports what the run gives."""
 
 from __future__ import annotations
 
+import copy
+
 from types import SimpleNamespace
 
 import pytest
@@ -62,13 +64,19 @@ def test_phimoe_on_cuda_one_static_region_and_explain_agrees():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = _phimoe("cuda")
+    reference = copy.deepcopy(model).double()  # the same weights in float64: what bf16 is judged by
     xs = [torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(i)).cuda() for i in range(6)]
     with torch.no_grad():
         report = cgbackend.explain(model, (xs[0],), count_launches=False, compare=False)
         compiled = cgbackend.compile(model)
         for x in xs:
-            out = compiled(x).logits
-            torch.testing.assert_close(out.float(), model(x).logits.float(), rtol=5e-2, atol=5e-2)
+            exact = reference(x).logits
+            ours = (compiled(x).logits.double() - exact).abs().mean().item()
+            eager = (model(x).logits.double() - exact).abs().mean().item()
+            # bf16 rounds differently on every path and PhiMoE's routing flips with it: as close to
+            # float64 as eager bf16 is, within a factor (seen on an H200: 2% of the logits of the
+            # compiled run 0.55 off eager bf16's, a few tokens routed to other experts)
+            assert ours <= 2 * eager + 1e-3, (ours, eager)
     stats = cgbackend.stats(compiled)
     assert (stats["static_regions"], stats["dynamic_regions"]) == (1, 0), cgbackend.report(compiled)
     assert stats["replays"] > 0
