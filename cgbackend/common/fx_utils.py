@@ -62,20 +62,25 @@ def storage_ids(value: Any) -> set[int]:
     return ids
 
 
-def is_subgraph_attr(node: torch.fx.Node) -> bool:
-    """A ``get_attr`` of a module (a higher-order op's body: ``autograd_function_apply``'s forward
-    and backward, a cond's branches). Not a value a region can take or return: each region whose
-    ops call it reads it from the root itself (runtime/split.py)."""
+def attr_module(node: torch.fx.Node) -> Optional[torch.nn.Module]:
+    """The module a ``get_attr`` node reads (a higher-order op's body: ``autograd_function_apply``'s
+    forward and backward, a cond's branches), or None (another node, a tensor attribute)."""
     if node.op != "get_attr":
-        return False
+        return None
     root = node.graph.owning_module
     if root is None:
-        return False
+        return None
     try:
         value = operator.attrgetter(node.target)(root)
     except AttributeError:
-        return False
-    return isinstance(value, torch.nn.Module)
+        return None
+    return value if isinstance(value, torch.nn.Module) else None
+
+
+def is_subgraph_attr(node: torch.fx.Node) -> bool:
+    """A ``get_attr`` of a module. Not a value a region can take or return: each region whose ops
+    call it reads it from the root itself (runtime/split.py)."""
+    return attr_module(node) is not None
 
 
 def compute_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

@@ -60,9 +60,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..common.fx_utils import fake_value, iter_tensors, op_key, op_name, source_location
+from ..common.fx_utils import attr_module, fake_value, iter_tensors, op_key, op_name, source_location
 from ..frontend.marks import marked_op_reason
 from ..common.reasons import Reason, Rule, reason_for
+from .call_args import call_of
 
 __all__ = ["CAPTURED", "WAIT", "rule_collective", "is_collective", "calls_collective", "inner_collectives", "is_wait",
            "why_eager", "collectives_by_op"]
@@ -104,17 +105,8 @@ def _bodies(node: torch.fx.Node) -> list[torch.fx.GraphModule]:
     the forward and backward bodies of Dynamo's ``autograd_function_apply``, a cond's branches)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
         return []
-    root = node.graph.owning_module
-    bodies = []
-    for arg in node.all_input_nodes:
-        if arg.op != "get_attr" or root is None:
-            continue
-        value: Any = root
-        for part in str(arg.target).split("."):
-            value = getattr(value, part, None)
-        if isinstance(value, torch.fx.GraphModule):
-            bodies.append(value)
-    return bodies
+    bodies = (attr_module(arg) for arg in node.all_input_nodes)
+    return [body for body in bodies if isinstance(body, torch.fx.GraphModule)]
 
 
 def inner_collectives(node: torch.fx.Node) -> list[str]:
@@ -156,27 +148,6 @@ def _waited(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in node.all_input_nodes if a.op != "get_attr"]
 
 
-def _schema_argument(node: torch.fx.Node, name: str) -> tuple[bool, Any]:
-    """(found, value) of the argument ``name`` of an op call, by the op's schema (positional or
-    keyword, default applied)."""
-    target = node.target
-    overload = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "default", None)
-    schema = getattr(overload, "_schema", None)
-    if schema is None:
-        return False, None
-    for i, arg in enumerate(schema.arguments):
-        if arg.name != name:
-            continue
-        if i < len(node.args):
-            return True, node.args[i]
-        if name in node.kwargs:
-            return True, node.kwargs[name]
-        if arg.has_default_value():
-            return True, arg.default_value
-        return False, None
-    return False, None
-
-
 def _unbacked(value: Any) -> set:
     if isinstance(value, torch.fx.Node):
         value = fake_value(value)
@@ -189,9 +160,10 @@ def _unbacked(value: Any) -> set:
 def _sizes_problem(node: torch.fx.Node) -> Optional[str]:
     """Why the collective's sizes are not fixed by shapes, or None."""
     if _qualified(node.target).endswith("::all_to_all_single"):
+        call = call_of(node)
         for name in _SPLIT_ARGUMENTS:
-            found, sizes = _schema_argument(node, name)
-            if not found or not isinstance(sizes, (list, tuple)):
+            sizes = call.get(name) if call is not None else None
+            if not isinstance(sizes, (list, tuple)):
                 return f"its {name} could not be read"
             for size in sizes:
                 if isinstance(size, torch.fx.Node):
