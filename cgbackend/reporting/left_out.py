@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 import re
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from ..common.notices import MoELoopOutsideGraphWarning
+from ..common.user_code import warn
 from ..moe.loops_at import dispatch_loops_at
 
 __all__ = ["LeftOutLoops", "MEASURED"]
@@ -71,8 +71,9 @@ class LeftOutLoops:
         if self.loops and not self._warned:
             self._warned = True
             log.info("cgbackend: %s", self.message())
-            if self.warn:
-                warnings.warn(self.message(), MoELoopOutsideGraphWarning, stacklevel=2)
+            if self.warn:  # at the user's call, else at the first loop left out
+                first = next(iter(self.loops.values()))
+                warn(self.message(), MoELoopOutsideGraphWarning, fallback=(first.filename, first.lines[0]))
 
     def sources(self) -> list[str]:
         """``file.py:LINE in function`` of each loop, in the order found."""
@@ -85,8 +86,7 @@ class LeftOutLoops:
         return (f"by name, Dynamo breaks the graph at data-dependent ops of the MoE dispatch loop(s) at {where}: "
                 "each such loop runs outside the graphs, eagerly, with a host synchronization per expert, and "
                 "what it computes per expert sees a new shape at nearly every call. cgbackend.compile(model) "
-                "rewrites these "
-                f"loops statically before tracing and graphs the whole layer ({MEASURED})")
+                f"rewrites these loops statically before tracing and graphs the whole layer ({MEASURED})")
 
     def notes(self) -> list[str]:
         message = self.message()
