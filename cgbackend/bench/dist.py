@@ -49,12 +49,13 @@ TOLERANCE = {"bfloat16": (2e-2, 5e-2), "float16": (2e-2, 5e-2), "float32": (1e-4
 ROW_FIELDS = ("setup", "model", "layers", "tokens_per_rank", "mode", "world_size", "contender", "median_ms", "p10_ms",
               "p90_ms", "timed_steps", "vs_eager", "vs_grouped_inductor", "accuracy_ok", "loss_rel_err", "grad_rel_err",
               "graphs", "graphs_per_step", "graphs_constant_after_warmup", "eager_calls", "eager_calls_timed",
-              "inner_fallbacks", "static_regions", "dynamic_regions", "options", "peak_mb", "peak_vs_eager", "reserved_mb",
-              "reserved_vs_eager", "alloc_after_fwd_mb", "resident_before_mb", "memory_error", "error")
+              "inner_fallbacks", "static_regions", "dynamic_regions", "options", "peak_mb", "peak_vs_eager",
+              "reserved_mb", "reserved_vs_eager", "alloc_after_fwd_mb", "resident_before_mb", "memory_error", "error")
 """Every row's fields (benchmarks/README.md describes them); moe-ep rows add ``local_dispatch``."""
 
 
-def plan(setups: Sequence[str], *, size: str, batch: int, seq: Optional[int], steps: int, models: Optional[Sequence[str]] = None,
+def plan(setups: Sequence[str], *, size: str, batch: int, seq: Optional[int], steps: int,
+         models: Optional[Sequence[str]] = None,
          contenders: Optional[Sequence[str]] = None, ep_dispatch: Sequence[str] = ()
          ) -> list[tuple[Scenario, tuple[str, ...]]]:
     """(scenario, contenders) of every chosen setup and model: eager and cgbackend everywhere,
@@ -76,18 +77,23 @@ def plan(setups: Sequence[str], *, size: str, batch: int, seq: Optional[int], st
                 names = [n for n in names if n == "eager" or n in contenders]
             shape = dict(batch=batch, seq=_gpt_seq(size, seq))
             if model == "moe-128e":
-                shape = dict(batch=1, seq=seq or 128) if size == "tiny" else dict(zip(("batch", "seq"), MOE_128E_TOKENS))
+                shape = (dict(batch=1, seq=seq or DEFAULT_SEQ) if size == "tiny"
+                         else dict(zip(("batch", "seq"), MOE_128E_TOKENS)))
                 shape["layers"] = MOE_128E_LAYERS
             out.append((Scenario(setup, model, size=size, steps=steps, **shape), tuple(names)))
     return out
 
 
+DEFAULT_SEQ = 128
+"""``--seq`` when not given (capped at the GPT models' ``max_seq``)."""
+
+
 def _gpt_seq(size: str, seq: Optional[int]) -> int:
-    """The GPT models' sequence length: ``seq``, or 128 capped at the size's ``max_seq`` when unset."""
+    """The GPT models' sequence length: ``seq``, or DEFAULT_SEQ capped at the size's ``max_seq``."""
     from ..models import SIZES
     longest = SIZES[size]["max_seq"]
     if seq is None:
-        return min(128, longest)
+        return min(DEFAULT_SEQ, longest)
     if seq > longest:
         raise ValueError(f"--seq {seq} is longer than the {size} models' max_seq ({longest})")
     return seq

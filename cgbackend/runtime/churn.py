@@ -8,16 +8,17 @@ each expert's token count (and, with an expert module per expert, each expert's 
 signature seen before is the exception. :class:`ShapeChurn` watches the inference calls that find no
 graph to replay: once the region has made ``VARY_CALLS`` inference calls (or four per layer sharing
 its graph, runtime/sharing.py, if more), replays included, and at least half of them brought a
-signature never seen before, the region stops capturing and runs its code (Inductor's where it is compiled) without a graph; graphs it
-already holds still replay. Counted in ``eager_calls`` as ``shapes_vary_every_call`` and shown in the
-report.
+signature never seen before, the region stops capturing and runs its code (Inductor's where it is
+compiled) without a graph; graphs it already holds still replay. Counted in ``eager_calls`` as
+``shapes_vary_every_call`` and shown in the report.
 
 What it does not mistake for churn: layers sharing one graph (each layer's parameters are a
 signature of their own, but the next calls replay them all); serving over capture sizes (a padded
 size is one signature, seen ``warmup`` times before its capture and replayed after), and
-``cgbackend.warm_up`` (each size called ``warmup`` + 1 times: one call in four is new). What it does: a
-region whose unpadded sizes keep changing, such as a by-name decode over a growing cache, or a
-served region that cannot pad (passes/bucket.py) over more sizes than its first calls repeat.
+``cgbackend.warm_up`` (each size called ``warmup`` + 1 times: one call in four is new). What it does
+take for churn, by name: a region whose unpadded sizes keep changing, such as a decode over a
+growing cache, or a served region that cannot pad (passes/bucket.py) over more sizes than its first
+calls repeat.
 Training calls are not watched (their signatures carry call slots and layers). Only instances made
 by name watch (RuntimeShared.watch_churn): ``cgbackend.compile`` rewrites the dispatch loops, and a
 served region of it keeps capturing the sizes that come back (seen on an H200: an MoE served with
