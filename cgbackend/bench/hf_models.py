@@ -7,7 +7,10 @@ counts swept as the shape models' are (``--tokens``; counts above 4096 are seque
 width 6144), 2 layers, ``set_experts_implementation("eager")``: the model ``moe-128e`` writes by
 hand, in transformers' code. Its contenders: eager, cgbackend (default options) and
 ``hf-grouped-mm-reduce-overhead`` (the same weights with transformers' grouped_mm experts under
-reduce-overhead)."""
+reduce-overhead).
+
+``hf-qwen3-moe-48l``: transformers' whole ``Qwen3MoeForCausalLM`` at that layer shape and 48 layers
+(family ``zoo``: token ids in, logits out), the by-name contender beside ``cgbackend``."""
 
 from __future__ import annotations
 
@@ -88,3 +91,58 @@ register_model(BenchModel(
     description="transformers Qwen3MoeModel (no LM head) on hidden states: hidden 2048, 128 experts top-8 of "
                 "width 768, 32 heads / 4 KV heads of width 128, 2 layers (Qwen3-30B-A3B's layer), "
                 'set_experts_implementation("eager")'))
+
+
+# ---------------------------------------------------------------------------------- Qwen3-MoE at depth
+
+QWEN3_MOE_48L: dict[str, dict[str, Any]] = {
+    "full": {**QWEN3_MOE_SHAPES["full"], "vocab_size": 151936, "num_hidden_layers": 48, "tokens": 2048},
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                 num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                 num_hidden_layers=2, tokens=32),
+}
+"""Qwen3-30B-A3B's whole model (``full``: hf-qwen3-moe-128e's layer shape at 48 layers, about 30B
+parameters, 61 GB in bfloat16) and a CPU check's."""
+
+
+def _qwen3_moe_48l() -> BenchModel:
+    def build(s: Any) -> nn.Module:
+        import transformers
+        shape = dict(QWEN3_MOE_48L[s.scale])
+        shape.pop("tokens")
+        cfg = transformers.Qwen3MoeConfig(max_position_embeddings=4096, **shape)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(s.seed)
+        # Drawn on the run device in the run dtype: the full model is one device copy (shared by every
+        # contender, --share-weights), never a float32 or host one.
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(s.dtype)
+        try:
+            with torch.device(s.device):
+                model = transformers.Qwen3MoeForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(previous)
+        model.set_experts_implementation("eager")
+        return model.eval()
+
+    def inputs(base: nn.Module, s: Any, tokens: Optional[int]) -> list:
+        gen = torch.Generator().manual_seed(s.seed + 1)
+        n = tokens or QWEN3_MOE_48L[s.scale]["tokens"]
+        return [torch.randint(0, base.config.vocab_size, (1, n), generator=gen).to(s.device)
+                for _ in range(s.batches)]
+
+    return BenchModel(
+        name="hf-qwen3-moe-48l", family="zoo", modes=("infer",), build=build, inputs=inputs,
+        loss=lambda out, x: upcast_float(out.logits).pow(2).mean(), output=lambda out: out.logits,
+        contenders=("eager", "cgbackend", "cgbackend-by-name", "hf-grouped-mm-reduce-overhead"), moe=True,
+        # The float64 copy (240 GB) fits nowhere: judged against eager (--tol).
+        defaults=dict(batches=3, warmup=3, iters=20, acc_batches=1, time_budget=3.0, share_weights=True,
+                      reference="eager", floor_steps=0),
+        description="transformers Qwen3-MoE at Qwen3-30B-A3B's shape: hidden 2048, 128 experts top-8 of width "
+                    "768, 32 heads / 4 KV heads of width 128, 48 layers, set_experts_implementation(\"eager\"), "
+                    "2048 tokens, inference, random weights drawn on the device, one copy shared by every "
+                    "contender",
+        to_device=lambda base, s: base.to(s.device))
+
+
+register_model(_qwen3_moe_48l())
