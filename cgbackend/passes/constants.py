@@ -46,7 +46,10 @@ recomputes ``inv_freq = 1 / base ** (torch.arange(0, d, 2).float() / d)`` on the
 and moves it to the GPU (seen in transformers MoE models) was a dynamic region between two static
 ones (host arithmetic, then a copy from host memory); the whole chain is now made once per
 compiled graph. Its inputs are Python numbers that Dynamo guards on, so a call with other values
-compiles a new graph and makes the chain again: the constant never outlives its inputs.
+compiles a new graph and makes the chain again: the constant never outlives its inputs. Indexing
+with indices written in the code (``inv_freq[None, :, None]``: integers, slices, None, Ellipsis)
+is folded too: PhiMoE's rotary embedding indexes the CPU-made ``inv_freq`` and expands it before
+moving it to the GPU, and the three ops were a dynamic region of their own on a GPU run.
 
 Complexity: O(N + W) for N nodes and W written storages.
 """
@@ -86,7 +89,7 @@ tensor: applied to a hoisted constant, their result is one too."""
 
 FOLDED_FUNCTIONS: frozenset = frozenset({
     operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.pow, operator.neg,
-    operator.mod,
+    operator.mod, operator.getitem,
     torch.add, torch.sub, torch.mul, torch.div, torch.true_divide, torch.pow, torch.neg, torch.reciprocal,
     torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.sin, torch.cos, torch.outer, torch.cat,
     torch.stack, torch.clamp, torch.minimum, torch.maximum, torch.floor, torch.ceil, torch.round,
@@ -102,8 +105,8 @@ FOLDED_METHODS: frozenset = frozenset({
 })
 """Tensor methods (by name) of the same kind."""
 
-_CONSTANT_TYPES = (int, float, bool, complex, str, type(None), torch.device, torch.dtype, torch.layout,
-                   torch.memory_format)
+_CONSTANT_TYPES = (int, float, bool, complex, str, type(None), type(Ellipsis), torch.device, torch.dtype,
+                   torch.layout, torch.memory_format)
 
 
 @dataclasses.dataclass
@@ -134,6 +137,8 @@ class Constants:
 def _is_constant(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return all(_is_constant(v) for v in value)
+    if isinstance(value, slice):  # an index written in the code: x[None, :, 1:]
+        return all(_is_constant(v) for v in (value.start, value.stop, value.step))
     return isinstance(value, _CONSTANT_TYPES)
 
 

@@ -57,9 +57,6 @@ def test_a_cpu_report_names_the_forms_a_gpu_run_would_take():
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, reason="seen on an H200 (torch 2.11, transformers 5.17): 2 static and 1 dynamic "
-                   "region (a 3-op routing region), where a CPU trace, even with the CUDA form forced, gives 1 and "
-                   "0; outputs are as close to float64 as eager bf16's. Not found yet")
 def test_phimoe_on_cuda_one_static_region_and_explain_agrees():
     """Default options, eager experts, 4 x 128 tokens on a GPU: the routing is static like the other
     families' (one static region per graph, none dynamic), and explain traced on the GPU reports the

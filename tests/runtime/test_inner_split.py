@@ -148,7 +148,7 @@ class Rotary(nn.Module):
 
 
 def test_arithmetic_on_constants_is_folded():
-    """inv_freq's whole chain (arange, float, divide, power, reciprocal, move) is made once per
+    """inv_freq's whole chain (arange, float, divide, power, reciprocal, move, index) is made once per
     compiled graph: no dynamic region, one graph; what reads the input stays in the region."""
     model = Rotary().double().eval()
     compiled = cgbackend.compile(copy.deepcopy(model), **SIM)
@@ -163,9 +163,38 @@ def test_arithmetic_on_constants_is_folded():
     assert st["graphs_captured"] == 1 and st["replays"] == 4, st
     runtime = cgbackend.report(compiled).graphs[0].runtime
     ops = sorted(c["op"] for c in runtime["constants"])
-    assert ops == ["Tensor.float", "Tensor.to", "arange", "operator.pow", "operator.truediv",
+    assert ops == ["Tensor.float", "Tensor.to", "arange", "operator.getitem", "operator.pow", "operator.truediv",
                    "operator.truediv"], ops
     assert st["constants_hoisted"] == len(ops)
+
+
+class IndexedRotary(Rotary):
+    """PhiMoE's form of the rotary embedding: the CPU-made ``inv_freq`` is indexed with
+    ``[None, :, None]`` and expanded before it moves to the input's device."""
+
+    def forward(self, x, pos):
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.int64).float() / self.dim))
+        inv_freq = inv_freq[None, :, None].float().expand(1, -1, 1).to(x.device)
+        freqs = (inv_freq @ pos[None, None, :].to(inv_freq.dtype)).transpose(1, 2)[0]
+        emb = torch.cat((freqs, freqs), dim=-1).to(x.dtype)
+        return self.lin(x * emb.cos() + x.flip(-1) * emb.sin())
+
+
+def test_indexing_a_constant_with_written_indices_is_folded():
+    """``inv_freq[None, :, None].float().expand(...)``: the index, the conversion and the expand of
+    a constant are constants too (on a GPU run they were a dynamic region of CPU work)."""
+    model = IndexedRotary().double().eval()
+    compiled = cgbackend.compile(copy.deepcopy(model), **SIM)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(6, 16, generator=g, dtype=torch.float64)
+            pos = torch.randint(0, 100, (6,), generator=g)
+            assert torch.equal(compiled(x, pos), model(x, pos))
+    st = cgbackend.stats(compiled)
+    assert st["static_regions"] == 1 and st["dynamic_regions"] == 0 and st["replays"] == 3, st
+    ops = {c["op"] for c in cgbackend.report(compiled).graphs[0].runtime["constants"]}
+    assert {"operator.getitem", "Tensor.expand", "Tensor.to"} <= ops, ops
 
 
 def test_folding_stops_at_inputs_and_writes():
