@@ -163,6 +163,12 @@ class CompiledGraph:
         self._mirror = shared.mirror
         """runtime/mirror.py: torch._dynamo.utils.counters["cgbackend"] reads the counters when read;
         each call first checks that it was not cleared since (CounterMirror.begin)."""
+        self._plain = (gm.forward if not self.runners and not self.constants and not self._device_scalars
+                       and not self._layout_checks else None)
+        """A graph with nothing to capture, hoist or check (every region dynamic: a loop body's
+        activation that Dynamo compiles as a frame of its own, called once per expert) runs as one
+        eager call of its graph, the same ops: the region-by-region walk cost more host time than
+        such a graph's few ops (31 us against 5 us for a SiLU on a CPU)."""
 
     def mark_terminal(self) -> None:
         """The last static region of the graph: no static region reads its outputs, so its
@@ -216,6 +222,12 @@ class CompiledGraph:
     # ------------------------------------------------------------------ call
 
     def __call__(self, *args: Any) -> Any:
+        if self._plain is not None and self.shared.watch is None and not _profiler_enabled():
+            if self._mirror is not None:
+                self._mirror.begin(self.shared.counters)
+            self.shared.counters.graph_calls += 1
+            self.calls += 1
+            return self._plain(*args)
         # Static buffers, graphs and slots are shared by every call: calls from several threads run
         # one after the other (a graph's backward runs on autograd's thread, outside this lock).
         with self._lock:

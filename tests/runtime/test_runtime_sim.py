@@ -533,3 +533,29 @@ def test_double_backward_fails_with_a_clear_error():
     (want,) = torch.autograd.grad(model(x2).sum(), x2)
     assert torch.equal(g2, want)
     assert cgbackend.stats(compiled)["bwd_replays"] >= 1
+
+
+def test_a_graph_with_nothing_to_capture_runs_as_one_eager_call(monkeypatch):
+    """A graph whose every region is dynamic (here one activation: too small a region to capture,
+    as a MoE loop body's activation is when Dynamo compiles it as a frame of its own, once per
+    expert) runs its graph in one call, not region by region; its calls are still counted, and
+    outputs and gradients are eager's."""
+    from cgbackend.runtime.executor import CompiledGraph
+    walked = []
+    original = CompiledGraph._call
+    monkeypatch.setattr(CompiledGraph, "_call", lambda self, args: walked.append(self.index) or original(self, args))
+    act = nn.SiLU()
+    compiled = torch.compile(act, backend="cgbackend", options=SIM)
+    g = torch.Generator().manual_seed(7)
+    for rows in (5, 9, 5, 12):
+        x = torch.randn(rows, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        out = compiled(x)
+        ref = act(x_ref)
+        assert torch.equal(out, ref)
+        out.sum().backward()
+        ref.sum().backward()
+        assert torch.equal(x.grad, x_ref.grad)
+    st = cgbackend.stats(compiled)
+    assert st["static_regions"] == 0 and st["dynamic_regions"] >= 1, st
+    assert st["graph_calls"] == 4 and not walked, (st, walked)
