@@ -66,10 +66,28 @@ def test_explain_counts_equal_compile_for_zoo_moe(name):
 
 
 def test_explain_shows_regional_compilation_of_eight_layers():
+    """Without the KV cache the eight layers read no per-layer state: a prologue, one layer graph
+    serving the eight, an epilogue."""
     torch.manual_seed(0)
     model = _qwen3_moe(8)
+    model.config.use_cache = False
     x = torch.randint(0, 256, (1, 16))
     explained, counted, report = _counts(model, x, {"simulate_graphs": True})
     assert explained == counted
     assert explained[0] > 1  # prologue, layer graphs and epilogue, not one whole-model graph
     assert [s["path"] for s in report.regional] == ["model.layers"] and report.regional[0]["layers"] == 8
+    assert [g["layers"] for g in report.regional[0]["groups"]] == [list(range(8))]
+
+
+def test_explain_shows_layers_compiled_apart_as_the_run_does():
+    """With the KV cache each layer reads its own ``layer_idx``, so Dynamo specialises each layer
+    and the stack is compiled with the model from the second call on: explain reports the graphs
+    the run gives (three layers, the stack threshold lowered to keep the test small)."""
+    torch.manual_seed(0)
+    model = _qwen3_moe(3)
+    x = torch.randint(0, 256, (1, 16))
+    explained, counted, report = _counts(model, x, {"simulate_graphs": True, "regional_min_layers": 2})
+    assert explained == counted
+    stack = report.regional[0]
+    assert stack["layers"] == 3 and [g["layers"] for g in stack["groups"]] == [[0], [1], [2]]
+    assert stack["with_model"] and "layer_idx" in stack["groups"][1]["why"]
