@@ -22,9 +22,8 @@ The rates come from ``costs.json`` beside this file: one set per GPU, by the nam
 --constants-only`` (which adds or replaces its own device's set; without ``--constants-only`` it
 also times the forms directly, for the crossover table in docs/static-dispatch.md). A GPU with no
 set of its own takes the reference device's (``REFERENCE_DEVICE``, the H100 the crossover table
-was measured on): the NVIDIA H200 does until its set is measured (the same compute die, with more
-memory bandwidth, so the estimates are those of an H100); the report's ``source`` names the set
-used and the device it stands in for. Without the file the defaults below stand, and the report
+was measured on); the report's ``source`` names the set used and the device it stands in for. The
+H100 and the H200 have sets of their own (the H200's measured on 2026-11-28, 41 s). Without the file the defaults below stand, and the report
 says so. On a device other than CUDA nothing is captured, so "auto" keeps the old rule
 there: masked dense up to ``_AUTO_MAX_ROWS`` rows per expert (the CPU tests exercise the forms
 through the explicit modes).
