@@ -95,15 +95,19 @@ class CaptureWatch:
         self.enabled = True
         """False where capturing nothing is the point (explain)."""
         self.warned = False
-        self.compiles: dict[int, int] = {}
+        self.compiles: dict[tuple, int] = {}
 
     def on_compile(self, graph: Any) -> None:
         """A new graph was compiled (backend.py): the third compile of one function with nothing
         captured means a value that changes each call is baked into each graph."""
         compile_id = _compile_id() if self.enabled else None
-        if compile_id is None or self.warned:
-            return
-        frame = compile_id[0]  # Dynamo counts a frame's compiles per process; these are this model's
+        if compile_id is None or self.warned or not graph.runners:
+            return  # a graph without static regions has nothing to warm up or capture: its recompiles
+            # (a MoE loop body's activation compiled again for each new row count) cost no capture
+        # Dynamo counts a frame's compiles per process; these are this model's. A function compiled
+        # once per layer (each layer's graph reads its own parameters) is not a value changing per
+        # call: counted by the frame and the graph's parameters.
+        frame = (compile_id[0], graph.params_key)
         self.compiles[frame] = self.compiles.get(frame, 0) + 1
         if self.compiles[frame] >= _RECOMPILES and self.counters.graphs_captured == 0:
             self.warn(f"Dynamo compiled the same function {self.compiles[frame]} times with "

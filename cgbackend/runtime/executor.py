@@ -83,6 +83,10 @@ class CompiledGraph:
         static_address = {n: i < len(example_inputs) and is_static_address(example_inputs[i])
                           for i, n in enumerate(placeholders)}
         first_param = next((i for i, n in enumerate(placeholders) if static_address[n]), None)
+        self.params_key = (example_inputs[first_param].data_ptr()
+                           if first_param is not None and isinstance(example_inputs[first_param], torch.Tensor) else None)
+        """Where this graph's first parameter lies: graphs of one function compiled for different
+        layers (Dynamo specialises each layer on its layer_idx) differ here (capture_watch.py)."""
         self.sharing = LayerSharing(shared.layer_copies, first_param)
         """How many layers share this graph (runtime/sharing.py): scales the per-layer bounds."""
         self.slots = SlotTable(self.config.max_pending_forwards, self.sharing)
