@@ -6,8 +6,9 @@ model warming up (a new input signature each call) or recompiling (a Python numb
 into each graph). The counters say so (``stats()["nothing_captured_reason"]``, ``eager_calls``),
 but nobody reads them unprompted. :class:`CaptureWatch` looks once per compiled graph, right after
 the call at which its regions capture (the call after ``warmup`` warm-up calls), and at each
-compile of a function Dynamo compiled twice before; if the backend instance has captured nothing by
-then, it warns once (``NothingCapturedWarning``, Python's warnings) naming the reason, and logs the
+compile of a function Dynamo compiled twice before for the same parameters (a function compiled
+once per layer is not a value changing each call; a graph without static regions is not counted);
+if the backend instance has captured nothing by then, it warns once (``NothingCapturedWarning``, Python's warnings) naming the reason, and logs the
 same line at INFO. The check costs one integer comparison per call of a compiled graph.
 """
 
