@@ -147,18 +147,24 @@ class Rotary(nn.Module):
         return self.lin(x * emb.cos() + x.flip(-1) * emb.sin())
 
 
-def test_arithmetic_on_constants_is_folded():
-    """inv_freq's whole chain (arange, float, divide, power, reciprocal, move, index) is made once per
-    compiled graph: no dynamic region, one graph; what reads the input stays in the region."""
-    model = Rotary().double().eval()
+def _rotary_equals_eager(model, calls, seed):
+    """Compile a rotary model (float64), run it on varied inputs bitwise against eager; the compiled
+    model and its stats."""
+    model = model.double().eval()
     compiled = cgbackend.compile(copy.deepcopy(model), **SIM)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for i in range(5):
+        for _ in range(calls):
             x = torch.randn(6, 16, generator=g, dtype=torch.float64)
             pos = torch.randint(0, 100, (6,), generator=g)
             assert torch.equal(compiled(x, pos), model(x, pos))
-    st = cgbackend.stats(compiled)
+    return compiled, cgbackend.stats(compiled)
+
+
+def test_arithmetic_on_constants_is_folded():
+    """inv_freq's whole chain (arange, float, divide, power, reciprocal, move, index) is made once per
+    compiled graph: no dynamic region, one graph; what reads the input stays in the region."""
+    compiled, st = _rotary_equals_eager(Rotary(), calls=5, seed=3)
     assert st["static_regions"] == 1 and st["dynamic_regions"] == 0, st
     assert st["graphs_captured"] == 1 and st["replays"] == 4, st
     runtime = cgbackend.report(compiled).graphs[0].runtime
@@ -183,15 +189,7 @@ class IndexedRotary(Rotary):
 def test_indexing_a_constant_with_written_indices_is_folded():
     """``inv_freq[None, :, None].float().expand(...)``: the index, the conversion and the expand of
     a constant are constants too (on a GPU run they were a dynamic region of CPU work)."""
-    model = IndexedRotary().double().eval()
-    compiled = cgbackend.compile(copy.deepcopy(model), **SIM)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for i in range(4):
-            x = torch.randn(6, 16, generator=g, dtype=torch.float64)
-            pos = torch.randint(0, 100, (6,), generator=g)
-            assert torch.equal(compiled(x, pos), model(x, pos))
-    st = cgbackend.stats(compiled)
+    compiled, st = _rotary_equals_eager(IndexedRotary(), calls=4, seed=4)
     assert st["static_regions"] == 1 and st["dynamic_regions"] == 0 and st["replays"] == 3, st
     ops = {c["op"] for c in cgbackend.report(compiled).graphs[0].runtime["constants"]}
     assert {"operator.getitem", "Tensor.expand", "Tensor.to"} <= ops, ops
