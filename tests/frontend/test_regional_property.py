@@ -175,13 +175,14 @@ def _kinds(case: Case) -> set[str]:
     return kinds
 
 
-DEFAULT_CASES = 40
-"""The default run's cases: enough that every feature the generator has appears (the test checks
-it); 1000 more run under the slow marker."""
+DEFAULT_CASES = 16
+DEFAULT_SEED = 1
+"""The default run's cases: 16 from seed 1 hold every feature the generator has (the test checks
+it; 40 from seed 0 were needed for that, in 2.5x the time); 1000 more run under the slow marker."""
 
 
 def test_random_layer_stacks_match_eager():
-    cases = _cases(DEFAULT_CASES, seed=0)
+    cases = _cases(DEFAULT_CASES, seed=DEFAULT_SEED)
     seen = set().union(*map(_kinds, cases))
     every = ({"train", "infer", "sequential", "chain", "per-layer idx", "in-place on input", "input grad",
               "scales differ"} | {f"act{i}" for i in range(len(ACTIVATIONS))}
@@ -192,4 +193,4 @@ def test_random_layer_stacks_match_eager():
 
 @pytest.mark.slow
 def test_random_layer_stacks_match_eager_many():
-    _run(_cases(1000, seed=1))
+    _run(_cases(1000, seed=2))
