@@ -44,6 +44,7 @@ from .runtime.shared import RuntimeShared
 from .runtime.stats import Counters
 from .common.reasons import EagerReason
 from .common.wording import count
+from .frontend.as_written import AsWritten
 from .frontend.uncompiled import UncompiledCalls
 from .reporting import structured
 from .reporting.left_out import LeftOutLoops
@@ -123,6 +124,8 @@ class CGBackend:
         self.uncompiled = UncompiledCalls(self.shared.counters)
         """Calls Dynamo ran without this instance: counted, explained, warned once (frontend/uncompiled.py)."""
         self.left_out = LeftOutLoops(warn=warn_nothing_captured) if by_name else None
+        self.as_written = AsWritten(counters) if by_name else None
+        """By name: functions with nothing to graph that Dynamo recompiles run as written (frontend/as_written.py)."""
         """By name: MoE dispatch loops graph breaks leave outside the graphs (reporting/left_out.py)."""
         self.dry_run = DryRun(self.config.dryrun)
         """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
@@ -203,6 +206,8 @@ class CGBackend:
             analysis = analyze(gm, self.config, loops=self.loops)
             analysed_s = time.perf_counter() - started
             break_info = graph_break_info(gm)
+            if self.as_written is not None:
+                self.as_written.check(analysis, break_info is not None, _function_of(gm))
             if self._keep_analyses:
                 self._analyses.append((analysis, break_info))
             # Static regions are compiled by the inner compiler lazily, at their first warm-up call
@@ -327,6 +332,8 @@ class CGBackend:
         report.notes.extend(self.uncompiled.notes())
         if self.left_out is not None:
             report.notes.extend(self.left_out.notes())
+        if self.as_written is not None:
+            report.notes.extend(self.as_written.notes())
         missed = self.shared.counters.trace_scope_missed
         if missed:
             report.notes.append(f"{missed} graph(s) traced without capture_scalar_outputs / "

@@ -23,6 +23,10 @@ class Counters:
     whose compile failed); ``uncompiled_by`` says where, the report why (uncompiled.py)."""
     uncompiled_by: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """uncompiled_calls by where they ran: a layer's path (``layers.8``), ``model``, or ``frame``."""
+    frames_as_written: int = 0
+    """By name: functions with nothing to graph that Dynamo compiled again, left to run as written
+    from then on (frontend/as_written.py); ``frames_as_written_by``: by function."""
+    frames_as_written_by: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     trace_scope_missed: int = 0
     """Graphs of cgbackend.compile calls that Dynamo traced without those settings (no compile
     callback ran for them: another compile was in progress); the instance then switches them around
@@ -159,5 +163,6 @@ class Counters:
         d["sync_splits"] = list(self.sync_splits)
         d["handout_failures"] = list(self.handout_failures)
         d["uncompiled_by"] = dict(self.uncompiled_by)
+        d["frames_as_written_by"] = dict(self.frames_as_written_by)
         return d
 

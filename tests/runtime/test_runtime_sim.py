@@ -545,7 +545,7 @@ def test_a_graph_with_nothing_to_capture_runs_as_one_eager_call(monkeypatch):
     original = CompiledGraph._call
     monkeypatch.setattr(CompiledGraph, "_call", lambda self, args: walked.append(self.index) or original(self, args))
     act = nn.SiLU()
-    compiled = torch.compile(act, backend="cgbackend", options=SIM)
+    compiled = cgbackend.compile(act, **SIM)
     g = torch.Generator().manual_seed(7)
     for rows in (5, 9, 5, 12):
         x = torch.randn(rows, 8, generator=g, dtype=torch.float64, requires_grad=True)
