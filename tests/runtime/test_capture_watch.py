@@ -135,3 +135,15 @@ def test_a_function_compiled_once_per_layer_is_not_a_value_changing_each_call():
     with torch.no_grad():
         x = torch.randn(2, 4)
         torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_stats_name_why_nothing_was_captured_only_while_nothing_was():
+    """A graph on CPU tensors in a GPU run is blocked (no_cuda) while the others capture: the stats'
+    nothing_captured_reason is for a run that captured nothing, so it is None once a graph was."""
+    backend = cgbackend.backend()
+    compiled = torch.compile(_mlp(), backend=backend)
+    with torch.no_grad():
+        compiled(torch.randn(2, 4))
+    assert backend.stats()["nothing_captured_reason"] == "no_cuda"
+    backend.shared.counters.graphs_captured += 1  # as a GPU run's other graphs would
+    assert backend.stats()["nothing_captured_reason"] is None
