@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from .cases import Case, empty_row, skip_reason
 from .contenders import CONTENDERS
+from .verdict import contender_named
 from .measure import cleanup, error_text, log, memory_baseline, sync
 from .models import DECODE_SHAPES
 from .timing import TIMING_ROUNDS, Tally, block_share, put_counts, put_times, read_held, read_peak
@@ -196,7 +197,7 @@ def run_decode(spec: Any, s: Any, names: Sequence[str], log_row: Callable[[str, 
         rows = []
         for name in names:
             t_row = time.perf_counter()
-            prepared = _prepare_one(case, CONTENDERS[name], s, shape, prompts, ref_tokens, ref_logits, ref64,
+            prepared = _prepare_one(case, contender_named(name), s, shape, prompts, ref_tokens, ref_logits, ref64,
                                     alone=True)
             if prepared.session is not None:
                 prepared.time_rounds(prepared.rounds, prompts)
@@ -226,7 +227,7 @@ def _run_alternating(case: Any, names: Sequence[str], s: Any, shape: dict[str, A
         with torch._dynamo.config.patch(recompile_limit=limit):
             for name in names:
                 t0 = time.perf_counter()
-                one = _prepare_one(case, CONTENDERS[name], s, shape, prompts, ref_tokens, ref_logits, ref64,
+                one = _prepare_one(case, contender_named(name), s, shape, prompts, ref_tokens, ref_logits, ref64,
                                    alone=False)
                 one.seconds = time.perf_counter() - t0
                 prepared.append(one)

@@ -18,6 +18,7 @@ from .cases import Case
 from .contenders import CONTENDERS
 from .measure import sanitize
 from .settings import Settings
+from .verdict import verdict_cell
 
 SCHEMA_VERSION = 1
 """Version of the results file's layout (``meta.schema_version``)."""
@@ -119,11 +120,32 @@ def _memory(row: dict[str, Any]) -> str:
     return f"{mib(row['peak_mem_bytes'])} / {mib(row.get('held_mem_over_baseline_bytes'))}"
 
 
-def _cells(row: dict[str, Any]) -> list[str]:
+_YARDSTICK_COLUMNS = (("x grouped", "grouped"), ("x reduce-overhead", "reduce_overhead"))
+"""Ratio columns a table shows only where a row of it has a verdict against that contender (rows of
+runs before verdicts show none)."""
+
+
+def _ratio(row: dict[str, Any], key: str) -> str:
+    """``ratio_to_<key>`` with its verdict where the row has one: ``1.02 (tie)``."""
+    return verdict_cell(fmt(row.get(f"ratio_to_{key}"), "ratio"), row, key)
+
+
+def _yardsticks(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(title, key) for title, key in _YARDSTICK_COLUMNS if any(r.get(f"verdict_{key}") for r in rows)]
+
+
+def _spread(rows: list[dict[str, Any]]) -> str:
+    """The case's harness resolution, from its ``--twin`` rows (empty without one)."""
+    spread = next((r["harness_spread"] for r in rows if r.get("harness_spread") is not None), None)
+    twins = ", ".join(r["contender"] for r in rows if r["contender"].endswith(":twin"))
+    return "" if spread is None else f"{spread:.1%} ({twins})"
+
+
+def _cells(row: dict[str, Any], extra: Sequence[tuple[str, str]] = ()) -> list[str]:
     name = row["contender"] + (" *" if row.get("beats_best_stock") else "")
     return [name, fmt(row["median_ms"]), fmt(row["p10_ms"]), fmt(row["p90_ms"]),
-            fmt(row["ratio_to_eager"], "ratio"), fmt(row["ratio_to_best_stock"], "ratio"),
-            fmt(row["ratio_to_floor"], "ratio"), acc(row), _memory(row),
+            _ratio(row, "eager"), _ratio(row, "best_stock"), fmt(row["ratio_to_floor"], "ratio"),
+            *(_ratio(row, key) for _, key in extra), acc(row), _memory(row),
             fmt(row["compile_s"], ".2f"), fmt(row["graphs"]), fmt(row["graph_breaks"]),
             (row["error"] or "")[:80]]
 
@@ -157,18 +179,24 @@ def render_table(results: dict[str, Any]) -> str:
         floor = rows[0]["floor_ms"]
         best = rows[0].get("best_stock")
         lines.append("")
-        lines.append(f"== {title}   floor {fmt(floor)} ms   best stock: {best or '-'}")
-        table = [list(_COLUMNS)] + [_cells(r) for r in rows]
-        widths = [max(len(r[i]) for r in table) for i in range(len(_COLUMNS))]
+        spread = _spread(rows)
+        lines.append(f"== {title}   floor {fmt(floor)} ms   best stock: {best or '-'}"
+                     + (f"   harness spread {spread}" if spread else ""))
+        extra = _yardsticks(rows)
+        header = [*_COLUMNS[:7], *(t for t, _ in extra), *_COLUMNS[7:]]
+        table = [header] + [_cells(r, extra) for r in rows]
+        widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+        left = {i for i, h in enumerate(header) if h in ("contender", "accuracy", "error")}
         for i, cells in enumerate(table):
-            lines.append("  ".join(c.ljust(w) if j in (0, 7, 12) else c.rjust(w)
+            lines.append("  ".join(c.ljust(w) if j in left else c.rjust(w)
                                    for j, (c, w) in enumerate(zip(cells, widths))).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     lines.append("x = median / reference median (below 1 is faster); * = faster than the best stock "
                  "contender with accuracy ok; accuracy 'ok 1.3x64' = worst error against the float64 run "
-                 "over eager's own (limit 2); decode rows: ms per token")
+                 "over eager's own (limit 2); decode rows: ms per token; (tie): the per-block ratios span 1, "
+                 "or the ratio is within the harness spread of --twin")
     return "\n".join(lines)
 
 
@@ -215,26 +243,32 @@ def render_markdown(results: dict[str, Any]) -> str:
         run = rows[0].get("run")
         out.append(f"## {title}" + (f" (run {_letter(run)})" if run is not None and merged else ""))
         out.append("")
+        spread = _spread(rows)
         out.append(f"Eager kernel-time floor: {fmt(rows[0]['floor_ms'])} ms/step. "
-                   f"Best stock contender: {rows[0].get('best_stock') or '-'}.")
+                   f"Best stock contender: {rows[0].get('best_stock') or '-'}."
+                   + (f" Harness spread: {spread}." if spread else ""))
         out.append("")
-        header = ["contender", "median ms", "p10 / p90 ms", "x eager", "x best stock", "x floor", "accuracy",
-                  "peak / held MiB", "compile s", "graphs", "graph breaks", "error"]
+        extra = _yardsticks(rows)
+        header = ["contender", "median ms", "p10 / p90 ms", "x eager", "x best stock", "x floor",
+                  *(t for t, _ in extra), "accuracy", "peak / held MiB", "compile s", "graphs", "graph breaks",
+                  "error"]
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join("---" for _ in header) + "|")
         for r in rows:
             name = f"**{r['contender']}**" if r.get("beats_best_stock") else r["contender"]
             err = (r["error"] or "").replace("|", "\\|")[:120]
             cells = [name, fmt(r["median_ms"]), f"{fmt(r['p10_ms'])} / {fmt(r['p90_ms'])}",
-                     fmt(r["ratio_to_eager"], "ratio"), fmt(r["ratio_to_best_stock"], "ratio"),
-                     fmt(r["ratio_to_floor"], "ratio"), acc(r), _memory(r),
+                     _ratio(r, "eager"), _ratio(r, "best_stock"), fmt(r["ratio_to_floor"], "ratio"),
+                     *(_ratio(r, key) for _, key in extra), acc(r), _memory(r),
                      fmt(r["compile_s"], ".2f"), fmt(r["graphs"]), fmt(r["graph_breaks"]), err]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     out.append("Bold: faster than the best stock contender, with accuracy ok. Accuracy `ok 1.31x64`: worst error "
                "against the float64 run over eager's own (limit 2); `ok 3.0e-03`: error against eager "
                "(--reference eager); flips: MoE routing that differs from float64's; tokens: decode tokens "
-               "equal to eager's. Decode rows: ms per token.")
+               "equal to eager's. Decode rows: ms per token. A verdict after a ratio, `1.02 (tie)`: a tie where "
+               "the ratios within the alternating timing blocks span 1 or the ratio is within the harness "
+               "spread (a `--twin` against its original), else faster or slower.")
     out.append("")
     if results.get("serving"):  # serve-bench --append: its own run, settings and table
         out.append(render_serving(results["serving"], level="##"))

@@ -17,6 +17,7 @@ from .measure import cleanup, log, sanitize
 from .render import acc, device_name, fmt, mib, build_meta, merge_runs, render_markdown, render_table, write_json
 from .settings import Settings, UsageError, dtype_name, build_parser, no_cuda_refusal, resolve_settings
 from .timing import add_ratios, run_contenders
+from .verdict import twin_name
 
 
 def show_compile_progress() -> None:
@@ -32,14 +33,16 @@ def show_compile_progress() -> None:
 
 
 def _contenders_for(spec: Any, mode: str, settings: Settings) -> list[str]:
-    """The command line's contenders, else the model's own list (every contender when it has none)."""
+    """The command line's contenders, else the model's own list (every contender when it has none);
+    then the ``--twin`` instances of those that run."""
     if "contenders" in settings.explicit:
         names = settings.contenders
     else:  # the defaults: contenders that do not apply to this model are left out without a row
         names = list(spec.contenders) if spec.contenders is not None else [
             n for n in settings.contenders
             if CONTENDERS[n].applies_to is None or CONTENDERS[n].applies_to(spec) is None]
-    return [n for n in names if mode in CONTENDERS[n].modes]
+    names = [n for n in names if mode in CONTENDERS[n].modes]
+    return names + [twin_name(n) for n in settings.twins if n in names]  # --twin: where its original runs
 
 
 def _log_row(key: str, row: dict[str, Any], seconds: float) -> None:

@@ -90,6 +90,9 @@ class Settings:
     share_weights: bool = False
     """Inference: every contender runs on one device copy of the weights (contenders that rebuild the
     model view it), for models too large for one copy per contender."""
+    twins: tuple[str, ...] = ()
+    """``--twin``: contenders that get a second, independent instance in each case (``NAME:twin``),
+    timed in the same alternating blocks: the harness's own resolution (``harness_spread``)."""
     explicit: frozenset = frozenset()
     """Settings given on the command line: a model's own defaults (bench/models.py) never override them."""
 
@@ -103,7 +106,7 @@ class Settings:
             "threads": self.threads if self.threads is not None else torch.get_num_threads(),
             "scale": self.scale, "tokens": list(self.tokens) if self.tokens else None,
             "reference": self.reference, "time_budget_s": self.time_budget, "timing": self.timing,
-            "share_weights": self.share_weights,
+            "share_weights": self.share_weights, "twins": list(self.twins),
         }
 
     def for_model(self, spec: Any) -> "Settings":
@@ -157,6 +160,11 @@ def build_parser(prog: str = "python -m cgbackend bench") -> argparse.ArgumentPa
                         "after the other and kept, then timed in 5 alternating blocks; sequential: each is "
                         "timed alone right after its warm-up and dropped (less memory held); decode rows "
                         "follow it too: their timed rounds alternate by the same rule")
+    p.add_argument("--twin", action="append", metavar="NAME",
+                   help="add a second, independent instance of contender NAME to each case where NAME runs "
+                        "(row NAME:twin: its own compile and warm-up, timed in the same alternating blocks); "
+                        "its spread against NAME is the case's harness_spread, which the tie verdicts use "
+                        "(repeatable or comma-separated)")
     p.add_argument("--share-weights", action="store_true", default=None,
                    help="inference: all contenders share one device copy of the weights (default for models "
                         "that set it, such as moe-128e-deep)")
@@ -234,6 +242,10 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
             raise UsageError(f"unknown contender {c!r}; choose from {', '.join(CONTENDERS)}")
     if not (models and modes and contenders):
         raise UsageError("--models, --modes and --contenders must each name at least one entry")
+    twins = tuple(dict.fromkeys(n for text in args.twin or () for n in _csv(text)))
+    for c in twins:
+        if c not in CONTENDERS:
+            raise UsageError(f"unknown --twin contender {c!r}; choose from {', '.join(CONTENDERS)}")
     size = pick("size")
     if size not in SIZES:
         raise UsageError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
@@ -300,4 +312,4 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
                     scale=args.scale or ("tiny" if args.smoke else "full"), tokens=tokens,
                     reference=args.reference or "fp64", time_budget=args.time_budget,
                     timing=args.timing or "alternate", share_weights=bool(args.share_weights),
-                    explicit=explicit)
+                    twins=twins, explicit=explicit)

@@ -15,10 +15,11 @@ import torch
 
 from ..runtime.capture import clear_blas_workspaces
 from .cases import Case, Runner, STATS_KEYS, empty_row, judge_row, new_model, skip_reason, timed_iterations
-from .contenders import CONTENDERS, Contender, GROUPED_CONTENDERS, STOCK_CONTENDERS, YARDSTICKS
+from .contenders import Contender, GROUPED_CONTENDERS, STOCK_CONTENDERS, YARDSTICKS
 from .measure import (by_first_line, cleanup, counter, cudagraph_tree_counts, error_text, graph_breaks, log,
                       memory_baseline, percentile, sync, PeakWindow)
 from .settings import Settings
+from .verdict import block_medians, contender_named, put_verdicts
 
 
 class Tally:
@@ -97,6 +98,9 @@ class _Pending:
     times: list[float] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
     """Wall time spent on this contender so far (preparing and its timing blocks)."""
+    blocks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(the case's block index, timed steps) of each alternating block, in order (``times`` holds
+    their steps one block after the other)."""
 
 
 TIMING_ROUNDS = 5
@@ -201,15 +205,19 @@ def read_held(row: dict[str, Any], device: torch.device) -> None:
     row["held_mem_over_baseline_bytes"] = int(torch.cuda.memory_allocated(device)) - row["mem_baseline_bytes"]
 
 
-def _time_block(pending: _Pending, n: int, settings: Settings) -> None:
-    """``n`` timed steps of one contender; an exception is recorded in its row (stage ``timing``)."""
+def _time_block(pending: _Pending, n: int, settings: Settings, block: Optional[int] = None) -> None:
+    """``n`` timed steps of one contender; an exception is recorded in its row (stage ``timing``).
+    ``block``: the case's index of this alternating block, which the steps are recorded under."""
     t0 = time.perf_counter()
+    before = len(pending.times)
     try:
         _timed_steps(pending, n, settings.device)
     except Exception as exc:
         pending.row["error"], pending.row["error_stage"] = error_text(exc), "timing"
         if settings.verbose:
             traceback.print_exc()
+    if block is not None:
+        pending.blocks.append((block, len(pending.times) - before))
     pending.seconds += time.perf_counter() - t0
 
 
@@ -257,6 +265,14 @@ def put_counts(row: dict[str, Any], tally: Tally, contender: Contender, fn: Any)
         row["graphs"], row["rerecords"] = tally.tree_graphs, tally.rerecords
 
 
+def put_blocks(row: dict[str, Any], times: list[float], blocks: list[tuple[int, int]]) -> None:
+    """``block_ids`` and ``block_medians_ms``: the case's index and this contender's median of each
+    alternating block it was timed in (None when it was timed alone: ``--timing sequential``)."""
+    ran = [(b, n) for b, n in blocks if n > 0]
+    row["block_ids"] = [b for b, _ in ran] or None
+    row["block_medians_ms"] = block_medians(times, [n for _, n in blocks]) or None
+
+
 def block_share(total: int, r: int) -> int:
     """How many of ``total`` timed units block ``r`` of ``TIMING_ROUNDS`` alternating blocks runs."""
     return total // TIMING_ROUNDS + (1 if r < total % TIMING_ROUNDS else 0)
@@ -269,6 +285,7 @@ def finish_row(pending: _Pending, case: Case, settings: Settings, alone: bool = 
     try:
         if row["error"] is None:
             put_times(row, times)  # eager's, timed beside each group, can be more than --iters
+            put_blocks(row, times, pending.blocks)
             if warm:
                 row["first_call_s"] = warm[0]
                 row["compile_s"] = max(0.0, sum(warm) - len(warm) * row["median_ms"] / 1e3)
@@ -317,24 +334,25 @@ def run_contenders(case: Case, names: Sequence[str], settings: Settings,
         rows = []
         for name in names:
             t0 = time.perf_counter()
-            rows.append(run_contender(case, CONTENDERS[name], settings))
+            rows.append(run_contender(case, contender_named(name), settings))
             log_row(case.key, rows[-1], time.perf_counter() - t0)
         return rows
     device = settings.device
     cleanup(device)
     case.mem_baseline = int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
-    order = sorted(names, key=lambda n: (n != "eager", not CONTENDERS[n].stock))
+    order = sorted(names, key=lambda n: (n != "eager", not contender_named(n).stock))
     rows: dict[str, dict[str, Any]] = {}
     group: list[_Pending] = []
     eager: list[_Pending] = []
     # Each compiled contender adds Dynamo cache entries for the same code objects (its own model
     # object fails the others' guards): room for all of them, or later ones would run eagerly.
     limit = max(torch._dynamo.config.recompile_limit, 8 * len(names))
+    blocks_done = 0  # alternating blocks timed so far in this case: the next group's first index
 
     def prepare(name: str) -> Optional[_Pending]:
         t0 = time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=limit):
-            row, ready = prepare_contender(case, CONTENDERS[name], settings, alone=False)
+            row, ready = prepare_contender(case, contender_named(name), settings, alone=False)
         rows[name] = row
         if ready is None:
             log_row(case.key, row, time.perf_counter() - t0)
@@ -353,7 +371,7 @@ def run_contenders(case: Case, names: Sequence[str], settings: Settings,
             elif not ready.row["graph_breaks"]:
                 group.append(ready)
             else:
-                _time_group(eager + [ready], case, settings, log_row, limit)
+                blocks_done = _time_group(eager + [ready], case, settings, log_row, limit, blocks_done)
                 cleanup(device)
                 if group:
                     log(f"{case.key} {name} broke the graph: preparing "
@@ -362,7 +380,7 @@ def run_contenders(case: Case, names: Sequence[str], settings: Settings,
                     group.clear()
                     group.extend(p for p in map(prepare, again) if p is not None)
         if group or (eager and not eager[0].times):
-            _time_group(eager + group, case, settings, log_row, limit)
+            _time_group(eager + group, case, settings, log_row, limit, blocks_done)
         for p in eager:
             finish_row(p, case, settings, alone=False)
             log_row(case.key, p.row, p.seconds)
@@ -374,24 +392,27 @@ def run_contenders(case: Case, names: Sequence[str], settings: Settings,
 
 
 def _time_group(group: list[_Pending], case: Case, settings: Settings,
-                log_row: Callable[[str, dict[str, Any], float], None], limit: int) -> None:
-    """Times ``group`` in alternating blocks and finishes the rows of all but eager's."""
+                log_row: Callable[[str, dict[str, Any], float], None], limit: int, first_block: int = 0) -> int:
+    """Times ``group`` in alternating blocks (the case's blocks ``first_block`` on) and finishes
+    the rows of all but eager's; returns the index of the case's next block."""
     with torch._dynamo.config.patch(recompile_limit=limit):
         for r in range(TIMING_ROUNDS):
             for p in group:
                 if p.row["error"] is not None:
                     continue
-                _time_block(p, block_share(p.iters, r), settings)
+                _time_block(p, block_share(p.iters, r), settings, first_block + r)
     for p in group:
         if p.contender.name != "eager":
             finish_row(p, case, settings, alone=False)
             log_row(case.key, p.row, p.seconds)
+    return first_block + TIMING_ROUNDS
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """ratio_to_X = median_ms / X's median (below 1: faster than X). best stock: the fastest stock
     contender of the same model x mode (x token count) that ran and passed accuracy. Rows that
-    failed accuracy get no ratio_to_best_stock and never count as a win."""
+    failed accuracy get no ratio_to_best_stock and never count as a win. Each ratio against a
+    contender also gets its per-block ratios and a verdict (``verdict.put_verdicts``)."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["model"], row["mode"], row.get("tokens")), []).append(row)
@@ -415,9 +436,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 r["beats_best_stock"] = bool(r["ratio_to_best_stock"] < 1.0 and r["contender"] != best["contender"]
                                              and r["contender"] not in YARDSTICKS)
         # The yardsticks: the hand-written grouped form and reduce-overhead.
-        for key, names in (("ratio_to_grouped", GROUPED_CONTENDERS), ("ratio_to_reduce_overhead", ("reduce-overhead",)),
-                           ("ratio_to_step_floor", YARDSTICKS)):
-            other = next((o for o in ok if o["contender"] in names and o["median_ms"] > 0), None)
+        refs = {"eager": eager, "best_stock": best}
+        for key, names in (("grouped", GROUPED_CONTENDERS), ("reduce_overhead", ("reduce-overhead",)),
+                           ("step_floor", YARDSTICKS)):
+            other = refs[key] = next((o for o in ok if o["contender"] in names and o["median_ms"] > 0), None)
             for r in group:
-                r[key] = (r["median_ms"] / other["median_ms"]
-                          if other is not None and any(r is o for o in ok) else None)
+                r[f"ratio_to_{key}"] = (r["median_ms"] / other["median_ms"]
+                                        if other is not None and any(r is o for o in ok) else None)
+        put_verdicts(group, refs)
