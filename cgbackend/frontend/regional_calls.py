@@ -123,6 +123,12 @@ class LayerCalls:
         self.slots: list[_Slot] = []
         self.signature = inspect.signature(self.fn)
         self.checks = _cache_entries(self.fn) is not None
+        self.ahead: Optional[Callable[[LayerCalls], bool]] = None
+        """Set by regional_modes.StackModes: asked before a layer starts a group of its own; True
+        when the stack is to be compiled with the model from the next call on."""
+        self.as_written = False
+        """Layers not placed yet run as written (the stack is compiled with the model from the next
+        call on: a graph of their own now would be thrown away)."""
 
     # ------------------------------------------------------------------ per call
 
@@ -133,11 +139,14 @@ class LayerCalls:
         counters = self.backend.shared.counters
         handles = HANDLES
         place = self._place
+        fn = self.fn
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             group = slot.group
             if group is None or slot.seen != handles.next_id:
                 group = place(slot, args, kwargs)
+                if group is None:  # compiled with the model from the next call on
+                    return fn(layer, *args, **kwargs)
             before = counters.graph_calls
             out = group.compiled(layer, *args, **kwargs)
             if counters.graph_calls == before:
@@ -153,7 +162,7 @@ class LayerCalls:
 
     # ------------------------------------------------------------------ placing a layer
 
-    def _place(self, slot: _Slot, args: tuple, kwargs: dict) -> _Group:
+    def _place(self, slot: _Slot, args: tuple, kwargs: dict) -> Optional[_Group]:
         seen = HANDLES.next_id
         hooks = hook_key(slot.layer)
         group = slot.group
@@ -161,12 +170,19 @@ class LayerCalls:
             if group is not None:
                 group.layers.remove(slot.index)
             group = self._group_for(slot.layer, hooks, args, kwargs)
+            if group is None:
+                slot.group = None
+                return None
             group.layers.append(slot.index)
             slot.group = group
         slot.seen = seen
         return group
 
-    def _group_for(self, layer: nn.Module, hooks: tuple, args: tuple, kwargs: dict) -> _Group:
+    def _group_for(self, layer: nn.Module, hooks: tuple, args: tuple, kwargs: dict) -> Optional[_Group]:
+        """The group ``layer`` joins or starts; None where the layer is to run as written (the
+        stack is compiled with the model from the next call on, :attr:`ahead`)."""
+        if self.as_written:
+            return None
         values = None if self.checks else _plain_values(layer)
         why = ""
         for group in self.groups:
@@ -183,6 +199,9 @@ class LayerCalls:
         if not why:
             why = ("hooks on its submodules" if hooks and self.groups else "the Python values of its modules"
                    if values is not None and self.groups else "")
+        elif self.ahead is not None and hooks == self.groups[0].hooks and self.ahead(self):
+            self.as_written = True
+            return None
         return self._new_group(layer, hooks, values, why)
 
     def _differs(self, group: _Group, layer: nn.Module, args: tuple, kwargs: dict) -> Optional[str]:
@@ -228,6 +247,21 @@ class LayerCalls:
         group = _Group(copy, compiled, layer, hooks, values, why)
         self.groups.append(group)
         return group
+
+    def value_classes(self) -> Optional[tuple[int, list[str]]]:
+        """Into how many classes the values the first group's graphs compare with a constant, read
+        from the layer only (``L['self'].attn.layer_idx == 0``), split the layers of this function
+        (each class needs a graph of its own), and the names of those that differ among them; None where none is read."""
+        if not self.groups:
+            return None
+        entries = _cache_entries(self.groups[0].fn) or []
+        parts = [(entry, code, text) for entry in entries for code, text in _layer_values(entry)]
+        if not parts:
+            return None
+        values = [tuple(repr(_evaluate(entry, code, slot.layer, plain=True)) for entry, code, _ in parts)
+                  for slot in self.slots]
+        names = {_readable(text) for i, (_, _, text) in enumerate(parts) if len({v[i] for v in values}) > 1}
+        return len(set(values)), sorted(names)
 
     # ------------------------------------------------------------------ uncompiled calls
 
@@ -276,7 +310,22 @@ def _layer_guards(entry: Any) -> list[tuple[Any, str]]:
     return kept
 
 
-def _evaluate(entry: Any, code: Any, layer: nn.Module) -> Any:
+def _layer_values(entry: Any) -> list[tuple[Any, str]]:
+    """(compiled code, text) of the values that the layer-only guards of ``entry`` compare with a
+    constant (``L['self'].attn.layer_idx`` of ``L['self'].attn.layer_idx == 0``)."""
+    out = []
+    for _, text in _layer_guards(entry):
+        match = _EQUALS.match(text.split("#")[0].strip())
+        if match is None:
+            continue
+        try:
+            out.append((compile(match.group(1), "<guard>", "eval"), match.group(1)))
+        except SyntaxError:
+            continue
+    return out
+
+
+def _evaluate(entry: Any, code: Any, layer: nn.Module, plain: bool = False) -> Any:
     """A guard's value for ``layer`` in the layer's place; an exception's type where it raises (a
     helper Dynamo keeps elsewhere: the same for every layer)."""
     manager = entry.guard_manager
@@ -284,7 +333,8 @@ def _evaluate(entry: Any, code: Any, layer: nn.Module) -> Any:
     scope.update(getattr(manager, "closure_vars", None) or {})
     scope["L"] = {"self": layer}
     try:
-        return bool(eval(code, scope))  # noqa: S307 - Dynamo's own guard expressions
+        value = eval(code, scope)  # noqa: S307 - Dynamo's own guard expressions
+        return value if plain else bool(value)
     except Exception as exc:  # noqa: BLE001
         return type(exc)
 
@@ -308,5 +358,6 @@ def _failed_guard(entry: Any, mine: dict, theirs: dict) -> str:
     return "Dynamo's guards tell the layers apart"
 
 
+_EQUALS = re.compile(r"^(L\['self'\][\w.\[\]']*) == [^=]+$")
 _MODULES = re.compile(r"\._modules\['([^']+)'\]")
 _COMPARED = re.compile(r" (?:==|!=|is not|is) ")

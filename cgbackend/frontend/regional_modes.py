@@ -11,7 +11,11 @@ How: once every layer of a stack has been called (and so placed in a group, regi
 stack with more than half its layers in groups of their own is compiled with the model from the
 next call on: its layers' (and their loop owner's) forwards are no longer installed, Dynamo's
 guard on them fails, and it traces the stack inline, as for a model below
-``regional_min_layers``. Only a stack whose owner's forward loops over it (a ``ModuleList``): the
+``regional_min_layers``. Usually that is seen at the first layer's graph, during the first call
+(:meth:`StackModes._ahead`): the values its layer-only guards compare with a constant
+(``self.self_attn.layer_idx == 0``), read from every layer, would set most layers apart; the
+layers not compiled yet then run as written for the rest of that call instead of each compiling a
+graph that the next call throws away. Only a stack whose owner's forward loops over it (a ``ModuleList``): the
 loop of an ``nn.Sequential`` stack was given up by Dynamo at the first call (a graph break in a
 loop), so without the layers' forwards each layer would be a frame of its own again, on the
 layer class's code, which all layers share. Dynamo does not guard empty hook dicts, so the stack's hook key (every
@@ -23,6 +27,7 @@ layer-by-layer compilation for good, where every layer call checks its hooks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
@@ -57,6 +62,9 @@ class StackModes:
         self.owners = owners
         self.seen = HANDLES.next_id
         self.active: list[Pair] = self._active()
+        for s in self.stacks:
+            if s.owner is not None and len(s.stack.calls) == 1 and s.stack.calls[0].checks:
+                s.stack.calls[0].ahead = functools.partial(self._ahead, s)
 
     def __bool__(self) -> bool:
         return bool(self.stacks)
@@ -90,11 +98,35 @@ class StackModes:
         if changed:
             self.active = self._active()
 
+    def _ahead(self, s: _Stack, calls: Any) -> bool:
+        """Asked during the first call, before a layer starts a group of its own: where the values
+        the first layer's graphs are specialised on (read from the layer: ``self.layer_idx``) set
+        more than half the layers apart, the stack is compiled with the model from the next call
+        on, and its layers not compiled yet run as written for the rest of this call (their graphs
+        would be thrown away at the next)."""
+        if s.settled:
+            return False
+        found = calls.value_classes()
+        if found is None:
+            return False
+        classes, names = found
+        if (classes - 1) * 2 <= len(s.stack.layers):
+            return False
+        s.settled, s.with_model, s.hooks = True, True, _stack_hooks(s.stack)
+        s.why = (f"{classes - 1} of its {len(s.stack.layers)} layers would be compiled apart (Dynamo specialises "
+                 f"the layer on {', '.join(names)}, {classes} values among its layers): compiled with the model "
+                 "from the second call on, one trace of the stack instead of a graph call per layer; at the "
+                 "first call, the layers from the second on ran as written")
+        self.active = self._active()
+        return True
+
     def _hooks_moved(self) -> None:
         changed = False
         for s in self.stacks:
             if s.with_model and _stack_hooks(s.stack) != s.hooks:
                 s.with_model, changed = False, True
+                for calls in s.stack.calls:
+                    calls.as_written = False
                 s.why = ("compiled with the model, then layer by layer again for good: a hook was registered "
                          "on its modules (each layer call checks its hooks; Dynamo's graphs do not)")
         if changed:
