@@ -79,6 +79,12 @@ def summary(obj: Any = None) -> str:
         parts = ", ".join(f"{k} {_mib(mem[k])}" for k in KINDS if mem.get(k))
         lines.append(f"  held between calls {_mib(mem['held'])} MiB ({parts or 'nothing'})"
                      + "".join(f"; {k} released {_mib(v)} MiB" for k, v in released_kinds(mem).items()))
+    if counters.get("uncompiled_calls"):
+        lines.append(f"  calls Dynamo ran without cgbackend {counters['uncompiled_calls']} "
+                     f"({', '.join(f'{k} {v}' for k, v in counters['uncompiled_by'].items())})")
+    if counters.get("frames_as_written"):
+        names = ", ".join(counters["frames_as_written_by"])
+        lines.append(f"  functions run as written (nothing to graph, compiled again by Dynamo): {names}")
     if counters.get("nothing_captured_reason"):
         lines.append(f"  nothing captured: {counters['nothing_captured_reason']}")
     for reason in sorted(eager, key=lambda r: -eager[r]):

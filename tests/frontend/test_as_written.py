@@ -57,6 +57,7 @@ def test_the_activation_runs_as_written_after_its_recompile_and_results_are_eage
     assert st["frames_as_written"] == 1 and sum(st["frames_as_written_by"].values()) == 1, st
     note = next(n for n in cgbackend.report(compiled).notes if "run as written" in n)
     assert "Dynamo compiled it again" in note
+    assert "functions run as written" in cgbackend.summary(compiled)
 
 
 def test_a_function_with_a_static_region_is_never_left_to_python():

@@ -255,6 +255,7 @@ def test_calls_past_dynamos_recompile_limit_are_counted_reported_and_warned_once
     notes = cgbackend.report(compiled).notes
     assert any(f"{12 - limit} calls of model ran without cgbackend" in n for n in notes), notes
     assert any("recompile limit" in n for n in notes), notes
+    assert f"calls Dynamo ran without cgbackend {12 - limit} (model {12 - limit})" in cgbackend.summary(compiled)
 
 
 def test_by_name_the_recompile_limit_is_reported():
