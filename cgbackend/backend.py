@@ -124,9 +124,9 @@ class CGBackend:
         self.uncompiled = UncompiledCalls(self.shared.counters)
         """Calls Dynamo ran without this instance: counted, explained, warned once (frontend/uncompiled.py)."""
         self.left_out = LeftOutLoops(warn=warn_nothing_captured) if by_name else None
+        """By name: MoE dispatch loops graph breaks leave outside the graphs (reporting/left_out.py)."""
         self.as_written = AsWritten(counters) if by_name else None
         """By name: functions with nothing to graph that Dynamo recompiles run as written (frontend/as_written.py)."""
-        """By name: MoE dispatch loops graph breaks leave outside the graphs (reporting/left_out.py)."""
         self.dry_run = DryRun(self.config.dryrun)
         """Option dryrun: each graph's partition report, shown once (dryrun.py)."""
         self.__name__ = "cgbackend"

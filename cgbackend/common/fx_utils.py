@@ -269,3 +269,15 @@ def value_spec(value: Any) -> str:
     if value is None:
         return "None"
     return type(value).__name__
+
+
+def dynamo_compile_id() -> Optional[tuple[int, int, int]]:
+    """(frame id, compile of that frame in this process, attempt) of the Dynamo compile in
+    progress; None where torch has none (private API, feature-tested)."""
+    context = getattr(getattr(torch, "_guards", None), "CompileContext", None)
+    current = getattr(context, "current_compile_id", None)
+    compile_id = current() if current is not None else None
+    frame, count = getattr(compile_id, "frame_id", None), getattr(compile_id, "frame_compile_id", None)
+    if not (isinstance(frame, int) and isinstance(count, int)):
+        return None
+    return frame, count, getattr(compile_id, "attempt", 0) or 0

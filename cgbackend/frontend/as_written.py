@@ -33,6 +33,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..common.fx_utils import dynamo_compile_id
+
 log = logging.getLogger(__name__)
 
 __all__ = ["AsWritten", "skip_frame_error"]
@@ -43,18 +45,6 @@ def skip_frame_error() -> Optional[type]:
     2.13 re-raise it from the backend call); None where this torch has none (feature-tested)."""
     exc = getattr(getattr(torch, "_dynamo", None), "exc", None)
     return getattr(exc, "SkipFrame", None)
-
-
-def _compile_id() -> Optional[tuple[int, int, int]]:
-    """(frame id, compile of that frame, attempt) of the compile in progress; None where torch has
-    none (private API, feature-tested)."""
-    context = getattr(getattr(torch, "_guards", None), "CompileContext", None)
-    current = getattr(context, "current_compile_id", None)
-    compile_id = current() if current is not None else None
-    parts = [getattr(compile_id, name, None) for name in ("frame_id", "frame_compile_id")]
-    if not all(isinstance(p, int) for p in parts):
-        return None
-    return parts[0], parts[1], getattr(compile_id, "attempt", 0) or 0
 
 
 class AsWritten:
@@ -69,7 +59,7 @@ class AsWritten:
     def check(self, analysis: Any, ended_at_break: bool, function: str) -> None:
         """Before a graph is compiled: raise SkipFrame where the frame runs as written (module
         docstring); note what the graph had otherwise."""
-        compile_id = _compile_id()
+        compile_id = dynamo_compile_id()
         error = skip_frame_error()
         if compile_id is None or error is None:
             return

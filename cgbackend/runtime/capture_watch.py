@@ -8,8 +8,8 @@ but nobody reads them unprompted. :class:`CaptureWatch` looks once per compiled 
 the call at which its regions capture (the call after ``warmup`` warm-up calls), and at each
 compile of a function Dynamo compiled twice before for the same parameters (a function compiled
 once per layer is not a value changing each call; a graph without static regions is not counted);
-if the backend instance has captured nothing by then, it warns once (``NothingCapturedWarning``, Python's warnings) naming the reason, and logs the
-same line at INFO. The check costs one integer comparison per call of a compiled graph.
+if the backend instance has captured nothing by then, it warns once (``NothingCapturedWarning``,
+Python's warnings) naming the reason, and logs the same line at INFO. The check costs one integer comparison per call of a compiled graph.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..common.fx_utils import dynamo_compile_id
 from ..common.notices import NothingCapturedWarning
 from ..common.reasons import EagerReason
 from ..common.machine import torch_build
@@ -41,16 +42,6 @@ def settle_call(config: Any, layer_copies: int) -> int:
     """The call of a compiled graph after which its static regions have captured if they ever will
     on these inputs: ``warmup`` warm-up calls, then the capture (per layer sharing the graph)."""
     return (config.warmup + 1) * max(layer_copies, 1)
-
-
-def _compile_id() -> Optional[tuple[int, int]]:
-    """(frame id, compile of that frame in this process) of the compile in progress; None where
-    torch has none (private API, feature-tested)."""
-    context = getattr(getattr(torch, "_guards", None), "CompileContext", None)
-    current = getattr(context, "current_compile_id", None)
-    compile_id = current() if current is not None else None
-    frame, count = getattr(compile_id, "frame_id", None), getattr(compile_id, "frame_compile_id", None)
-    return (frame, count) if isinstance(frame, int) and isinstance(count, int) else None
 
 
 def _no_cuda(graph: Any) -> str:
@@ -101,7 +92,7 @@ class CaptureWatch:
     def on_compile(self, graph: Any) -> None:
         """A new graph was compiled (backend.py): the third compile of one function with nothing
         captured means a value that changes each call is baked into each graph."""
-        compile_id = _compile_id() if self.enabled else None
+        compile_id = dynamo_compile_id() if self.enabled else None
         if compile_id is None or self.warned or not graph.runners:
             return  # a graph without static regions has nothing to warm up or capture: its recompiles
             # (a MoE loop body's activation compiled again for each new row count) cost no capture

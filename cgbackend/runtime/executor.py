@@ -227,21 +227,21 @@ class CompiledGraph:
 
     def __call__(self, *args: Any) -> Any:
         if self._plain is not None and self.shared.watch is None and not _profiler_enabled():
-            if self._mirror is not None:
-                self._mirror.begin(self.shared.counters)
-            self.shared.counters.graph_calls += 1
-            self.calls += 1
+            self._count_call()
             return self._plain(*args)
         # Static buffers, graphs and slots are shared by every call: calls from several threads run
         # one after the other (a graph's backward runs on autograd's thread, outside this lock).
         with self._lock:
             return self._call(args)
 
-    def _call(self, args: tuple) -> Any:
+    def _count_call(self) -> None:
         if self._mirror is not None:
             self._mirror.begin(self.shared.counters)
         self.shared.counters.graph_calls += 1
         self.calls += 1
+
+    def _call(self, args: tuple) -> Any:
+        self._count_call()
         self.sharing.note(args)
         training = self.training_graph and torch.is_grad_enabled()
         checks = self._layout_checks
