@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Spec", "spec_of", "inputs", "begin", "end", "row", "decline", "supported"]
+__all__ = ["Spec", "spec_of", "inputs", "begin", "end", "row", "expert", "decline", "supported"]
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ def inputs(key: int, experts: Any) -> Optional[tuple]:
         return None
     if experts is None:
         return ()
-    which = experts if torch.is_grad_enabled() or not _BLOCKED.get(key, False) else [experts[0]]
+    which = experts if torch.is_grad_enabled() or not _BLOCKED.get(key, False) else [expert(experts, 0)]
     out = []
     for parts, name in _SPECS[key].params:
         out.append(tuple(param_of(expert, parts, name) for expert in which))
@@ -299,6 +299,14 @@ def real_input(node: Any) -> Any:
 def owners(key: int) -> list:
     """The expert lists loop ``key`` runs over that are still alive."""
     return [o for o in (ref() for ref in _OWNERS.get(key, ())) if o is not None]
+
+
+def expert(experts: torch.nn.ModuleList, e: int) -> torch.nn.Module:
+    """``experts[e]``, as the traced iteration of a folded loop picks its expert: read from the list's
+    module dict by its key. Dynamo indexing a ModuleList guards every module in it, and those guards
+    run before every call of the graph (256 for two layers of 128 experts, a third of the model's
+    guard time); the key reads one. ModuleList keys are the indices as strings."""
+    return experts._modules[str(e)]
 
 
 def param_of(expert: torch.nn.Module, parts: tuple[str, ...], name: str) -> torch.Tensor:

@@ -19,7 +19,8 @@ and passes proof.body_reason (an iteration leaves nothing behind). It becomes::
         __cgb_fold_runs_K = [e for e in range(N) if not (<leading skip tests>)]
         __cgb_fold.begin(K)
         for e in __cgb_fold_runs_K[:1]:
-            <body, with self.<table>[e] read through __cgb_fold.row>
+            <body, with self.<table>[e] read through __cgb_fold.row and
+             self.<list>[e] through __cgb_fold.expert>
         __cgb_fold.end(K, __cgb_fold_runs_K, __cgb_fold_in_K)
     else:
         <the loop>
@@ -133,11 +134,10 @@ def fold_loop(fn: ast.FunctionDef, loop: ast.For, key: int, compiling: str,
     table_src = {ast.dump(t) for t in tables}
     for node in ast.walk(ast.Module(body=body, type_ignores=[])):
         for field, value in ast.iter_fields(node):
-            if isinstance(value, ast.Subscript) and ast.dump(value) in table_src:
-                setattr(node, field, _fold_call("row", value.value, value.slice))
-            elif isinstance(value, list):
-                value[:] = [_fold_call("row", v.value, v.slice) if isinstance(v, ast.Subscript)
-                            and ast.dump(v) in table_src else v for v in value]
+            if isinstance(value, list):
+                value[:] = [_folded_read(v, table_src, experts, var) for v in value]
+            else:
+                setattr(node, field, _folded_read(value, table_src, experts, var))
     fin, runs = f"__cgb_fold_in_{key}", f"__cgb_fold_runs_{key}"
     tests = [s.test for s in skips if not _eager_only_test(s.test, compiling)]
     cond = (ast.UnaryOp(op=ast.Not(), operand=tests[0] if len(tests) == 1 else ast.BoolOp(op=ast.Or(), values=tests))
@@ -168,6 +168,19 @@ def fold_loop(fn: ast.FunctionDef, loop: ast.For, key: int, compiling: str,
         if node is not loop and not hasattr(node, "lineno") and isinstance(node, (ast.stmt, ast.expr)):
             ast.copy_location(node, loop)
     return block, "", (experts,) + tuple(sorted({ast.unparse(t.value) for t in tables}))
+
+
+def _folded_read(node: object, table_src: set[str], experts: str, var: str) -> object:
+    """In the traced iteration: a table row ``self.<table>[e]`` read through ``__cgb_fold.row``, the
+    expert ``self.<list>[e]`` through ``__cgb_fold.expert`` (fold.expert says why); other nodes as
+    they are."""
+    if not isinstance(node, ast.Subscript):
+        return node
+    if ast.dump(node) in table_src:
+        return _fold_call("row", node.value, node.slice)
+    if experts and _is_name(node.slice, var) and ast.unparse(node.value) == experts:
+        return _fold_call("expert", node.value, node.slice)
+    return node
 
 
 def _fold_call(name: str, *args: ast.expr) -> ast.Call:

@@ -418,3 +418,33 @@ def test_the_graph_inductor_gets_from_an_inference_fold_is_cacheable(monkeypatch
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
     assert rows and not refused, (rows, refused)
     assert cgbackend.stats(compiled)["inner_compiled"] >= 1
+
+
+@pytest.mark.skipif(not fold.first_only(), reason="this torch keeps no real value of a graph input")
+def test_an_inference_fold_guards_expert_0_only_and_a_list_that_lost_an_expert_fails_as_eager(monkeypatch):
+    """Dynamo indexing a ModuleList guards every module in it, and guards run before every call:
+    the traced iteration picks its expert by the list's key, so an inference trace's guards name
+    expert 0 of each list and no other expert. A list that lost an expert still sends the call back
+    to Dynamo, which then meets what eager code meets: an index past the list's end."""
+    torch.manual_seed(14)
+    model = TwoLayers().double()
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped")
+    xs = _batches(3, seed=15)
+    torch._logging.set_logs(guards=True)
+    try:
+        with torch.no_grad(), records_of("torch._dynamo.guards.__guards") as logged:
+            for x in xs[:2]:
+                torch.testing.assert_close(compiled(x), model(x), rtol=1e-10, atol=1e-10)
+    finally:
+        torch._logging.set_logs()
+    guards = "\n".join(r.getMessage() for r in logged)
+    if "_modules['experts']" not in guards:
+        pytest.skip("this torch logs no guard tree")
+    assert "_modules['experts']._modules['0']" in guards
+    assert not any(f"_modules['experts']._modules['{e}']" in guards for e in range(1, E)), guards
+    del model.layers[1].experts[E - 1]
+    with torch.no_grad():
+        with pytest.raises(IndexError):
+            model(xs[2])
+        with pytest.raises(IndexError):
+            compiled(xs[2])
