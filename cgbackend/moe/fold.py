@@ -194,6 +194,10 @@ def spec_of(experts: Any) -> tuple[Optional[Spec], str]:
     """The structure every expert of ``experts`` shares, or (None, why not)."""
     if not isinstance(experts, torch.nn.ModuleList) or len(experts) < 2:
         return None, "the experts are not a ModuleList of two or more"
+    kind = type(experts)
+    if kind.__getitem__ is not torch.nn.ModuleList.__getitem__ or kind.__iter__ is not torch.nn.ModuleList.__iter__:
+        # The fold reads expert e as slice e of the list's block, laid out in the list's order.
+        return None, f"the expert list ({kind.__name__}) orders its experts in a way of its own"
     first = dict(experts[0].named_modules())
     mods, params = [], []
     for path, m in first.items():
@@ -305,7 +309,8 @@ def expert(experts: torch.nn.ModuleList, e: int) -> torch.nn.Module:
     """``experts[e]``, as the traced iteration of a folded loop picks its expert: read from the list's
     module dict by its key. Dynamo indexing a ModuleList guards every module in it, and those guards
     run before every call of the graph (256 for two layers of 128 experts, a third of the model's
-    guard time); the key reads one. ModuleList keys are the indices as strings."""
+    guard time); the key reads one. ModuleList keys are the indices as strings (a list with an
+    indexing of its own is not folded: :func:`spec_of`)."""
     return experts._modules[str(e)]
 
 

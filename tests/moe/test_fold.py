@@ -448,3 +448,20 @@ def test_an_inference_fold_guards_expert_0_only_and_a_list_that_lost_an_expert_f
             model(xs[2])
         with pytest.raises(IndexError):
             compiled(xs[2])
+
+
+class ReversedList(nn.ModuleList):
+    """A list that indexes its experts from the end: the loop's ``self.experts[e]`` means that."""
+
+    def __getitem__(self, idx):
+        return super().__getitem__(len(self) - 1 - idx)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["infer", "train"])
+def test_an_expert_list_with_an_indexing_of_its_own_is_indexed_as_written(train):
+    torch.manual_seed(16)
+    model = TwoLayers().double()
+    for layer in model.layers:
+        layer.experts = ReversedList(list(layer.experts))
+    report = _check(model, train=train)
+    assert all("orders its experts in a way of its own" in loop["fold"] for loop in report.loop_rewrites)
