@@ -7,9 +7,13 @@ hold in mind, and a region runner that hands its collaborators no back-pointer (
 from __future__ import annotations
 
 import ast
+import json
+import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cgbackend"
@@ -223,48 +227,72 @@ def test_the_back_pointer_finder_sees_self_passed_on():
 
 
 _IMPORT_EACH = """
-import importlib, sys, traceback
+import importlib.machinery, json, os, sys, traceback
 import torch
 OPTIONAL = {"transformer_engine"}  # the te extra: cgbackend.integrations.te is imported only where it is installed
-failed = []
+modules = json.loads(sys.argv[1])  # name -> path
 # Importing any module runs the package's __init__ first, in its fixed order: for a module that
 # __init__ loads itself, importing it alone is importing the package. Those are checked once, by
-# importing the package; each other module after the package alone.
+# importing the package; each other module in a child forked after the package alone was imported,
+# the state a fresh interpreter is in when it comes to the module itself.
 import cgbackend
 by_package = {m for m in sys.modules if m == "cgbackend" or m.startswith("cgbackend.")}
-# Each module below imports the package again. Its bytecode is compiled once and kept here: with
-# PYTHONDONTWRITEBYTECODE (no .pyc) every import compiled every module's source anew, 0.3 s a time.
-import importlib.machinery
-_compiled, _get_code = {}, importlib.machinery.SourceFileLoader.get_code
+print(json.dumps(sorted(by_package)))
+# The other modules' bytecode is compiled here, once, and inherited by every child: with
+# PYTHONDONTWRITEBYTECODE (no .pyc) each child would compile the sources it imports anew.
+_get_code = importlib.machinery.SourceFileLoader.get_code
+_compiled = {name: _get_code(importlib.machinery.SourceFileLoader(name, path), name)
+             for name, path in modules.items() if name not in by_package}
 def _get_code_once(loader, fullname):
-    if fullname.partition(".")[0] != "cgbackend":
-        return _get_code(loader, fullname)
-    if fullname not in _compiled:
-        _compiled[fullname] = _get_code(loader, fullname)
-    return _compiled[fullname]
+    code = _compiled.get(fullname)
+    return _get_code(loader, fullname) if code is None else code
 importlib.machinery.SourceFileLoader.get_code = _get_code_once
-for name in [n for n in sys.argv[1:] if n not in by_package]:
-    for loaded in [m for m in sys.modules if m == "cgbackend" or m.startswith("cgbackend.")]:
-        del sys.modules[loaded]
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name not in OPTIONAL:
-            failed.append(name + ": " + traceback.format_exc().strip().splitlines()[-1])
-    except Exception:
-        failed.append(name + ": " + traceback.format_exc().strip().splitlines()[-1])
+failed = []
+for name in [n for n in modules if n not in by_package]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: import, tell the parent what failed, exit at once (no exit handlers)
+        os.close(read)
+        error = ""
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name not in OPTIONAL:
+                error = traceback.format_exc().strip().splitlines()[-1]
+        except BaseException:
+            error = traceback.format_exc().strip().splitlines()[-1]
+        os.write(write, error.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        error = pipe.read().decode()
+    status = os.waitpid(pid, 0)[1]
+    if error or status:
+        failed.append(name + ": " + (error or f"the child exited with status {status}"))
 print("\\n".join(failed))
 sys.exit(1 if failed else 0)
 """
 
 
-def test_every_module_imports_on_its_own():
+@pytest.fixture(scope="module")
+def import_each() -> tuple[subprocess.CompletedProcess, list[str]]:
+    """A fresh interpreter imports torch and the package, then each other module in a child of its
+    own (os.fork: no interpreter start-up or torch import per module); returns the process and the
+    cgbackend modules that ``import cgbackend`` loaded."""
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    names = {n: str(p) for n, p in MODULES.items() if not n.endswith("__main__")}
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps(names)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    first = done.stdout.splitlines()[:1]
+    return done, json.loads(first[0]) if first else []
+
+
+def test_every_module_imports_on_its_own(import_each):
     """Each module first, with no other cgbackend module loaded (torch stays loaded: the part that
     takes time), as a fresh interpreter would import it (those the package's __init__ imports are
     checked by importing the package)."""
-    names = [n for n in MODULES if not n.endswith("__main__")]
-    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    done, _ = import_each
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -332,14 +360,12 @@ def test_the_dispatch_text_check_sees_a_string_comparison():
     assert _dispatch_text_compares(ast.parse('if mode == "auto": pass\n'), in_moe=True)
 
 
-def test_importing_the_package_loads_neither_the_harness_nor_the_demo_models():
+def test_importing_the_package_loads_neither_the_harness_nor_the_demo_models(import_each):
     """``cgbackend.bench`` and ``cgbackend.models`` are imported by the command line, the tests and
-    the benchmarks, never by ``import cgbackend``."""
-    code = ("import cgbackend, sys; print(sorted(m for m in sys.modules if m.startswith("
-            "('cgbackend.bench', 'cgbackend.models'))))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "[]"
+    the benchmarks, never by ``import cgbackend`` (in a fresh interpreter: the import check's)."""
+    done, by_package = import_each
+    assert "cgbackend" in by_package, done.stderr[-3000:]
+    assert [m for m in by_package if m.startswith(("cgbackend.bench", "cgbackend.models"))] == []
 
 
 def test_every_folder_of_the_package_is_a_regular_package():

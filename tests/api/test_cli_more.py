@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -102,13 +101,11 @@ def test_tracing_failure_names_the_root_error_and_line(run_main, factories):
     assert "runs eagerly" in line  # the fix to try
 
 
-def test_tracing_failure_from_the_command_line_is_one_line_even_with_torch_logs(factories):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CGBACKEND_")}
-    proc = subprocess.run([sys.executable, "-m", "cgbackend", "explain", f"{factories}:mismatch"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]  # torch's own log lines kept out
-    assert "must have same reduction dim" in proc.stderr
+def test_tracing_failure_from_the_command_line_is_one_line_even_with_torch_logs(program_runs):
+    proc = program_runs["explain mismatch"]
+    assert proc["returncode"] == 2 and proc["stdout"] == ""
+    assert len(proc["stderr"].strip().splitlines()) == 1, proc["stderr"][-3000:]  # torch's own log lines kept out
+    assert "must have same reduction dim" in proc["stderr"]
 
 
 def test_dynamic_for_keyword_inputs(run_main, factories):
@@ -195,11 +192,16 @@ def test_every_option_has_help(make):
 
 _HELP_ARGS = [["serve-bench", "--help"], ["bench", "--help"], ["explain", "--help"]]
 
+
 @pytest.fixture(scope="module")
-def help_runs():
-    """``python -m cgbackend ARGS`` for each of _HELP_ARGS (tests/program_runs.py: one interpreter)."""
+def program_runs(factories):
+    """``python -m cgbackend ARGS`` (tests/program_runs.py: one interpreter) for the tracing failure
+    first, in the interpreter's fresh state, then for each of _HELP_ARGS; keyed by ARGS (the
+    failure by "explain mismatch")."""
     from program_runs import run_programs
-    return {" ".join(args): vars(run) for args, run in zip(_HELP_ARGS, run_programs(_HELP_ARGS))}
+    runs = run_programs([["explain", f"{factories}:mismatch"], *_HELP_ARGS])
+    keys = ["explain mismatch"] + [" ".join(args) for args in _HELP_ARGS]
+    return {key: vars(run) for key, run in zip(keys, runs)}
 
 
 @pytest.mark.parametrize("args, prog", [
@@ -207,8 +209,8 @@ def help_runs():
     (["-m", "cgbackend", "bench", "--help"], "usage: python -m cgbackend bench"),
     (["-m", "cgbackend", "explain", "--help"], "usage: python -m cgbackend explain"),
 ])
-def test_help_uses_the_program_name(args, prog, help_runs):
-    proc = help_runs[" ".join(args[2:])]
+def test_help_uses_the_program_name(args, prog, program_runs):
+    proc = program_runs[" ".join(args[2:])]
     assert proc["returncode"] == 0, proc["stderr"][-2000:]
     assert proc["stdout"].startswith(prog), proc["stdout"][:200]
     if "serve-bench" in " ".join(args):

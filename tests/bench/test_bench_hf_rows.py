@@ -20,32 +20,32 @@ def _run(tmp_path, *args):
     return results, {(r["model"], r["mode"], r["contender"], r["tokens"]): r for r in results["rows"]}
 
 
-def test_hf_qwen3_moe_token_sweep(tmp_path):
-    """transformers' Qwen3-MoE stack on hidden states: one row group per token count (a count above
-    a sequence split into sequences), cgbackend one static region judged against float64, routing
-    flips from the first router, and transformers' grouped_mm experts from the same weights; every
-    row names its device."""
+def test_hf_qwen3_moe_rows(tmp_path):
+    """transformers' Qwen3-MoE stack on hidden states at a token count (--tokens: the row group's
+    count): cgbackend one static region judged against float64, routing flips from the first router,
+    and transformers' grouped_mm experts from the same weights; every row names its device. One
+    count: each costs two traces of the stack, and a sweep's row groups (one per count, ratios within
+    each) are the bench loop's, the same for every family (test_bench_smoke's token sweep)."""
     pytest.importorskip("transformers")
     reason = grouped_mm_unsupported("cpu", torch.bfloat16)
     results, rows = _run(tmp_path, "--models", "hf-qwen3-moe-128e", "--modes", "infer", "--dtype", "bf16",
-                         "--tokens", "16,32", "--contenders", "eager,cgbackend,hf-grouped-mm-reduce-overhead",
+                         "--tokens", "32", "--contenders", "eager,cgbackend,hf-grouped-mm-reduce-overhead",
                          "--batches", "2", "--warmup", "2", "--iters", "3")
     assert {(r["tokens"], r["contender"]) for r in results["rows"]} == {
-        (t, c) for t in (16, 32) for c in ("eager", "cgbackend", "hf-grouped-mm-reduce-overhead")}
+        (32, c) for c in ("eager", "cgbackend", "hf-grouped-mm-reduce-overhead")}
     device = results["meta"]["device"]
-    for tokens in (16, 32):
-        row = rows[("hf-qwen3-moe-128e", "infer", "cgbackend", tokens)]
-        assert row["error"] is None and row["accuracy_ok"], (row["error"], row.get("ref64_err"))
-        assert row["family"] == "hf" and row["device"] == device
-        st = row["backend_stats"]
-        assert (st["static_regions"], st["dynamic_regions"]) == (1, 0), st
-        assert row["routing_flip_frac"] is not None
-        grouped = rows[("hf-qwen3-moe-128e", "infer", "hf-grouped-mm-reduce-overhead", tokens)]
-        if reason is not None:
-            assert grouped["skip_reason"] == reason
-        else:
-            assert grouped["error"] is None and grouped["accuracy_ok"], grouped["error"]
-            assert row["ratio_to_grouped"] == pytest.approx(row["median_ms"] / grouped["median_ms"])
+    row = rows[("hf-qwen3-moe-128e", "infer", "cgbackend", 32)]
+    assert row["error"] is None and row["accuracy_ok"], (row["error"], row.get("ref64_err"))
+    assert row["family"] == "hf" and row["device"] == device
+    st = row["backend_stats"]
+    assert (st["static_regions"], st["dynamic_regions"]) == (1, 0), st
+    assert row["routing_flip_frac"] is not None
+    grouped = rows[("hf-qwen3-moe-128e", "infer", "hf-grouped-mm-reduce-overhead", 32)]
+    if reason is not None:
+        assert grouped["skip_reason"] == reason
+    else:
+        assert grouped["error"] is None and grouped["accuracy_ok"], grouped["error"]
+        assert row["ratio_to_grouped"] == pytest.approx(row["median_ms"] / grouped["median_ms"])
     assert "hf-qwen3-moe-128e / infer / 32 tokens" in render_markdown(results)
 
 

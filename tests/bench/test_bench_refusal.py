@@ -51,8 +51,9 @@ def test_a_fresh_process_refuses_having_imported_torch_alone(command):
     assert proc.returncode == 2 and len(lines) == 1 and "no CUDA device" in lines[0], proc.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "torch" in imported and not {"torch._dynamo", "cgbackend.api", "cgbackend.bench"} & imported
-    torch_alone, _ = _wall(["-c", "import torch"], env)
-    assert wall < 5.0 or wall < torch_alone + 2.5, (wall, torch_alone)
+    if wall >= 5.0:  # torch's import alone is timed only when needed: a fresh interpreter costs 2 s of CPU
+        torch_alone, _ = _wall(["-c", "import torch"], env)
+        assert wall < torch_alone + 2.5, (wall, torch_alone)
 
 
 def test_a_long_run_says_which_case_of_how_many(tmp_path, capsys):

@@ -19,11 +19,11 @@ from cgbackend.moe import form_choice
 transformers = pytest.importorskip("transformers")
 
 
-def _phimoe(device: str = "cpu") -> torch.nn.Module:
+def _phimoe(device: str = "cpu", layers: int = 2) -> torch.nn.Module:
     """PhiMoE's structure at a small size: head width 64 (a rotary table of 32), 16 experts top-2,
     eager experts, bfloat16."""
     torch.manual_seed(0)
-    cfg = transformers.PhimoeConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+    cfg = transformers.PhimoeConfig(vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                     num_local_experts=16, num_experts_per_tok=2)
     cfg._attn_implementation = "sdpa"
@@ -44,7 +44,9 @@ def test_off_cuda_the_layer_form_says_what_cuda_would_choose():
 
 
 def test_a_cpu_report_names_the_forms_a_gpu_run_would_take():
-    model = _phimoe()
+    # One layer: the form is chosen per rewritten unit, from its own sizes, and Dynamo traces each
+    # layer of this model again (about 3 s a layer on a CPU).
+    model = _phimoe(layers=1)
     x = torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         report = cgbackend.explain(model, (x,), count_launches=False, compare=False)
