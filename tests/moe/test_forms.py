@@ -262,9 +262,9 @@ def _hf(kind: str, dtype=torch.float64, device="cpu", layers: int = 2):
     return model.to(device, dtype)
 
 
-def _hf_same(model, batches, tol=1e-9, **options) -> dict:
-    ref = copy.deepcopy(model)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, **options)
+def _hf_run(ref, model, compiled, batches, tol=1e-9) -> dict:
+    """Outputs and every gradient of ``compiled`` equal ``ref``'s on ``batches``; the stats and
+    report after them."""
     for ids in batches:
         out_r, out_c = ref(ids).logits, compiled(ids).logits
         torch.testing.assert_close(out_c, out_r, rtol=tol, atol=tol)
@@ -274,7 +274,13 @@ def _hf_same(model, batches, tol=1e-9, **options) -> dict:
         _grads_equal(ref, model, tol)
         ref.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-    return {"stats": cgbackend.stats(compiled), "report": cgbackend.report(compiled)}
+    return {"stats": dict(cgbackend.stats(compiled)), "report": cgbackend.report(compiled)}
+
+
+def _hf_same(model, batches, tol=1e-9, **options) -> dict:
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, **options)
+    return _hf_run(ref, model, compiled, batches, tol)
 
 
 def _hf_router(model, kind: str):
@@ -282,16 +288,58 @@ def _hf_router(model, kind: str):
         yield layer.mlp.gate
 
 
-@pytest.mark.parametrize("form", ["masked_dense", "grouped"])
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "olmoe"])
-def test_transformers_eager_experts_are_one_static_region(kind, form):
+def _hf_layers(kind: str) -> int:
     # Mixtral with two layers: the second layer's rewritten loop joins the same region. The other
     # families with one: each claim is about the layer's structure, and Dynamo traces each layer
     # again (about 3 s a layer on a CPU).
-    model = _hf(kind, layers=2 if kind == "mixtral" else 1)
+    return 2 if kind == "mixtral" else 1
+
+
+def _random_batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    batches = [torch.randint(0, 64, (2, 7), generator=g) for _ in range(4)]
-    result = _hf_same(model, batches, static_dispatch=form)
+    return [torch.randint(0, 64, (2, 7), generator=g) for _ in range(4)]
+
+
+def _grouped_then_every_token_on_one(kind: str) -> dict:
+    """transformers' ``kind`` compiled once with static_dispatch="grouped": run on random batches,
+    then, with the router weights of expert 2 made to dominate every token's logits (in the model
+    and its eager twin alike), on more batches. Outputs and every gradient equal eager's in both
+    runs; the stats and report after each."""
+    model = _hf(kind, layers=_hf_layers(kind))
+    ref = copy.deepcopy(model)
+    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped")
+    random = _hf_run(ref, model, compiled, _random_batches())
+    with torch.no_grad():  # the router weight of expert 2 dominates every token's logits
+        for m in (model, ref):
+            for gate in _hf_router(m, kind):
+                gate.weight.zero_()
+                gate.weight[2] = 1.0
+                gate.weight[1] = 0.5
+            m.model.embed_tokens.weight.abs_()
+    g = torch.Generator().manual_seed(8)
+    skewed = _hf_run(ref, model, compiled, [torch.randint(0, 64, (2, 7), generator=g) for _ in range(3)])
+    return {"random": random, "skewed": skewed}
+
+
+@pytest.fixture(scope="module")
+def grouped_runs():
+    """_grouped_then_every_token_on_one per family, run once for the tests that read it."""
+    runs: dict = {}
+
+    def run(kind: str) -> dict:
+        if kind not in runs:
+            runs[kind] = _grouped_then_every_token_on_one(kind)
+        return runs[kind]
+    return run
+
+
+@pytest.mark.parametrize("form", ["masked_dense", "grouped"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "olmoe"])
+def test_transformers_eager_experts_are_one_static_region(kind, form, grouped_runs):
+    if form == "grouped" and kind in ("mixtral", "olmoe"):
+        result = grouped_runs(kind)["random"]  # the same compile and batches, shared with the test below
+    else:
+        result = _hf_same(_hf(kind, layers=_hf_layers(kind)), _random_batches(), static_dispatch=form)
     _one_static_region(result, form)
     assert [r["form"] for r in result["report"].loop_rewrites] == ["hit_loop"]
 
@@ -308,17 +356,14 @@ def test_transformers_olmoe_in_the_small_batch_form():
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "olmoe"])
-def test_transformers_every_token_on_one_expert(kind):
-    model = _hf(kind, layers=1)
-    with torch.no_grad():  # the router weight of expert 2 dominates every token's logits
-        for gate in _hf_router(model, kind):
-            gate.weight.zero_()
-            gate.weight[2] = 1.0
-            gate.weight[1] = 0.5
-        model.model.embed_tokens.weight.abs_()
-    g = torch.Generator().manual_seed(8)
-    batches = [torch.randint(0, 64, (2, 7), generator=g) for _ in range(3)]
-    _one_static_region(_hf_same(model, batches, static_dispatch="grouped"), "grouped")
+def test_transformers_every_token_on_one_expert(kind, grouped_runs):
+    """The grouped form of the test above, its router then sending every token to expert 2 (every
+    token of the first layer: its input is the normalized, positive embeddings): the same graph
+    replays (no new trace), outputs and gradients equal eager's."""
+    run = grouped_runs(kind)
+    skewed, before = run["skewed"], run["random"]["stats"]
+    _one_static_region(skewed, "grouped")
+    assert skewed["stats"]["replays"] > before["replays"]  # the calls with that routing replayed
 
 
 def test_transformers_hit_loop_in_the_masked_dense_form_is_bucketed():
