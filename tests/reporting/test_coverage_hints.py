@@ -92,15 +92,24 @@ def _kinds(report) -> list[str]:
 
 # ----------------------------------------------------------------------------- launch coverage
 
-@needs_counting
-@pytest.mark.parametrize("trace_dynamic_ops", [True, False], ids=["cgbackend_explain", "plain_torch_compile"])
-def test_hit_experts_loop_coverage_below_static_fraction(trace_dynamic_ops):
-    """static_dispatch off (plain torch.compile's view too): the expert loop runs uncompiled, so the
-    launch coverage is below the traced-op fraction and the uncompiled launches name their lines."""
+def _explain_hit_model(trace_dynamic_ops: bool = True):
     model, x = _hit_model()
     with torch.no_grad():
-        report = cgbackend.explain(model, x, options={"static_dispatch": "off"},
-                                   trace_dynamic_ops=trace_dynamic_ops)
+        return cgbackend.explain(model, x, options={"static_dispatch": "off"}, trace_dynamic_ops=trace_dynamic_ops)
+
+
+@pytest.fixture(scope="module")
+def hit_model_off():
+    """explain of the hit-experts model, static_dispatch off: read by the coverage and HTML tests."""
+    return _explain_hit_model()
+
+
+@needs_counting
+@pytest.mark.parametrize("trace_dynamic_ops", [True, False], ids=["cgbackend_explain", "plain_torch_compile"])
+def test_hit_experts_loop_coverage_below_static_fraction(trace_dynamic_ops, request):
+    """static_dispatch off (plain torch.compile's view too): the expert loop runs uncompiled, so the
+    launch coverage is below the traced-op fraction and the uncompiled launches name their lines."""
+    report = request.getfixturevalue("hit_model_off") if trace_dynamic_ops else _explain_hit_model(False)
     s = report.summary
     launches = s["launches"]
     assert s["graph_breaks"] >= 1
@@ -144,11 +153,19 @@ def test_dense_demo_is_fully_covered():
     assert "data_dependent_loop" not in _kinds(report)
 
 
-@needs_counting
-def test_moe_demo_coverage_and_static_dispatch_hint():
+@pytest.fixture(scope="module")
+def moe_demo_off():
+    """explain of the demo MoE (the model and batch of ``explain --demo moe``) with its dispatch as
+    written (static_dispatch off), launches counted: read by the coverage and the HTML tests."""
     model, x = demo_model("moe")
     with torch.no_grad():
-        report = cgbackend.explain(model, x, options={"static_dispatch": "off"})
+        return cgbackend.explain(model, x, options={"static_dispatch": "off"})
+
+
+@needs_counting
+def test_moe_demo_coverage_and_static_dispatch_hint(moe_demo_off):
+    model, x = demo_model("moe")
+    report = moe_demo_off
     s = report.summary
     launches = s["launches"]
     # Everything Dynamo traced: no uncompiled launches; the dispatch regions hold the rest.
@@ -384,16 +401,14 @@ def _self_contained(parser: _Page, page: str) -> None:
 
 
 @needs_counting
-def test_html_report_structure(tmp_path):
-    model, x = demo_model("moe")
+def test_html_report_structure(tmp_path, moe_demo_off):
     from cgbackend.cli import main
     out = tmp_path / "report.html"
     assert main(["explain", "--demo", "moe", "--html", str(out), "--option", "static_dispatch=off"]) == 0
     page = out.read_text()
     parser = _parse(page)
     _self_contained(parser, page)
-    with torch.no_grad():
-        report = cgbackend.explain(model, x, options={"static_dispatch": "off"})
+    report = moe_demo_off  # the same model, batch and options, explained through the API
     assert parser.find("section", id="summary") and parser.find("section", id="hints")
     assert parser.find("section", id="timeline") and parser.find("table", id="regions")
     boxes = [a for a in parser.find("div", **{"class": "region"}) if "data-id" in a]
@@ -412,10 +427,8 @@ def test_html_report_structure(tmp_path):
 
 
 @needs_counting
-def test_html_shows_uncompiled_code():
-    model, x = _hit_model()
-    with torch.no_grad():
-        report = cgbackend.explain(model, x, options={"static_dispatch": "off"})
+def test_html_shows_uncompiled_code(hit_model_off):
+    report = hit_model_off
     page = report.to_html()
     parser = _parse(page)
     _self_contained(parser, page)
