@@ -264,9 +264,8 @@ def test_on_by_default_off_on_request_and_bad_mode_rejected(options, rewritten):
     assert (report.summary["dynamic_regions"] == 0) == rewritten
 
 
-def test_report_names_the_rewrite_with_source_line():
-    torch.manual_seed(0)
-    result = _check(MixtralStyleMoE(D, FF, E, 2), _inputs(1, seed=4))
+def test_report_names_the_rewrite_with_source_line(layer_runs):
+    result = layer_runs("mixtral")["random"]  # MixtralStyleMoE, masked dense
     text = result["report"].to_text()
     assert "static dispatch rewritten: where_loop -> masked_dense at gpt.py:" in text
     assert f"x{E}" in text
