@@ -3,6 +3,7 @@ cgbackend.compile(); on CPU both must give eager's results bit for bit and say w
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import os
 import shutil
@@ -168,27 +169,57 @@ def _compile(model, how: str):
     return cgbackend.compile(model)
 
 
+@pytest.fixture(scope="module")
+def moe_compiled_run() -> dict:
+    """One ``cgbackend.compile`` of the tiny MoE with default options, as plain data for the tests
+    that check it: ``explain`` of its first batch (before any call), three batches of the default
+    shape (outputs beside eager's, then the counters), then new input shapes (outputs beside eager's,
+    then the counters again)."""
+    torch._dynamo.reset()
+    cgbackend.reset()
+    model = build_model("moe", size="tiny").eval()
+    compiled = cgbackend.compile(model)
+    batches = make_inputs("moe", model, n=3)
+    run: dict = {"batches": batches}
+    with torch.no_grad():
+        run["explained"] = dict(cgbackend.explain(model, batches[0], options={}).summary)
+        run["pairs"] = [(compiled(x), model(x)) for x in batches]
+        run["stats"] = copy.deepcopy(cgbackend.stats(compiled))
+        run["shape_pairs"] = []
+        for batch, seq in ((2, 16), (3, 8), (1, 5)):
+            (x,) = make_inputs("moe", model, batch=batch, seq=seq, n=1)
+            run["shape_pairs"].append((compiled(x), model(x)))
+        run["shape_stats"] = copy.deepcopy(cgbackend.stats(compiled))
+    del compiled
+    torch._dynamo.reset()
+    cgbackend.reset()
+    return run
+
+
 @pytest.mark.parametrize("how", ["by_name", "cgbackend_compile"])
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_reference_models_equal_eager_on_cpu(name, how):
-    model = build_model(name, size="tiny").eval()
-    compiled = _compile(model, how)
-    batches = make_inputs(name, model, n=3)
-    assert not all(torch.equal(batches[0], b) for b in batches[1:])
+def test_reference_models_equal_eager_on_cpu(name, how, request):
     # cgbackend.compile rewrites the MoE dispatch into static code by default (masked dense on the
     # CPU): each expert multiplies every token's row, so the sums round as a larger product does,
     # within float32 rounding of the loop; everything else runs eager's own ops, bitwise.
     rewritten = how == "cgbackend_compile" and name in ("moe", "moe_sort")
-    with torch.no_grad():
-        for x in batches:
-            expected = model(x)
-            got = compiled(x)
-            assert got.shape == expected.shape and got.dtype == expected.dtype
-            if rewritten:
-                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-            else:
-                assert torch.equal(got, expected)
-    stats = cgbackend.stats(compiled)
+    if (name, how) == ("moe", "cgbackend_compile"):  # the run the MoE tests below check too
+        run = request.getfixturevalue("moe_compiled_run")
+        batches, pairs, stats = run["batches"], run["pairs"], run["stats"]
+    else:
+        model = build_model(name, size="tiny").eval()
+        compiled = _compile(model, how)
+        batches = make_inputs(name, model, n=3)
+        with torch.no_grad():
+            pairs = [(compiled(x), model(x)) for x in batches]
+        stats = cgbackend.stats(compiled)
+    assert not all(torch.equal(batches[0], b) for b in batches[1:])
+    for got, expected in pairs:
+        assert got.shape == expected.shape and got.dtype == expected.dtype
+        if rewritten:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, expected)
     assert stats["nothing_captured_reason"] == "no_cuda"
     assert stats["compiled_graphs"] >= 1
     assert stats["graphs_captured"] == 0 and stats["replays"] == 0
@@ -201,17 +232,21 @@ def test_reference_models_equal_eager_on_cpu(name, how):
 
 @pytest.mark.parametrize("options, regions", [({}, (1, 1, 0)), ({"static_dispatch": "off"}, (1, 3, 2))],
                          ids=["default", "dispatch_as_written"])
-def test_cgbackend_compile_splits_moe_like_explain(options, regions):
-    model = build_model("moe", size="tiny").eval()
-    compiled = cgbackend.compile(model, **options)
-    with torch.no_grad():
-        x = make_inputs("moe", model, n=1)[0]
-        report = cgbackend.explain(model, x, options=options)
-        for x in make_inputs("moe", model, n=3):
-            compiled(x)
-    stats = cgbackend.stats(compiled)
+def test_cgbackend_compile_splits_moe_like_explain(options, regions, request):
+    if not options:  # default options: the shared run
+        run = request.getfixturevalue("moe_compiled_run")
+        summary, stats = run["explained"], run["stats"]
+    else:
+        model = build_model("moe", size="tiny").eval()
+        compiled = cgbackend.compile(model, **options)
+        with torch.no_grad():
+            x = make_inputs("moe", model, n=1)[0]
+            summary = cgbackend.explain(model, x, options=options).summary
+            for x in make_inputs("moe", model, n=3):
+                compiled(x)
+        stats = cgbackend.stats(compiled)
     assert (stats["compiled_graphs"], stats["static_regions"], stats["dynamic_regions"]) == regions
-    assert (report.summary["static_regions"], report.summary["dynamic_regions"]) == regions[1:]
+    assert (summary["static_regions"], summary["dynamic_regions"]) == regions[1:]
     assert stats["eager_calls"] == {"no_cuda": 3 * regions[1]}
 
 
@@ -224,14 +259,14 @@ def test_cgbackend_compile_leaves_dynamo_settings_alone():
     assert torch._dynamo.config.capture_scalar_outputs is False
 
 
-def test_new_input_shapes_equal_eager():
-    model = build_model("moe", size="tiny").eval()
-    compiled = cgbackend.compile(model)
-    with torch.no_grad():
-        for batch, seq in ((2, 16), (3, 8), (1, 5)):
-            (x,) = make_inputs("moe", model, batch=batch, seq=seq, n=1)
-            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)  # masked dense rounding
-    assert set(cgbackend.stats(compiled)["eager_calls"]) == {"no_cuda"}
+def test_new_input_shapes_equal_eager(moe_compiled_run):
+    """The shared MoE compile called at (batch, seq) (2, 16), (3, 8), (1, 5) after its first batches."""
+    run = moe_compiled_run
+    assert [tuple(ref.shape[:2]) for _, ref in run["shape_pairs"]] == [(2, 16), (3, 8), (1, 5)]
+    for got, ref in run["shape_pairs"]:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)  # masked dense rounding
+    assert run["shape_stats"]["compiled_graphs"] > run["stats"]["compiled_graphs"]  # the new shapes traced again
+    assert set(run["shape_stats"]["eager_calls"]) == {"no_cuda"}
 
 
 @pytest.mark.parametrize("how", ["by_name", "cgbackend_compile"])
