@@ -27,22 +27,47 @@ def _loss(name, out, x):
     return out.float().pow(2).mean()
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
-def test_inference_counters_and_exact_results(name):
+def _inference_run(name: str, n: int = 6, snapshot_after: int = 0) -> tuple[list, list, dict, dict]:
+    """``name`` compiled with SIM and called on ``n`` batches: the inputs, (output, eager output,
+    whether they were equal when returned) per call, the counters after ``snapshot_after`` calls
+    and after all of them (plain data)."""
     model = build_model(name).eval()
-    inputs = make_inputs(name, model, n=6)
+    inputs = make_inputs(name, model, n=n)
     compiled = cgbackend.compile(model, **SIM)
-    kept = []
+    kept, early = [], {}
     with torch.no_grad():
-        for x in inputs:
+        for i, x in enumerate(inputs):
             torch.manual_seed(0)
             ref = model(x)
             torch.manual_seed(0)
             out = compiled(x)
-            assert torch.equal(out, ref)
-            kept.append((out, ref))
-    assert all(torch.equal(o, r) for o, r in kept), "a replay overwrote an output returned earlier"
-    st = cgbackend.stats(compiled)
+            kept.append((out, ref, torch.equal(out, ref)))
+            if i + 1 == snapshot_after:
+                early = copy.deepcopy(cgbackend.stats(compiled))
+    return inputs, kept, early, copy.deepcopy(cgbackend.stats(compiled))
+
+
+@pytest.fixture(scope="module")
+def moe_inference_run() -> tuple[list, list, dict, dict]:
+    """The MoE reference model's inference run, shared by the tests that check it: six batches, the
+    counters after the first four and after all six."""
+    torch._dynamo.reset()
+    cgbackend.reset()
+    try:
+        return _inference_run("moe", n=6, snapshot_after=4)
+    finally:
+        torch._dynamo.reset()
+        cgbackend.reset()
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_inference_counters_and_exact_results(name, request):
+    if name == "moe":
+        inputs, kept, _, st = request.getfixturevalue("moe_inference_run")
+    else:
+        inputs, kept, _, st = _inference_run(name)
+    assert all(equal for _, _, equal in kept)  # each output equal to eager's when it was returned
+    assert all(torch.equal(o, r) for o, r, _ in kept), "a replay overwrote an output returned earlier"
     regions = st["static_regions"]
     assert st["graphs_captured"] == regions >= 1
     assert st["replays"] == regions * (len(inputs) - 1)
@@ -54,13 +79,8 @@ def test_inference_counters_and_exact_results(name):
     assert st["output_clones"] == len(inputs) - 1 - 2
 
 
-def test_moe_static_outputs_handed_over_without_copies():
-    model = build_model("moe").eval()
-    compiled = cgbackend.compile(model, **SIM)
-    with torch.no_grad():
-        for x in make_inputs("moe", model, n=4):
-            compiled(x)
-    st = cgbackend.stats(compiled)
+def test_moe_static_outputs_handed_over_without_copies(moe_inference_run):
+    _, _, st, _ = moe_inference_run  # the counters after its first four calls
     # The token ids: once per replay after the capturing call (which fills the buffer itself).
     assert st["copied_by_kind"] == {"user_input": 2}
     assert st["copies_avoided"] > 0
