@@ -12,6 +12,7 @@ rewrite cannot prove stay as written, with the reason, and run as plain torch.co
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -184,13 +185,7 @@ def _random_then_two_of_four(name: str, form: str) -> dict:
 @pytest.fixture(scope="module")
 def user_loop_runs():
     """_random_then_two_of_four per loop and form, run once for the tests that read it."""
-    runs: dict = {}
-
-    def run(name: str, form: str) -> dict:
-        if (name, form) not in runs:
-            runs[name, form] = _random_then_two_of_four(name, form)
-        return runs[name, form]
-    return run
+    return functools.cache(_random_then_two_of_four)
 
 
 @pytest.mark.parametrize("form", ["masked_dense", "grouped"])
@@ -373,13 +368,7 @@ def _grouped_then_every_token_on_one(kind: str) -> dict:
 @pytest.fixture(scope="module")
 def grouped_runs():
     """_grouped_then_every_token_on_one per family, run once for the tests that read it."""
-    runs: dict = {}
-
-    def run(kind: str) -> dict:
-        if kind not in runs:
-            runs[kind] = _grouped_then_every_token_on_one(kind)
-        return runs[kind]
-    return run
+    return functools.cache(_grouped_then_every_token_on_one)
 
 
 @pytest.mark.parametrize("form", ["masked_dense", "grouped"])

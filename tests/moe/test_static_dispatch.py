@@ -6,6 +6,7 @@ Simulated graphs run the rewritten model through the capture/replay runtime."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -168,13 +169,7 @@ def _random_then_skewed(name: str) -> dict:
 @pytest.fixture(scope="module")
 def layer_runs():
     """_random_then_skewed per layer, run once for the tests that read it."""
-    runs: dict = {}
-
-    def run(name: str) -> dict:
-        if name not in runs:
-            runs[name] = _random_then_skewed(name)
-        return runs[name]
-    return run
+    return functools.cache(_random_then_skewed)
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
