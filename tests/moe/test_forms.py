@@ -127,9 +127,14 @@ def _grads_equal(ref: nn.Module, model: nn.Module, tol: float) -> None:
             torch.testing.assert_close(b.grad, a.grad, rtol=tol, atol=tol, msg=name)
 
 
+def _beside_eager(model: nn.Module, **options) -> tuple[nn.Module, object]:
+    """An eager twin of ``model`` (a deep copy) and ``model`` compiled with simulated graphs and
+    ``options``."""
+    return copy.deepcopy(model), cgbackend.compile(model, simulate_graphs=True, warmup=1, **options)
+
+
 def _assert_same(model: nn.Module, xs: list[torch.Tensor], tol: float = 1e-9, **options) -> dict:
-    ref = copy.deepcopy(model)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, **options)
+    ref, compiled = _beside_eager(model, **options)
     return _same_run(ref, model, compiled, xs, tol)
 
 
@@ -176,8 +181,7 @@ def _random_then_two_of_four(name: str, form: str) -> dict:
     then with every token routed to experts 3 and 0 (experts 1 and 2 get none)."""
     torch.manual_seed(0)
     model = USER_FORMS[name]().double()
-    ref = copy.deepcopy(model)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch=form)
+    ref, compiled = _beside_eager(model, static_dispatch=form)
     random = _same_run(ref, model, compiled, _batches(5, seed=1))
     return {"random": random, "two_of_four": _skewed_run(ref, model, compiled, [3, 0])}
 
@@ -211,8 +215,7 @@ def test_empty_experts_and_every_token_on_one(name, experts, form, user_loop_run
     else:
         torch.manual_seed(0)
         model = USER_FORMS[name](top_k=len(experts)).double()
-        ref = copy.deepcopy(model)
-        compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch=form)
+        ref, compiled = _beside_eager(model, static_dispatch=form)
         result = _skewed_run(ref, model, compiled, experts)
     assert set(result["top"].flatten().tolist()) == set(experts)  # the routing really is that skewed
     _one_static_region(result, form)
@@ -226,8 +229,7 @@ def test_small_batch_form_equals_the_loop():
     graph replays)."""
     torch.manual_seed(0)
     model = HitLoopMoE().double()
-    ref = copy.deepcopy(model)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="small_batch")
+    ref, compiled = _beside_eager(model, static_dispatch="small_batch")
     varied = _same_run(ref, model, compiled, _batches(4, seed=1))
     _one_static_region(varied, "small_batch")
     result = _skewed_run(ref, model, compiled, [3, 0])
@@ -322,8 +324,7 @@ def _hf_run(ref, model, compiled, batches, tol=1e-9) -> dict:
 
 
 def _hf_same(model, batches, tol=1e-9, **options) -> dict:
-    ref = copy.deepcopy(model)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, **options)
+    ref, compiled = _beside_eager(model, **options)
     return _hf_run(ref, model, compiled, batches, tol)
 
 
@@ -350,8 +351,7 @@ def _grouped_then_every_token_on_one(kind: str) -> dict:
     and its eager twin alike), on more batches. Outputs and every gradient equal eager's in both
     runs; the stats and report after each."""
     model = _hf(kind, layers=_hf_layers(kind))
-    ref = copy.deepcopy(model)
-    compiled = cgbackend.compile(model, simulate_graphs=True, warmup=1, static_dispatch="grouped")
+    ref, compiled = _beside_eager(model, static_dispatch="grouped")
     random = _hf_run(ref, model, compiled, _random_batches())
     with torch.no_grad():  # the router weight of expert 2 dominates every token's logits
         for m in (model, ref):
